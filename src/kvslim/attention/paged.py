@@ -1,0 +1,77 @@
+"""Attention over the paged KV cache, for one engine step.
+
+Tokens of the step are flat: first the decodes (one token each), then the prefill chunks. Every
+new token's K/V is written into the cache through `slot_mapping`; decodes then read their whole
+context through the block tables in one batched call, and each prefill chunk attends to its
+cached prefix plus itself (prefix caching and chunked prefill both rely on that)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvslim.attention.grouped import causal_mask, grouped_sdpa
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int          # offset of the chunk in the step's flat tokens
+    query_len: int            # tokens computed this step
+    context_len: int          # cached prefix + query_len
+    block_table: torch.Tensor  # [num_blocks] block ids covering the context
+
+
+@dataclass
+class PagedAttentionMetadata:
+    slot_mapping: torch.Tensor                 # [num_tokens] cache slot of each new token
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with 0
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class PagedAttention:
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 meta: PagedAttentionMetadata, sliding_window: int | None = None):
+        self.kv_caches = kv_caches
+        self.meta = meta
+        self.block_size = kv_caches[0][0].shape[1]
+        device = meta.slot_mapping.device
+        self.decode_allowed = None
+        if meta.num_decode_tokens:
+            max_len = meta.decode_block_tables.shape[1] * self.block_size
+            key_pos = torch.arange(max_len, device=device)[None, :]
+            lens = meta.decode_context_lens[:, None]
+            allowed = key_pos < lens
+            if sliding_window is not None:
+                allowed &= key_pos >= lens - sliding_window
+            self.decode_allowed = allowed[:, None, :]       # [B, Tq=1, Tk]
+        self.prefill_allowed = [
+            None if (p.query_len == p.context_len and sliding_window is None)
+            else causal_mask(p.query_len, p.context_len, device, sliding_window)[None]
+            for p in meta.prefills]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """q [N, H, D]; k, v [N, KVH, D] for the step's new tokens. Returns [N, H, D]."""
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
+        slots = self.meta.slot_mapping
+        k_cache.view(-1, kvh, d)[slots] = k
+        v_cache.view(-1, kvh, d)[slots] = v
+        out = torch.empty_like(q)
+        nd = self.meta.num_decode_tokens
+        if nd:
+            tables = self.meta.decode_block_tables
+            keys = k_cache[tables].view(nd, -1, kvh, d)
+            values = v_cache[tables].view(nd, -1, kvh, d)
+            out[:nd] = grouped_sdpa(q[:nd, None], keys, values, self.decode_allowed, scale)[:, 0]
+        for chunk, allowed in zip(self.meta.prefills, self.prefill_allowed):
+            s, t = chunk.query_start, chunk.query_len
+            if chunk.context_len == t:          # nothing cached before: use the fresh K/V
+                keys, values = k[s:s + t], v[s:s + t]
+            else:
+                keys = k_cache[chunk.block_table].view(-1, kvh, d)[:chunk.context_len]
+                values = v_cache[chunk.block_table].view(-1, kvh, d)[:chunk.context_len]
+            out[s:s + t] = grouped_sdpa(q[None, s:s + t], keys[None], values[None], allowed, scale)[0]
+        return out

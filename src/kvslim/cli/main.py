@@ -1,0 +1,36 @@
+"""`kvslim` command line: one sub-command per job. Each command module exposes `register(sub)`,
+which adds its parsers and sets `func`. User errors print one line and exit 2, no traceback."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvslim.errors import KvslimError
+
+COMMAND_MODULES = ["train_cmds"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvslim", description="LLM inference toolkit for when the KV cache is the wall.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"kvslim.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except KvslimError as e:
+        print(f"kvslim {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""Device selection shared by every entry point."""
+from __future__ import annotations
+
+import torch
+
+from kvslim.errors import KvslimError
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """'auto' picks CUDA when present, else the CPU; an explicit CUDA request without CUDA fails."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise KvslimError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise KvslimError(f"device {device!r} requested but CUDA is not available")
+    return dev

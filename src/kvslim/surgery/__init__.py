@@ -1,0 +1,1 @@
+"""Model surgery: training, MHA -> GQA/MQA conversion, uptraining, evaluation."""
