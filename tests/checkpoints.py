@@ -1,0 +1,61 @@
+"""Tiny random HF checkpoints written by transformers' own `save_pretrained`, one per variant the
+model must match (MHA, GQA, MQA, Qwen2 biases, tied embeddings, llama3 RoPE, odd head_dim, sharded).
+Weights use a larger init than HF's default so that greedy argmax margins are far above float
+rounding, which makes token-for-token comparisons meaningful rather than flaky."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 256
+
+VARIANTS: dict[str, dict] = {
+    "mha": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4),
+    "gqa": dict(arch="llama", num_attention_heads=8, num_key_value_heads=2),
+    "mqa": dict(arch="llama", num_attention_heads=8, num_key_value_heads=1),
+    "qwen2_bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2),
+    "tied": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2,
+                 tie_word_embeddings=True),
+    "llama3_rope": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2,
+                        rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 16}),
+    "head_dim": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=2, head_dim=24),
+    "sharded": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, shard="60KB"),
+}
+
+
+def hf_config(variant: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    spec = dict(VARIANTS[variant])
+    arch = spec.pop("arch")
+    spec.pop("shard", None)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                max_position_embeddings=512, initializer_range=0.15, bos_token_id=None,
+                eos_token_id=None, pad_token_id=None, rms_norm_eps=1e-5)
+    if arch == "mistral":
+        base["sliding_window"] = None
+    base.update(spec)
+    return cls(**base)
+
+
+def make_hf_model(variant: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(variant), dtype=torch.float32).eval()
+    with torch.no_grad():                   # HF zero-initialises biases and ones norms: randomise
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def write_checkpoint(variant: str, path: Path, seed: int = 0) -> Path:
+    model = make_hf_model(variant, seed)
+    shard = VARIANTS[variant].get("shard")
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(path, **kwargs)
+    return path
