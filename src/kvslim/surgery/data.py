@@ -11,13 +11,13 @@ import torch
 from tqdm import tqdm
 
 from kvslim.errors import KvslimError
+from kvslim.paths import kvslim_home
 
 LINES_PER_CHUNK = 2000
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("KVSLIM_HOME", Path.home() / ".cache" / "kvslim"))
-    return root / "tokens"
+    return kvslim_home() / "tokens"
 
 
 def tokenize_file(path: str | Path, tokenizer, show_progress: bool = True) -> np.ndarray:
