@@ -1,0 +1,66 @@
+"""`kvslim import-gguf` and `kvslim info`."""
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("import-gguf", help="convert a llama GGUF file to an HF model directory")
+    p.add_argument("gguf", metavar="FILE", help="GGUF file (llama architecture)")
+    p.add_argument("out", metavar="OUT_DIR", help="output model directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_import_gguf)
+
+    p = sub.add_parser("info", help="shape, attention layout and KV-cache cost of a model")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                   help="model directory, .gguf file or 'default' (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", help="KV-cache dtype for the bytes per token "
+                                   "(default: the dtype the weights are stored in)")
+    p.add_argument("--json", action="store_true", help="print as JSON")
+    p.set_defaults(func=run_info)
+
+
+def run_import_gguf(args) -> int:
+    from kvslim.model.gguf_import import import_gguf
+    from kvslim.model.info import model_info
+    out = import_gguf(args.gguf, args.out, show_progress=not args.quiet)
+    info = model_info(out)
+    print(f"wrote {out} ({info.architecture}, {info.num_parameters:,} parameters, float32)")
+    return 0
+
+
+def run_info(args) -> int:
+    from kvslim.model.info import model_info
+    from kvslim.model.registry import resolve_model
+    info = model_info(resolve_model(args.model), args.dtype)
+    if args.json:
+        print(json.dumps(info.to_dict(), indent=2))
+    else:
+        print(format_info(info))
+    return 0
+
+
+def format_info(info) -> str:
+    rope = f"theta {info.rope_theta:g}"
+    if info.rope_scaling:
+        rope += f", scaling {json.dumps(info.rope_scaling)}"
+    rows = [
+        ("model", info.model_dir),
+        ("architecture", f"{info.architecture} ({info.model_type})"),
+        ("parameters", f"{info.num_parameters / 1e6:.1f}M ({info.num_parameters:,}), "
+                       f"stored as {info.weights_dtype}"),
+        ("layers", str(info.num_hidden_layers)),
+        ("hidden / FFN", f"{info.hidden_size} / {info.intermediate_size}"),
+        ("attention", f"{info.attention_kind}: {info.num_attention_heads} query heads, "
+                      f"{info.num_key_value_heads} KV heads, group size {info.group_size}"),
+        ("head_dim", str(info.head_dim)),
+        ("vocab", f"{info.vocab_size:,}"),
+        ("max positions", f"{info.max_position_embeddings:,}"),
+        ("rope", rope),
+        ("tied embeddings", "yes" if info.tie_word_embeddings else "no"),
+        ("KV cache / token", f"{info.kv_bytes_per_token:,} bytes "
+                             f"({info.kv_bytes_per_token / 1024:.1f} KiB) in {info.kv_cache_dtype}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
