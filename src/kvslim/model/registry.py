@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -93,6 +94,8 @@ def import_once(gguf_path: Path, target: Path, show_progress: bool = True) -> Pa
     """Import into a temporary directory beside `target`, then rename it into place: an
     interrupted import never leaves a half-written directory that a later call would trust."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    if show_progress:
+        print(f"importing {gguf_path.name} into {target} (first use only)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
         import_gguf(gguf_path, tmp, show_progress)
