@@ -8,7 +8,12 @@ from pathlib import Path
 
 import torch
 
-VOCAB = 256
+VOCAB = 320
+TOKENIZER_VOCAB = 300
+TOKENIZER_TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife. In the beginning God created the heaven and the earth. "
+    "The kernel schedules tasks; memory is managed in pages of 4096 bytes. ") * 40 + "é ü 日本 ✓\n"
 
 VARIANTS: dict[str, dict] = {
     "mha": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4),
@@ -53,9 +58,20 @@ def make_hf_model(variant: str, seed: int = 0):
     return model
 
 
+def write_tokenizer(path: Path) -> None:
+    """A small byte-level BPE trained by the project's own trainer (ids < VOCAB)."""
+    from kvslim.surgery.tokenizer_train import train_tokenizer
+    text = path / "tokenizer_text.txt"
+    path.mkdir(parents=True, exist_ok=True)
+    text.write_text(TOKENIZER_TEXT)
+    train_tokenizer([text], TOKENIZER_VOCAB, path, show_progress=False)
+    text.unlink()
+
+
 def write_checkpoint(variant: str, path: Path, seed: int = 0) -> Path:
     model = make_hf_model(variant, seed)
     shard = VARIANTS[variant].get("shard")
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(path, **kwargs)
+    write_tokenizer(path)
     return path

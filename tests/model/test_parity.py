@@ -62,7 +62,8 @@ def test_greedy_32_tokens_match_generate(hf_checkpoints, variant):
     ref_model, ours = hf_model(path), load_model(path, dtype=torch.float32)
     for n in (5, 12):
         prompt = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(n))
-        ref = ref_model.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=0)
+        ref = ref_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32,
+                                 do_sample=False, pad_token_id=0)
         assert greedy(ours, prompt[0].tolist(), 32) == ref[0, n:].tolist()
 
 

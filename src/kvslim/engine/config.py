@@ -1,0 +1,43 @@
+"""`EngineConfig`: everything that shapes the engine, validated once."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvslim.errors import KvslimError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12,
+          "tb": 10**12}
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """'2GiB', '512MiB', '1.5GB', 1048576 -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise KvslimError(f"cannot parse memory size {value!r}; use e.g. 512MiB, 2GiB or 1.5GB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    kv_cache_memory: int = 1 << 30       # bytes for K and V of all layers
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024   # tokens computed per step, prefill chunks included
+    max_model_len: int | None = None     # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0                        # for requests that sample without their own seed
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise KvslimError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise KvslimError(f"max_model_len must be positive, got {self.max_model_len}")

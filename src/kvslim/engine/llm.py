@@ -1,0 +1,104 @@
+"""`LLM`: the offline API. `generate` runs a list of prompts as one continuous batch; `chat`
+applies the model's chat template; `stream` yields one request's text as it is generated."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence as Seq
+
+from tqdm import tqdm
+
+from kvslim.engine.config import EngineConfig
+from kvslim.engine.llm_engine import LLMEngine
+from kvslim.engine.outputs import KVCacheStats, RequestOutput
+from kvslim.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
+                 kv_cache_memory: str | int = "1GiB", block_size: int = 16,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, seed: int = 0):
+        from kvslim.model.registry import resolve_model
+        self.model_dir = resolve_model(model)
+        config = EngineConfig(
+            kv_cache_memory=kv_cache_memory, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, dtype=dtype, device=device, seed=seed)
+        self.engine = LLMEngine(self.model_dir, config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. A prompt is text or a list of token ids; `params`
+        is one SamplingParams for all or one per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = _per_prompt(params, len(prompts))
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                ids.append(self.engine.add_request(prompt, p))
+        except Exception:
+            for request_id in ids:                       # leave nothing half-added behind
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.encode_chat(c) for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Text deltas of one request as they are produced (other requests may run alongside)."""
+        request_id = self.engine.add_request(prompt, params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        if out.outputs[0].delta_text:
+                            yield out.outputs[0].delta_text
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request(request_id)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out
+                        bar.update(1)
+                bar.set_postfix(running=self.engine.num_running, waiting=self.engine.num_waiting)
+        finally:
+            bar.close()
+            for request_id in pending:                   # interrupted: free their blocks
+                self.engine.abort_request(request_id)
+        return [results[r] for r in request_ids]
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        return self.engine.kv_cache_stats()
+
+
+def _per_prompt(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

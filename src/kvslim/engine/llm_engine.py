@@ -1,0 +1,224 @@
+"""`LLMEngine`: requests in, incremental outputs out. `add_request` / `step` / `abort_request`
+are all the server needs; `LLM` (offline API) drives the same loop."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from kvslim.engine.block_manager import BlockManager
+from kvslim.engine.config import EngineConfig
+from kvslim.engine.detokenizer import IncrementalDetokenizer
+from kvslim.engine.model_runner import ModelRunner
+from kvslim.engine.outputs import CompletionOutput, KVCacheStats, RequestMetrics, RequestOutput
+from kvslim.engine.sampling_params import SamplingParams
+from kvslim.engine.scheduler import Scheduler
+from kvslim.engine.sequence import Sequence
+from kvslim.errors import InvalidRequestError, KvslimError
+from kvslim.model.device import resolve_device
+from kvslim.model.loader import load_model
+from kvslim.model.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    sent_tokens: dict[int, int] = field(default_factory=dict)      # seq index -> tokens emitted
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, model_dir, config: EngineConfig | None = None, tokenizer: Tokenizer | None = None):
+        self.config = config or EngineConfig()
+        device = resolve_device(self.config.device)
+        self.model = load_model(model_dir, dtype=self.config.dtype, device=device)
+        self.model_config = self.model.config
+        self.tokenizer = tokenizer or Tokenizer.from_dir(model_dir)
+        self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        eos = list(dict.fromkeys(self.tokenizer.eos_token_ids + self.model_config.eos_token_ids))
+        self.eos_token_ids = eos
+        self.runner = ModelRunner(self.model, self.config, eos, self.max_model_len)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching,
+            watermark_blocks=max(1, self.runner.num_blocks // 100) if self.runner.num_blocks > 8 else 0)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens, eos,
+                                   self.config.enable_chunked_prefill)
+        self.requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        text, ids = self._tokenize(prompt)
+        params = self._check_lengths(ids, params)
+        state = RequestState(request_id, text, ids, params)
+        seq = Sequence(request_id=request_id, token_ids=list(ids), params=params,
+                       block_size=self.config.block_size, fork_pending=params.n > 1)
+        state.seqs.append(seq)
+        state.detokenizers[0] = self._detokenizer(ids, params)
+        self.requests[request_id] = state
+        self.scheduler.add(seq)
+        self.num_prompt_tokens += len(ids)
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            ids, text = list(prompt), None
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
+                                      f"(0..{self.model_config.vocab_size - 1})", "prompt")
+        return text, ids
+
+    def _check_lengths(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        n_prompt = len(ids)
+        if n_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n_prompt} tokens, but max_model_len is {self.max_model_len}",
+                "prompt")
+        if params.max_tokens is None:
+            params = _replace(params, max_tokens=self.max_model_len - n_prompt)
+        total = n_prompt + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.max_model_len})", "max_tokens")
+        capacity = self.runner.num_blocks * self.config.block_size
+        if total > capacity:
+            raise InvalidRequestError(
+                f"request needs {total} tokens of KV cache, but the whole cache holds {capacity} "
+                f"(kv_cache_memory={self.config.kv_cache_memory} bytes); raise kv_cache_memory "
+                f"or lower max_tokens", "max_tokens")
+        return params
+
+    def _detokenizer(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
+                                      params.include_stop_str_in_output)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks are freed now. False if unknown."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        for seq in state.seqs:
+            self.scheduler.finish(seq, "abort")
+            self.runner.sampler.release(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return the requests that made progress."""
+        out = self.scheduler.schedule()
+        self.runner.release(out.released_seq_ids)
+        if out.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise KvslimError("scheduler cannot admit the next request (KV cache too small)")
+            return []
+        sampled = self.runner.execute(out)
+        updated = self.scheduler.postprocess(out, sampled)
+        self.num_generated_tokens += len(updated)
+        touched: dict[str, RequestState] = {}
+        for seq in updated:
+            state = self.requests.get(seq.request_id)
+            if state is None:
+                continue
+            if seq not in state.seqs:                       # a new sibling of an n > 1 request
+                state.seqs.append(seq)
+                state.detokenizers[seq.index] = self._detokenizer(state.prompt_token_ids,
+                                                                  state.params)
+            self._detokenize(state, seq)
+            touched[state.request_id] = state
+        return [self._output(state) for state in touched.values()]
+
+    def _detokenize(self, state: RequestState, seq: Sequence) -> None:
+        detok = state.detokenizers[seq.index]
+        if detok.stopped_by is None:
+            detok.add_tokens([seq.last_token], seq.num_output_tokens >= seq.params.min_tokens)
+            if detok.stopped_by is not None:
+                seq.stop_reason = detok.stopped_by
+                self.scheduler.finish(seq, "stop")
+        if seq.is_finished:
+            self.runner.sampler.release(seq)
+
+    def _output(self, state: RequestState) -> RequestOutput:
+        completions = []
+        for seq in sorted(state.seqs, key=lambda s: s.index):
+            detok = state.detokenizers[seq.index]
+            sent = state.sent_tokens.get(seq.index, 0)
+            state.sent_tokens[seq.index] = seq.num_output_tokens
+            completions.append(CompletionOutput(
+                index=seq.index, text=detok.text, token_ids=seq.output_token_ids,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob,
+                delta_text=detok.take_delta(seq.is_finished),
+                delta_token_ids=seq.output_token_ids[sent:]))
+        finished = state.finished
+        if finished:
+            del self.requests[state.request_id]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                             finished, self._metrics(state))
+
+    @staticmethod
+    def _metrics(state: RequestState) -> RequestMetrics:
+        first = state.seqs[0]
+        ends = [s.finished_time for s in state.seqs if s.finished_time is not None]
+        return RequestMetrics(
+            arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            finished_time=max(ends) if state.finished and ends else None,
+            num_prompt_tokens=len(state.prompt_token_ids),
+            num_output_tokens=sum(s.num_output_tokens for s in state.seqs),
+            num_cached_tokens=first.num_cached_tokens,
+            num_preemptions=sum(s.num_preemptions for s in state.seqs))
+
+    # ---- introspection -------------------------------------------------------------------
+    def kv_cache_stats(self) -> KVCacheStats:
+        bm, r = self.block_manager, self.runner
+        return KVCacheStats(
+            num_blocks=bm.num_blocks, block_size=bm.block_size,
+            num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
+            num_cached_free_blocks=bm.num_cached_free_blocks,
+            bytes_per_token=r.bytes_per_block // bm.block_size, bytes_per_block=r.bytes_per_block,
+            total_bytes=r.bytes_per_block * bm.num_blocks, max_tokens=bm.num_blocks * bm.block_size,
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    from dataclasses import replace
+    return replace(params, **changes)

@@ -1,0 +1,103 @@
+"""`ModelRunner`: all tensor work of a step. Owns the KV cache (allocated once from the byte
+budget), turns the scheduler's decision into flat inputs + attention metadata, runs the model and
+samples."""
+from __future__ import annotations
+
+import torch
+
+from kvslim.attention import PagedAttention, PagedAttentionMetadata
+from kvslim.attention.paged import PrefillChunk
+from kvslim.engine.block_table import BlockTables
+from kvslim.engine.config import EngineConfig
+from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
+from kvslim.engine.scheduler import SchedulerOutput
+from kvslim.errors import KvslimError
+from kvslim.model.llama import LlamaForCausalLM
+
+
+def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one block of every layer."""
+    return block_size * model_config.kv_bytes_per_token(dtype)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, eos_token_ids,
+                 max_model_len: int):
+        self.model = model
+        self.config = config
+        mc = model.config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = config.block_size
+        self.bytes_per_block = kv_block_bytes(mc, self.block_size, self.dtype)
+        self.num_blocks = config.kv_cache_memory // self.bytes_per_block
+        if self.num_blocks < 1:
+            raise KvslimError(
+                f"kv_cache_memory={config.kv_cache_memory} bytes is too small for one block of "
+                f"{self.block_size} tokens ({self.bytes_per_block} bytes for this model)")
+        # One allocation for the whole cache: [layers, K/V, blocks, block_size, kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            mc.num_hidden_layers, 2, self.num_blocks, self.block_size, mc.num_key_value_heads,
+            mc.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.block_tables = BlockTables(config.max_num_seqs, max_blocks_per_seq, self.device)
+        self.sampler = Sampler(mc.vocab_size, self.device, eos_token_ids, config.seed)
+
+    def release(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.block_tables.release(seq_id)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[int, list[SampleResult]]:
+        if out.block_copies:
+            src, dst = zip(*out.block_copies)
+            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
+        input_ids, positions, meta, sample_rows, requests = self._prepare(out)
+        attn = PagedAttention(self.kv_caches, meta, self.model.config.sliding_window)
+        hidden = self.model(input_ids, positions, attn=attn)
+        if not requests:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])
+        results = self.sampler(logits, requests)
+        return {r.seq.seq_id: res for r, res in zip(requests, results)}
+
+    def _prepare(self, out: SchedulerOutput):
+        bs, dev = self.block_size, self.device
+        tokens: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        requests: list[SampleRequest] = []
+        meta = PagedAttentionMetadata(slot_mapping=torch.empty(0))
+        if out.decodes:
+            seqs = [e.seq for e in out.decodes]
+            rows = self.block_tables.rows_for(seqs)
+            pos = torch.tensor([s.num_computed_tokens for s in seqs], device=dev)
+            tokens += [s.token_ids[s.num_computed_tokens] for s in seqs]
+            positions.append(pos)
+            slots.append(self.block_tables.slots(rows, pos, bs))
+            max_blocks = int(pos.max()) // bs + 1
+            meta.num_decode_tokens = len(seqs)
+            meta.decode_block_tables = self.block_tables.table[rows, :max_blocks]
+            meta.decode_context_lens = pos + 1
+        for entry in out.prefills:
+            seq, n = entry.seq, entry.num_tokens
+            start = seq.num_computed_tokens
+            row = self.block_tables.rows_for([seq])
+            pos = torch.arange(start, start + n, device=dev)
+            meta.prefills.append(PrefillChunk(
+                query_start=len(tokens), query_len=n, context_len=start + n,
+                block_table=self.block_tables.table[row[0], :-(-(start + n) // bs)]))
+            tokens += seq.token_ids[start:start + n]
+            positions.append(pos)
+            slots.append(self.block_tables.slots(row.expand(n), pos, bs))
+        offset = 0
+        for entry in out.decodes + out.prefills:
+            offset += entry.num_tokens
+            if entry.sample:
+                sample_rows.append(offset - 1)
+                requests.append(SampleRequest(entry.seq, entry.num_samples))
+        meta.slot_mapping = torch.cat(slots)
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        return input_ids, torch.cat(positions), meta, sample_rows, requests

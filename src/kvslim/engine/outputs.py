@@ -1,0 +1,79 @@
+"""Plain result objects returned by the engine and the offline API."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvslim.engine.sequence import TokenLogprob
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None          # "stop", "length", "abort" or None (running)
+    stop_reason: str | int | None = None      # the stop string or stop token that ended it
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float = 0.0
+    delta_text: str = ""                      # new text since the previous output (streaming)
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0                # prompt tokens served by the prefix cache
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean time between output tokens after the first."""
+        if self.finished_time is None or self.first_token_time is None \
+                or self.num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass
+class KVCacheStats:
+    num_blocks: int
+    block_size: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_cached_free_blocks: int
+    bytes_per_token: int
+    bytes_per_block: int
+    total_bytes: int
+    max_tokens: int                           # tokens the whole cache holds
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

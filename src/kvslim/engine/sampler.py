@@ -1,0 +1,176 @@
+"""`Sampler`: the next token of every sequence in a batch, each with its own parameters.
+
+Order, per row: penalties (repetition, presence, frequency) -> EOS/stop-token ban while
+min_tokens is not reached -> greedy argmax, or temperature -> top_k -> top_p -> min_p ->
+a draw. A request with a `seed` draws from its own generator, so its output does not depend on
+what else is in the batch. Logprobs are those of the model's raw distribution."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvslim.engine.sequence import Sequence, TokenLogprob
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+@dataclass
+class SampleRequest:
+    """One row of logits and the sequence it belongs to; n > 1 parents draw several samples."""
+    seq: Sequence
+    num_samples: int = 1
+
+
+class PenaltyState:
+    """Per-sequence token statistics, built once and then updated one token at a time."""
+
+    def __init__(self, seq: Sequence, vocab_size: int, device: torch.device):
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.seen[torch.tensor(seq.prompt_token_ids, device=device, dtype=torch.long)] = True
+        self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if seq.output_token_ids:
+            out = torch.tensor(seq.output_token_ids, device=device, dtype=torch.long)
+            self.output_counts.index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+            self.seen[out] = True
+
+    def add(self, token_id: int) -> None:
+        self.seen[token_id] = True
+        self.output_counts[token_id] += 1
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.eos_token_ids = list(eos_token_ids)
+        self.default_generator = torch.Generator(device=device).manual_seed(seed)
+        self.generators: dict[tuple[str, int], torch.Generator] = {}
+        self.penalties: dict[int, PenaltyState] = {}
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished sequence's state."""
+        self.penalties.pop(seq.seq_id, None)
+        self.generators.pop((seq.request_id, seq.index), None)
+
+    def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]
+                 ) -> list[list[SampleResult]]:
+        """logits [len(requests), vocab] -> per request, its num_samples results."""
+        logits = logits.to(torch.float32, copy=True)        # processed in place below
+        raw_logprobs = (torch.log_softmax(logits, dim=-1)
+                        if any(r.seq.params.logprobs is not None for r in requests) else None)
+        logits = self._apply_penalties(logits, requests)
+        self._ban_until_min_tokens(logits, requests)
+        rows = [i for i, r in enumerate(requests) for _ in range(r.num_samples)]
+        samples = [(r.seq, k) for r in requests for k in range(r.num_samples)]
+        tokens = self._draw(logits[rows], samples).tolist()
+        results: list[list[SampleResult]] = [[] for _ in requests]
+        for token, row, (seq, k) in zip(tokens, rows, samples):
+            logprob = self._logprob(raw_logprobs, row, token, seq) if raw_logprobs is not None \
+                else None
+            results[row].append(SampleResult(token, logprob))
+            if k == 0 and seq.seq_id in self.penalties:
+                self.penalties[seq.seq_id].add(token)
+        return results
+
+    # ---- logits processing ---------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(requests) if r.seq.params.uses_penalties]
+        if not rows:
+            return logits
+        states = []
+        for i in rows:
+            seq = requests[i].seq
+            if seq.seq_id not in self.penalties:
+                self.penalties[seq.seq_id] = PenaltyState(seq, self.vocab_size, self.device)
+            states.append(self.penalties[seq.seq_id])
+        params = [requests[i].seq.params for i in rows]
+        seen = torch.stack([s.seen for s in states])
+        counts = torch.stack([s.output_counts for s in states])
+        rep = torch.tensor([p.repetition_penalty for p in params], device=self.device)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=self.device)[:, None]
+        freq = torch.tensor([p.frequency_penalty for p in params], device=self.device)[:, None]
+        sub = logits[rows]
+        penalised = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalised, sub)
+        sub = sub - pres * (counts > 0) - freq * counts
+        logits[rows] = sub
+        return logits
+
+    def _ban_until_min_tokens(self, logits: torch.Tensor, requests: list[SampleRequest]) -> None:
+        for i, r in enumerate(requests):
+            p = r.seq.params
+            if r.seq.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+    # ---- drawing -------------------------------------------------------------------------
+    def _draw(self, logits: torch.Tensor, samples: list[tuple[Sequence, int]]) -> torch.Tensor:
+        greedy = torch.tensor([s.params.greedy for s, _ in samples], device=self.device)
+        tokens = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return tokens
+        params = [s.params for s, _ in samples]
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                             device=self.device)[:, None]
+        probs = filter_probs(logits / temps,
+                             top_k=[p.top_k for p in params], top_p=[p.top_p for p in params],
+                             min_p=[p.min_p for p in params])
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, (s, _) in enumerate(samples) if s.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=self.device
+                                          ).exponential_(generator=self.default_generator)
+        for i, (seq, k) in enumerate(samples):
+            if seq.params.seed is not None:
+                noise[i].exponential_(generator=self._generator(seq, k))
+        # argmax(p / E) with E ~ Exp(1) is an exact draw from p (the exponential race).
+        drawn = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, tokens, drawn)
+
+    def _generator(self, seq: Sequence, k: int) -> torch.Generator:
+        index = seq.index + k
+        key = (seq.request_id, index)
+        if key not in self.generators:
+            seed = seq.params.seed if index == 0 else hash((seq.params.seed, index)) & (2**62 - 1)
+            self.generators[key] = torch.Generator(device=self.device).manual_seed(seed)
+        return self.generators[key]
+
+    @staticmethod
+    def _logprob(logprobs: torch.Tensor, row: int, token: int, seq: Sequence) -> TokenLogprob:
+        n = seq.params.logprobs or 0
+        top = []
+        if n:
+            values, ids = logprobs[row].topk(n)
+            top = list(zip(ids.tolist(), values.tolist()))
+        return TokenLogprob(token, float(logprobs[row, token]), top)
+
+
+def filter_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
+                 ) -> torch.Tensor:
+    """Probabilities after per-row top_k (0 = off), top_p (1 = off) and min_p (0 = off)."""
+    device = logits.device
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device)[:, None]
+        ranks = torch.arange(vocab, device=device)[None, :]
+        drop = ranks >= k
+        probs_sorted = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+        p = torch.tensor(top_p, device=device)[:, None]
+        drop |= mass_before >= p          # keep the smallest prefix whose mass reaches top_p
+        drop[:, 0] = False
+        logits = torch.empty_like(logits).scatter_(
+            -1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(logits, dim=-1)
+    if any(m > 0 for m in min_p):
+        m = torch.tensor(min_p, device=device)[:, None]
+        probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs

@@ -1,0 +1,89 @@
+"""`SamplingParams`: how one request is decoded. Validated on creation; every error names the
+field (`param`) so that the server can answer with an OpenAI-style 400."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvslim.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16          # None: up to the model's max length
+    min_tokens: int = 0
+    temperature: float = 1.0             # 0 = greedy
+    top_k: int = 0                       # 0 or -1 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0      # HF/CTRL style, prompt and output tokens
+    presence_penalty: float = 0.0        # OpenAI style, output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None          # None: none; k >= 0: chosen token + top-k
+    prompt_logprobs: None = None         # reserved; not supported yet
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise InvalidRequestError(message, param=param)
+
+        check(_is_int(self.n) and self.n >= 1, "n", f"n must be at least 1, got {self.n!r}")
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+              "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+              f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
+              f"temperature must be >= 0, got {self.temperature!r}")
+        check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+              f"top_k must be -1, 0 (off) or positive, got {self.top_k!r}")
+        check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p",
+              f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+              f"min_p must be in [0, 1], got {self.min_p!r}")
+        check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+              "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(_is_num(value) and -2 <= value <= 2, name,
+                  f"{name} must be in [-2, 2], got {value!r}")
+        check(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop",
+              "stop must be a non-empty string or a list of non-empty strings")
+        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "stop_token_ids must be non-negative integers")
+        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+              "logprobs", f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x

@@ -1,0 +1,204 @@
+"""`Scheduler`: which sequences run this step and how many tokens each. Plain Python, no torch.
+
+Continuous batching: sequences join and leave at every step. Each step first gives every running
+decode its one token, then continues running prefills chunk by chunk, then admits waiting
+sequences first-come-first-served while blocks, `max_num_seqs` and the token budget allow.
+When blocks run out, the newest running sequence is preempted (its blocks freed, its tokens
+recomputed later; the prefix cache usually returns most of them)."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvslim.engine.block_manager import BlockManager
+from kvslim.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_tokens: int                      # tokens whose K/V are computed this step
+    sample: bool                         # the step reaches the sequence's last token
+    num_samples: int = 1                 # an n > 1 parent draws all n first tokens at once
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledSequence] = field(default_factory=list)
+    prefills: list[ScheduledSequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    released_seq_ids: list[int] = field(default_factory=list)   # runner may drop their state
+
+    @property
+    def scheduled(self) -> list[ScheduledSequence]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, eos_token_ids: list[int] | tuple[int, ...] = (),
+                 enable_chunked_prefill: bool = True):
+        self.bm = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._released: list[int] = []
+
+    # ---- queue management ----------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (stop condition, abort) and free its blocks, wherever it is."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = time.monotonic()
+        self._released.append(seq.seq_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self._released.append(seq.seq_id)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preemptions_before = self.num_preemptions
+        # Decodes first (one token each), then running prefills; both oldest first.
+        order = ([s for s in self.running if not s.is_prefill]
+                 + [s for s in self.running if s.is_prefill])
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:     # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._reserve(seq, n, out):
+                continue
+            self._add_scheduled(out, seq, n)
+            budget -= n
+        if self.num_preemptions == preemptions_before:   # no room was short: admit new work
+            budget = self._admit(out, budget)
+        out.released_seq_ids, self._released = self._released, []
+        return out
+
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for `n` more tokens of `seq`, preempting the newest sequences if needed.
+        False when `seq` itself had to be preempted."""
+        while not self.bm.can_append(seq, n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            for group in (out.decodes, out.prefills):    # undo the victim's place this step
+                group[:] = [s for s in group if s.seq is not victim]
+            if victim is seq:
+                return False
+        out.block_copies += self.bm.append_slots(seq, n)
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            forks = seq.params.n if seq.fork_pending else 1
+            if len(self.running) + forks > self.max_num_seqs:
+                break
+            if not self.enable_chunked_prefill and seq.num_tokens > budget:
+                break
+            if not self.bm.can_allocate(seq, keep_watermark=bool(self.running)):
+                break
+            self.waiting.popleft()
+            self.bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            self._add_scheduled(out, seq, n)
+            budget -= n
+        return budget
+
+    @staticmethod
+    def _add_scheduled(out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        # One query token attends like a decode, whatever it is (a 1-token prefill remainder too).
+        sample = seq.num_computed_tokens + n == seq.num_tokens
+        entry = ScheduledSequence(seq, n, sample, seq.params.n if sample and seq.fork_pending else 1)
+        (out.decodes if n == 1 else out.prefills).append(entry)
+
+    # ---- after the model ran -------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, sampled: dict[int, list]) -> list[Sequence]:
+        """Advance computed tokens, cache full blocks, append sampled tokens (`sampled` maps a
+        seq_id to its SampleResults), fork n > 1 parents, apply token-level stops. Returns the
+        sequences that received a token this step."""
+        now = time.monotonic()
+        updated = []
+        for entry in out.scheduled:
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += entry.num_tokens
+            self.bm.cache_computed_blocks(seq)
+            if not entry.sample:
+                continue
+            results = sampled[seq.seq_id]
+            family = [seq] + (self._fork(seq) if seq.fork_pending else [])
+            for member, result in zip(family, results):
+                member.append_sample(result, now)
+                updated.append(member)
+                reason = self._token_stop(member)
+                if reason:
+                    self.finish(member, reason)
+        return updated
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """n > 1: the siblings share every block of the computed prompt (copy-on-write)."""
+        parent.fork_pending = False
+        children = []
+        at = self.running.index(parent) + 1
+        for i in range(1, parent.params.n):
+            child = parent.fork(i)
+            self.bm.fork(parent, child)
+            self.running.insert(at + len(children), child)
+            children.append(child)
+        return children
+
+    def _token_stop(self, seq: Sequence) -> str | None:
+        p = seq.params
+        token = seq.last_token
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        return None

@@ -1,0 +1,127 @@
+"""`Sequence`: one completion being generated, the only object passed between the scheduler, the
+block manager and the model runner. Plain Python, no tensors."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from kvslim.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]          # (token_id, logprob), best first
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]                   # prompt followed by the generated tokens
+    params: SamplingParams
+    block_size: int
+    index: int = 0                         # which of the request's n completions
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    num_prompt_tokens: int = -1
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0           # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0             # of those, taken from the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)   # chained hashes of full blocks
+    num_registered_blocks: int = 0         # leading blocks already entered in the prefix cache
+    # Lowest block-table index changed since the runner last copied the table (see runner).
+    block_table_dirty_from: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    fork_pending: bool = False             # parent of n > 1 completions, not forked yet
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than the last sampled token is still to be computed (prompt or recompute)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_full_blocks(self) -> int:
+        return self.num_tokens // self.block_size
+
+    def block_tokens(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def append_sample(self, result, now: float) -> None:
+        """Append a sampled token (a sampler SampleResult) with its logprobs and timing."""
+        self.token_ids.append(result.token_id)
+        if result.logprob is not None:
+            self.cumulative_logprob += result.logprob.logprob
+            if self.params.logprobs is not None:
+                self.logprobs.append(result.logprob)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def fork(self, index: int) -> "Sequence":
+        """A sibling completion sharing this sequence's tokens (its blocks are shared by the
+        block manager, copy-on-write)."""
+        child = Sequence(request_id=self.request_id, token_ids=list(self.token_ids),
+                         params=self.params, block_size=self.block_size, index=index,
+                         num_prompt_tokens=self.num_prompt_tokens, status=self.status,
+                         block_table_dirty_from=0,
+                         num_computed_tokens=self.num_computed_tokens,
+                         num_cached_tokens=self.num_cached_tokens,
+                         block_hashes=list(self.block_hashes),
+                         num_registered_blocks=self.num_registered_blocks,
+                         arrival_time=self.arrival_time,
+                         first_scheduled_time=self.first_scheduled_time)
+        return child
