@@ -17,6 +17,7 @@ TOKENIZER_TEXT = (
 
 VARIANTS: dict[str, dict] = {
     "mha": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4),
+    "mha8": dict(arch="llama", num_attention_heads=8, num_key_value_heads=8),   # gqa/mqa's twin
     "gqa": dict(arch="llama", num_attention_heads=8, num_key_value_heads=2),
     "mqa": dict(arch="llama", num_attention_heads=8, num_key_value_heads=1),
     "qwen2_bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2),
