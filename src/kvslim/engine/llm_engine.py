@@ -56,6 +56,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.num_steps = 0
+        self.peak_num_running = 0                    # most sequences decoded in one step
+        self.peak_used_blocks = 0
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -140,6 +143,9 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise KvslimError("scheduler cannot admit the next request (KV cache too small)")
             return []
+        self.num_steps += 1
+        self.peak_num_running = max(self.peak_num_running, len(out.scheduled))
+        self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         sampled = self.runner.execute(out)
         updated = self.scheduler.postprocess(out, sampled)
         self.num_generated_tokens += len(updated)
