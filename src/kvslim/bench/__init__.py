@@ -1,0 +1,1 @@
+"""Benchmarks: the memory planner, throughput / latency / serving load, and their reports."""

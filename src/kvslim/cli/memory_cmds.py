@@ -1,0 +1,118 @@
+"""`kvslim memory`: will it fit? Weight and KV-cache bytes for a model directory, a config.json
+or a built-in published config, at a context, batch, dtype and device budget."""
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("memory", help="weight and KV-cache bytes of a model; what fits in memory")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                   help="model directory, config.json, .gguf file or built-in name (see --list; "
+                        "default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--list", action="store_true", help="list the built-in published configs")
+    p.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--batch", type=int, default=1, help="concurrent sequences (default 1)")
+    p.add_argument("--dtype", help="weight dtype: fp32, fp16, bf16, fp8, int8, int4 "
+                                   "(default: the dtype in config.json)")
+    p.add_argument("--kv-dtype", help="KV-cache dtype, same choices (default: --dtype, or fp16 "
+                                      "when the weights are fp8/int8/int4)")
+    p.add_argument("--memory", help="device budget, e.g. 24GiB or 80GB (GB = 10^9, GiB = 2^30)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="KV block size in tokens, as the engine allocates (default 16)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (exact bytes)")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG of KV bytes vs context")
+    p.set_defaults(func=run_memory)
+
+
+def run_memory(args) -> int:
+    from kvslim.bench.memory import markdown_table, plan_memory, plot_kv, resolve_spec
+    from kvslim.engine.config import parse_bytes
+    if args.list:
+        print(format_builtin_list())
+        return 0
+    memory = None if args.memory is None else parse_bytes(args.memory)
+    spec = resolve_spec(args.model)
+    plan = plan_memory(spec, args.context, args.batch, args.dtype, args.kv_dtype, memory,
+                       args.block_size)
+    if args.plot:
+        plot_kv(plan, args.plot)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+        return 0
+    print(format_plan(plan))
+    print()
+    print(f"KV cache vs context, batch {plan.batch}, {plan.kv_dtype} (GB = 10^9 bytes):")
+    print(markdown_table(plan))
+    if args.plot:
+        print(f"\nwrote {args.plot}")
+    return 0
+
+
+def format_builtin_list() -> str:
+    from kvslim.bench.model_table import builtin_names, builtin_spec, parameter_counts
+    rows = [("name", "source config.json", "layers", "heads/KV", "attention", "parameters")]
+    for name in builtin_names():
+        s = builtin_spec(name)
+        total, active = parameter_counts(s)
+        params = f"{total / 1e9:.2f}B" + (f" ({active / 1e9:.1f}B active)" if active != total
+                                          else "")
+        rows.append((name, s.source, str(s.num_hidden_layers),
+                     f"{s.num_attention_heads}/{s.num_key_value_heads}", s.attention_kind, params))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                     for row in rows)
+
+
+def format_plan(plan) -> str:
+    from kvslim.bench.memory import both_units
+    s = plan.model
+    heads = f"{s.num_attention_heads} query heads"
+    if s.mla:
+        attention = (f"MLA, {heads}, cached latent {s.mla.kv_lora_rank} + RoPE key "
+                     f"{s.mla.qk_rope_head_dim} per layer, head_dim {s.head_dim} (K) / "
+                     f"{s.v_head_dim} (V)")
+    else:
+        attention = (f"{s.attention_kind}, {heads}, {s.num_key_value_heads} KV heads "
+                     f"(group {s.num_attention_heads // s.num_key_value_heads}), "
+                     f"head_dim {s.head_dim}")
+    params = f"{plan.num_parameters:,}"
+    if plan.num_active_parameters != plan.num_parameters:
+        params += f" ({plan.num_active_parameters:,} active per token)"
+    lines = [
+        f"{s.name}  ({s.source})",
+        f"  {s.architecture}: {s.num_hidden_layers} layers, hidden {s.hidden_size}, "
+        f"FFN {s.intermediate_size}, vocab {s.vocab_size:,}, "
+        f"{'tied' if s.tie_word_embeddings else 'untied'} embeddings, "
+        f"{s.max_position_embeddings:,} positions",
+        f"  attention: {attention}",
+        f"  parameters: {params}",
+        "Units: GB = 10^9 bytes, GiB = 2^30 bytes (in brackets); --json gives exact bytes.",
+        "",
+    ]
+    rows = [(f"weights ({plan.weights_dtype})", plan.weight_bytes),
+            (f"KV per token ({plan.kv_dtype})", plan.kv_bytes_per_token),
+            (f"KV for {plan.context:,} tokens x {plan.batch}", plan.kv_bytes)]
+    if plan.memory_bytes is not None:
+        rows += [("memory budget", plan.memory_bytes), ("left for KV after weights",
+                                                        max(0, plan.free_bytes))]
+    for label, n in rows:
+        lines.append(f"{label:<32} {n:>20,} B   {both_units(n)}")
+    lines += [f"note: {note}" for note in plan.notes]
+    lines += ["", layouts_table(plan)]
+    return "\n".join(lines)
+
+
+def layouts_table(plan) -> str:
+    """The model's KV layout beside its MHA and MQA equivalents, as a markdown table."""
+    from kvslim.bench.memory import both_units
+    head = ["KV layout", "bytes/token", f"{plan.context:,} tokens x {plan.batch}"]
+    if plan.memory_bytes is not None:
+        head += ["tokens that fit", f"sequences of {plan.context:,} that fit"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for lp in plan.layouts:
+        cells = [lp.label, f"{lp.kv_bytes_per_token:,}", both_units(lp.kv_bytes)]
+        if lp.capacity is not None:
+            cells += [f"{lp.capacity.max_tokens:,}", f"{lp.capacity.max_sequences:,}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
