@@ -1,0 +1,54 @@
+"""`kvslim serve`: the OpenAI-compatible server (FastAPI + uvicorn) over one engine."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from kvslim.cli.engine_args import add_engine_args, llm_from_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                   help="model directory, .gguf file or 'default' (the embedded "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model` (default: MODEL as given)")
+    p.add_argument("--api-key", default=os.environ.get("KVSLIM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 and /tokenize routes "
+                        "(default: $KVSLIM_API_KEY; none = open)")
+    p.add_argument("--shutdown-timeout", type=float, default=60.0,
+                   help="seconds to let in-flight requests finish after SIGTERM")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from kvslim.model.registry import DEFAULT_MODEL_NAME
+    from kvslim.server.app import build_app
+
+    llm = llm_from_args(args)                    # bad model or flags: one-line error, exit 2
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    if name == "default":
+        name = DEFAULT_MODEL_NAME
+    app = build_app(llm.engine, name, args.api_key)
+    stats = llm.engine.kv_cache_stats()
+    print(f"kvslim serve: {name} on http://{args.host}:{args.port} "
+          f"({stats.num_blocks} KV blocks of {stats.block_size} tokens, "
+          f"max_model_len {llm.engine.max_model_len})", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
+    server = uvicorn.Server(config)
+    # uvicorn drains on SIGTERM, then re-raises the signal with the handler it found. This one
+    # makes that re-raise harmless (exit 0 after the drain) and still stops a server that gets
+    # SIGTERM before uvicorn has installed its own handler.
+    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "should_exit", True))
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,133 @@
+"""The FastAPI app: routes, API-key check, lifespan of the engine thread. Request handling
+lives in completions.py and chat.py; this file only wires."""
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from kvslim.engine.llm_engine import LLMEngine
+from kvslim.errors import InvalidRequestError
+from kvslim.server.async_engine import AsyncEngine, EngineDeadError
+from kvslim.server.chat import create_chat_completion, render_prompt
+from kvslim.server.completions import create_completion
+from kvslim.server.context import ServerContext
+from kvslim.server.errors import OpenAIError, engine_dead, install_error_handlers
+from kvslim.server.metrics import HTTPMetricsMiddleware, ServerMetrics
+from kvslim.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                                    TokenizeRequest, TokenizeResponse)
+from kvslim.server.streaming import cancel_on_disconnect
+
+
+def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """An app serving `engine` under `model_name`. The engine thread starts with the app's
+    lifespan and stops after the HTTP server has drained in-flight requests."""
+    metrics = ServerMetrics(model_name)
+    ctx = ServerContext(AsyncEngine(engine, metrics), engine.tokenizer, model_name,
+                        engine.max_model_len, metrics, api_key)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ctx.engine.start()
+        yield
+        await ctx.engine.stop()
+
+    app = FastAPI(title="kvslim", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, e: EngineDeadError):
+        return engine_dead().response()
+
+    open_routes, api_routes = _open_routes(ctx), _api_routes(ctx)
+    app.include_router(open_routes)
+    app.include_router(api_routes, dependencies=[Depends(_key_checker(api_key))])
+    endpoints = {route.path for router in (open_routes, api_routes) for route in router.routes}
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, endpoints=endpoints)
+    return app
+
+
+def _key_checker(api_key: str | None):
+    expected = api_key.encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key")
+        # Constant time, so that response timing does not reveal how much of a guess matched.
+        if not hmac.compare_digest(given.strip().encode(), expected):
+            raise OpenAIError(401, "incorrect API key", code="invalid_api_key")
+
+    return check
+
+
+def _open_routes(ctx: ServerContext) -> APIRouter:
+    """Health and metrics: for load balancers and Prometheus, without a key."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health():
+        if not ctx.engine.is_alive:
+            return engine_dead().response()
+        return Response(status_code=200)
+
+    @router.get("/metrics")
+    async def metrics():
+        return Response(ctx.metrics.render(), media_type=ctx.metrics.content_type)
+
+    return router
+
+
+def _api_routes(ctx: ServerContext) -> APIRouter:
+    router = APIRouter()
+
+    def card() -> ModelCard:
+        return ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)
+
+    @router.get("/v1/models")
+    async def list_models():
+        return JSONResponse(ModelList(data=[card()]).model_dump(mode="json"))
+
+    @router.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        ctx.check_model(model)
+        return JSONResponse(card().model_dump(mode="json"))
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await cancel_on_disconnect(request, create_completion(ctx, body))
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await cancel_on_disconnect(request, create_chat_completion(ctx, body))
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ctx.check_model(body.model)
+        if body.messages is not None:
+            chat = ChatCompletionRequest(messages=[m.model_dump() for m in body.messages])
+            tokens = render_prompt(ctx, chat)
+        else:
+            tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return JSONResponse(TokenizeResponse(tokens=tokens, count=len(tokens),
+                                             max_model_len=ctx.max_model_len).model_dump())
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        ctx.check_model(body.model)
+        vocab = ctx.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
+                                      f"(0..{vocab - 1})", "tokens")
+        return JSONResponse(DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+                            .model_dump())
+
+    return router

@@ -1,0 +1,315 @@
+"""The OpenAI wire format: request bodies (validated with pydantic) and response objects.
+
+Types are strict (`"0.5"` is not a number), so a wrong type is a 400 rather than a silent
+coercion. Range checks (max_tokens >= 1, 0 < top_p <= 1, ...) are left to `SamplingParams`, the
+one place that knows them; `to_sampling_params` builds it and raises `InvalidRequestError` naming
+the field."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
+
+from kvslim.engine.sampling_params import SamplingParams
+from kvslim.errors import InvalidRequestError
+
+TokenIds = list[int]
+
+
+class _Request(BaseModel):
+    # Unknown fields (user, service_tier, ...) are ignored, as most OpenAI-compatible servers do.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _unsupported(message: str):
+    """A validator for a field we accept only at its default; field validators (not model
+    ones) so that the 400 names the field in `param`."""
+    def check(cls, value, info: ValidationInfo):
+        if value:
+            raise ValueError(message)
+        return value
+    return check
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat, plus the usual non-OpenAI extras."""
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logit_bias: Optional[dict[str, float]] = None
+    # extras
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    _no_logit_bias = field_validator("logit_bias")(_unsupported("logit_bias is not supported"))
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    _no_suffix = field_validator("suffix")(_unsupported("suffix is not supported"))
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value, info: ValidationInfo):
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of is not supported (it must equal n)")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, value, info: ValidationInfo):
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
+        return value
+
+    def prompts(self) -> list[str | TokenIds]:
+        """One engine prompt per entry: a string, a list of strings, ids, or a list of ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        return list(p)
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None]          # required, though it may be null
+    name: Optional[str] = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """What the chat template sees: content as one string (text parts joined)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    response_format: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = True
+
+    _no_tools = field_validator("tools")(_unsupported("tools are not supported"))
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value, info: ValidationInfo):
+        if value and value.get("type", "text") != "text":
+            raise ValueError("response_format other than text is not supported")
+        return value
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
+                      else self.max_tokens)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        try:
+            return self._sampling_params(max_tokens, logprobs)
+        except InvalidRequestError as e:
+            if e.param == "logprobs":                    # the chat name of that field
+                e.param = "top_logprobs"
+            if e.param == "max_tokens" and self.max_completion_tokens is not None:
+                e.param = "max_completion_tokens"
+            raise
+
+
+class TokenizeRequest(_Request):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[str] = None
+    tokens: TokenIds
+
+
+# ---- responses ---------------------------------------------------------------------------
+class _Response(BaseModel):
+    pass
+
+
+class Usage(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(_Response):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvslim"
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    tokens: TokenIds
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
