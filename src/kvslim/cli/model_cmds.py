@@ -1,4 +1,4 @@
-"""`kvslim import-gguf` and `kvslim info`."""
+"""`kvslim import-gguf`, `kvslim export-gguf` and `kvslim info`."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,14 @@ def register(sub) -> None:
     p.add_argument("out", metavar="OUT_DIR", help="output model directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_import_gguf)
+
+    p = sub.add_parser("export-gguf", help="write a model as a llama.cpp / Ollama GGUF file")
+    p.add_argument("model", metavar="MODEL", help="model directory, .gguf file or 'default'")
+    p.add_argument("out", metavar="FILE", help="output .gguf file")
+    p.add_argument("--dtype", default="f16",
+                   help="tensor type: f32, f16, bf16 or q8_0 (default f16; norms stay f32)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_export_gguf)
 
     p = sub.add_parser("info", help="shape, attention layout and KV-cache cost of a model")
     p.add_argument("model", metavar="MODEL", nargs="?", default=None,
@@ -27,6 +35,16 @@ def run_import_gguf(args) -> int:
     out = import_gguf(args.gguf, args.out, show_progress=not args.quiet)
     info = model_info(out)
     print(f"wrote {out} ({info.architecture}, {info.num_parameters:,} parameters, float32)")
+    return 0
+
+
+def run_export_gguf(args) -> int:
+    import os
+    from kvslim.model.gguf_export import export_gguf
+    from kvslim.model.registry import resolve_model
+    out = export_gguf(resolve_model(args.model), args.out, args.dtype.lower(),
+                      show_progress=not args.quiet)
+    print(f"wrote {out} (llama GGUF, {args.dtype.lower()}, {os.path.getsize(out):,} bytes)")
     return 0
 
 
