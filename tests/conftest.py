@@ -44,3 +44,12 @@ def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
     """smollm2_gguf imported once per session (about 15 s)."""
     from kvslim.model.gguf_import import import_gguf
     return import_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2"), show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def calib_file(tmp_path_factory) -> Path:
+    """Text in the test tokenizer's domain, for calibration, uptraining and perplexity tests."""
+    from checkpoints import TOKENIZER_TEXT
+    path = tmp_path_factory.mktemp("text") / "calib.txt"
+    path.write_text(TOKENIZER_TEXT * 3)
+    return path

@@ -1,0 +1,88 @@
+"""`kvslim convert`, `kvslim uptrain` and `kvslim ppl`."""
+from __future__ import annotations
+
+import json
+
+from kvslim.cli.train_cmds import add_loop_args, loop_kwargs, record_command
+from kvslim.errors import KvslimError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("convert", help="MHA -> GQA/MQA: pool KV heads into --kv-heads groups")
+    p.add_argument("src", metavar="SRC", help="source model directory")
+    p.add_argument("dst", metavar="DST", help="output model directory")
+    p.add_argument("--kv-heads", type=int, required=True, help="target number of KV heads")
+    p.add_argument("--method", default="mean", help="mean, first, random or align")
+    p.add_argument("--calib", help="calibration text file (needed by --method align)")
+    p.add_argument("--calib-samples", type=int, default=32, help="calibration windows")
+    p.add_argument("--calib-seq-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=run_convert)
+
+    p = sub.add_parser("uptrain", help="continue training a converted model")
+    p.add_argument("model", metavar="MODEL", help="model directory to start from")
+    p.add_argument("--data", required=True)
+    p.add_argument("--valid")
+    p.add_argument("--out", required=True, help="output model directory")
+    p.add_argument("--fraction", type=float, help="uptrain for this fraction of --of-steps")
+    p.add_argument("--of-steps", type=int, help="the original training's step count")
+    add_loop_args(p, steps=100, lr=6e-4, warmup=-1)
+    p.set_defaults(func=run_uptrain)
+
+    p = sub.add_parser("ppl", help="sliding-window perplexity of a model on a text file")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                   help="model directory (default: the embedded model)")
+    p.add_argument("--data", required=True)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--stride", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, help="score only the first N tokens")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_ppl)
+
+
+def run_convert(args) -> int:
+    from kvslim.surgery.convert import convert_to_gqa
+    out = convert_to_gqa(args.src, args.dst, args.kv_heads, args.method, args.calib,
+                         args.calib_samples, args.calib_seq_len, args.seed, not args.quiet)
+    print(f"wrote {out} ({args.kv_heads} KV heads, method {args.method})")
+    return 0
+
+
+def uptrain_steps(args) -> int:
+    if args.fraction is None:
+        return args.steps
+    if args.of_steps is None or args.of_steps <= 0 or not 0 < args.fraction <= 1:
+        raise KvslimError("--fraction needs a value in (0, 1] and a positive --of-steps")
+    return max(1, round(args.fraction * args.of_steps))
+
+
+def run_uptrain(args) -> int:
+    from kvslim.surgery.train_config import TrainConfig
+    from kvslim.surgery.trainer import train
+    steps = uptrain_steps(args)
+    kwargs = loop_kwargs(args)
+    kwargs.update(steps=steps,
+                  warmup_steps=args.warmup_steps if args.warmup_steps >= 0 else max(1, steps // 10),
+                  eval_every=min(args.eval_every, steps), save_every=min(args.save_every, steps))
+    cfg = TrainConfig(data=args.data, valid=args.valid, out=args.out, init_from=args.model,
+                      seq_len=args.seq_len or 256, **kwargs)
+    record_command(args.out)
+    metrics = train(cfg, show_progress=not args.quiet)
+    print(json.dumps(metrics) if args.json else f"done: {metrics}")
+    return 0
+
+
+def run_ppl(args) -> int:
+    from kvslim.model.registry import resolve_model
+    from kvslim.surgery.perplexity import file_perplexity
+    result = file_perplexity(resolve_model(args.model), args.data, args.context, args.stride,
+                             args.max_tokens, args.dtype, args.device, show_progress=not args.json)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(f"perplexity {result.perplexity:.4f} (nll {result.nll:.4f} over "
+              f"{result.num_tokens} tokens, context {result.context}, stride {result.stride})")
+    return 0
