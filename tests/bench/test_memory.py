@@ -33,6 +33,7 @@ def test_llama2_70b_acceptance_figures():
     assert (spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim) == (80, 8, 128)
     plan = plan_memory(spec, context=4096, batch=1, dtype="fp16", kv_dtype="fp16")
     assert plan.kv_bytes_per_token == 327_680
+    assert plan.layout("GQA").kv_elements_per_token == 163_840     # 2 * 80 * 8 * 128
     assert plan.layout("MHA").kv_bytes_per_token == 2_621_440
     assert plan.layout("MQA").kv_bytes_per_token == 40_960
     assert plan.kv_bytes == 1_342_177_280 and plan.layout("MHA").kv_bytes == 10_737_418_240
@@ -44,7 +45,7 @@ def test_llama2_70b_acceptance_figures():
 def test_llama2_70b_cli_text(capsys):
     assert main(["memory", "Llama-2-70B", "--context", "4096", "--dtype", "fp16"]) == 0
     out = capsys.readouterr().out
-    assert "327,680 B" in out and "2,621,440" in out
+    assert "327,680 B" in out and "= 163,840 elements" in out and "2,621,440" in out
     assert "1.34 GB (1.25 GiB)" in out and "10.7 GB (10.0 GiB)" in out
     assert "GB = 10^9 bytes, GiB = 2^30 bytes" in out
     assert "| 2,048 | 5.37 GB | 671 MB | 83.9 MB |" in out       # the markdown table
@@ -146,6 +147,7 @@ def test_cli_json_and_plot(tmp_path, capsys):
     assert [lp["name"] for lp in data["layouts"]] == ["MHA", "GQA", "MQA"]
     assert data["layouts"][1]["capacity"]["max_sequences"] >= 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any("sliding window 4,096" in note for note in data["notes"])
     assert main(["memory", "--list"]) == 0
     assert "DeepSeek-V2" in capsys.readouterr().out
 

@@ -104,6 +104,7 @@ class LayoutPlan:
     name: str
     label: str
     is_model: bool
+    kv_elements_per_token: int
     kv_bytes_per_token: int
     kv_bytes: int                      # for context x batch
     capacity: Capacity | None = None
@@ -162,7 +163,8 @@ def plan_memory(spec: ModelSpec, context: int = DEFAULT_CONTEXT, batch: int = 1,
         per_token = storage_bytes(layout.elements_per_token, kv_dtype)
         capacity = None if memory_bytes is None else \
             kv_capacity(memory_bytes - weight_bytes, per_token, block_size, context)
-        layouts.append(LayoutPlan(layout.name, layout.label, layout.is_model, per_token,
+        layouts.append(LayoutPlan(layout.name, layout.label, layout.is_model,
+                                  layout.elements_per_token, per_token,
                                   per_token * context * batch, capacity))
     own = next(lp for lp in layouts if lp.is_model)
     plan = MemoryPlan(spec, total, active, dtype, kv_dtype, context, batch, block_size,
@@ -176,6 +178,11 @@ def _notes(plan: MemoryPlan) -> list[str]:
     if plan.context > spec.max_position_embeddings:
         notes.append(f"context {plan.context:,} is beyond the model's "
                      f"{spec.max_position_embeddings:,} positions")
+    window = spec.sliding_window
+    if window and window < min(plan.context, spec.max_position_embeddings):
+        notes.append(f"sliding window {window:,}: a rolling-buffer cache would hold at most "
+                     f"{window:,} tokens per sequence; these figures (and kvslim's engine) keep "
+                     "every token")
     if plan.free_bytes is not None and plan.free_bytes <= 0:
         notes.append("the weights alone exceed --memory: nothing is left for the KV cache")
     if spec.moe:

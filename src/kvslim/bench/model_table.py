@@ -124,6 +124,7 @@ class ModelSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    sliding_window: int | None = None
     moe: MoEShape | None = None
     mla: MLAShape | None = None
 
@@ -182,7 +183,8 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelSpe
         num_key_value_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
         vocab_size=mc.vocab_size, max_position_embeddings=mc.max_position_embeddings,
         tie_word_embeddings=mc.tie_word_embeddings, torch_dtype=mc.torch_dtype,
-        qkv_bias=mc.qkv_bias, o_bias=mc.o_bias, mlp_bias=mc.mlp_bias)
+        qkv_bias=mc.qkv_bias, o_bias=mc.o_bias, mlp_bias=mc.mlp_bias,
+        sliding_window=mc.sliding_window)
 
 
 def _common(cfg: dict[str, Any], name: str, source: str, arch: str) -> dict[str, Any]:

@@ -98,6 +98,8 @@ def format_plan(plan) -> str:
                                                         max(0, plan.free_bytes))]
     for label, n in rows:
         lines.append(f"{label:<32} {n:>20,} B   {both_units(n)}")
+    own = next(lp for lp in plan.layouts if lp.is_model)
+    lines[-len(rows) + 1] += f"   = {own.kv_elements_per_token:,} elements"
     lines += [f"note: {note}" for note in plan.notes]
     lines += ["", layouts_table(plan)]
     return "\n".join(lines)
