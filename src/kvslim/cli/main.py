@@ -8,7 +8,8 @@ import sys
 
 from kvslim.errors import KvslimError
 
-COMMAND_MODULES = ["train_cmds", "model_cmds", "generate_cmds", "demo_cmds", "surgery_cmds", "serve_cmds", "memory_cmds", "bench_cmds"]
+COMMAND_MODULES = ["train_cmds", "model_cmds", "generate_cmds", "demo_cmds", "surgery_cmds",
+                   "experiment_cmds", "serve_cmds", "memory_cmds", "bench_cmds"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,190 @@
+"""`kvslim experiment gqa`: the GQA paper's uptraining experiment at small scale, one command.
+
+On the reference MHA model: every target KV-head count x conversion method x uptraining fraction
+alpha (of the original training steps), plus the fair control (the MHA model trained for the same
+extra steps), scored by test-set perplexity. Then the real pretrained model, SmolLM2-135M
+(9 query / 3 KV heads), converted to MQA by mean pooling and by `align`, before and after a short
+uptraining. Every finished run is recorded in RESULTS so that an interrupted experiment resumes
+where it stopped; the report (docs/gqa-uptraining.md + plots) is written from those records."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvslim.errors import KvslimError
+from kvslim.model.config import ModelConfig
+from kvslim.surgery.convert import convert_to_gqa
+from kvslim.surgery.perplexity import file_perplexity
+from kvslim.surgery.train_config import TrainConfig
+from kvslim.surgery.trainer import train
+
+RESULTS = "results.json"
+
+
+@dataclass
+class ExperimentConfig:
+    model: str                           # the reference MHA model directory
+    train: str
+    valid: str
+    test: str
+    work_dir: str = "runs/gqa"
+    report: str = "docs/gqa-uptraining.md"
+    original_steps: int | None = None    # default: the last step in MODEL/train_log.jsonl
+    kv_heads: list[int] | None = None    # default: H/2, H/4, 1
+    methods: list[str] = field(default_factory=lambda: ["mean", "first", "random", "align"])
+    alphas: list[float] = field(default_factory=lambda: [0.0, 0.05])    # every method
+    extra_alphas: list[float] = field(default_factory=lambda: [0.10])   # extra_methods only
+    extra_methods: list[str] = field(default_factory=lambda: ["mean", "align"])
+    batch_size: int = 16
+    seq_len: int = 256
+    uptrain_lr: float = 6e-4
+    calib_samples: int = 32
+    ppl_context: int = 256
+    ppl_stride: int = 128
+    ppl_max_tokens: int | None = None
+    seed: int = 0
+    smollm2: bool = True
+    smollm2_steps: int = 100
+    smollm2_batch_size: int = 4
+    smollm2_lr: float = 1e-4
+    smollm2_ppl_max_tokens: int | None = 50_000
+
+
+@dataclass
+class RunResult:
+    name: str
+    model: str                           # "ref" or "smollm2"
+    kv_heads: int
+    method: str                          # "mha" for the unconverted model / control
+    alpha: float
+    uptrain_steps: int
+    test_ppl: float
+    kv_bytes_per_token_fp32: int
+    kv_bytes_per_token_bf16: int
+    seconds: float
+
+
+class Experiment:
+    def __init__(self, cfg: ExperimentConfig, show_progress: bool = True):
+        self.cfg = cfg
+        self.work = Path(cfg.work_dir)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.show_progress = show_progress
+        self.results: dict[str, RunResult] = self._load()
+        self.config = ModelConfig.from_dir(cfg.model)
+        if self.config.num_key_value_heads != self.config.num_attention_heads:
+            raise KvslimError(f"{cfg.model} is not multi-head (it has "
+                              f"{self.config.num_key_value_heads} KV heads)")
+        self.original_steps = cfg.original_steps or _last_step(Path(cfg.model))
+
+    def _load(self) -> dict[str, RunResult]:
+        path = self.work / RESULTS
+        if not path.is_file():
+            return {}
+        return {k: RunResult(**v) for k, v in json.loads(path.read_text()).items()}
+
+    def _save(self, result: RunResult) -> None:
+        self.results[result.name] = result
+        data = {k: asdict(v) for k, v in self.results.items()}
+        (self.work / RESULTS).write_text(json.dumps(data, indent=2) + "\n")
+        if self.show_progress:
+            print(f"[experiment] {result.name}: test ppl {result.test_ppl:.3f} "
+                  f"({result.seconds:.0f} s)", flush=True)
+
+    # ---- the plan ------------------------------------------------------------------------
+    def plan(self) -> list[tuple[int, str, float]]:
+        h = self.config.num_attention_heads
+        ks = self.cfg.kv_heads or sorted({h // 2, h // 4, 1}, reverse=True)
+        runs = [(h, "mha", a) for a in self.all_alphas]
+        for k in ks:
+            for method in self.cfg.methods:
+                extra = self.cfg.extra_alphas if method in self.cfg.extra_methods else []
+                runs += [(k, method, a) for a in self.cfg.alphas + extra]
+        return runs
+
+    @property
+    def all_alphas(self) -> list[float]:
+        return sorted(set(self.cfg.alphas + self.cfg.extra_alphas))
+
+    def run(self) -> None:
+        for k, method, alpha in self.plan():
+            name = f"ref-k{k}-{method}-a{alpha:g}"
+            if name not in self.results:
+                self._run_ref(name, k, method, alpha)
+        if self.cfg.smollm2:
+            self._run_smollm2()
+
+    # ---- one run -------------------------------------------------------------------------
+    def _run_ref(self, name: str, k: int, method: str, alpha: float) -> None:
+        start = time.time()
+        converted = self._converted(self.cfg.model, "ref", k, method)
+        steps = round(alpha * self.original_steps)
+        model_dir = converted
+        if steps:
+            model_dir = self._uptrain(converted, self.work / name, steps, self.cfg.batch_size,
+                                      self.cfg.uptrain_lr)
+        ppl = self._ppl(model_dir, self.cfg.ppl_max_tokens)
+        self._save(self._result(name, "ref", model_dir, method, alpha, steps, ppl, start))
+
+    def _converted(self, src: str, tag: str, k: int, method: str) -> Path:
+        if method == "mha":
+            return Path(src)
+        out = self.work / f"{tag}-k{k}-{method}"
+        if not (out / "config.json").is_file():
+            convert_to_gqa(src, out, k, method, calib=self.cfg.train,
+                           calib_samples=self.cfg.calib_samples, calib_seq_len=self.cfg.seq_len,
+                           seed=self.cfg.seed, show_progress=self.show_progress)
+        return out
+
+    def _uptrain(self, src: Path, out: Path, steps: int, batch: int, lr: float) -> Path:
+        if out.exists():
+            shutil.rmtree(out)                  # a half-finished run restarts cleanly
+        cfg = TrainConfig(data=self.cfg.train, valid=self.cfg.valid, out=str(out),
+                          init_from=str(src), seq_len=self.cfg.seq_len, steps=steps,
+                          batch_size=batch, lr=lr, warmup_steps=max(1, steps // 10),
+                          eval_every=steps, save_every=steps, seed=self.cfg.seed + 1)
+        train(cfg, show_progress=self.show_progress)
+        (out / "trainer_state.pt").unlink(missing_ok=True)   # optimizer state: not needed
+        return out
+
+    def _ppl(self, model_dir: Path, max_tokens: int | None) -> float:
+        return file_perplexity(model_dir, self.cfg.test, self.cfg.ppl_context,
+                               self.cfg.ppl_stride, max_tokens,
+                               show_progress=self.show_progress).perplexity
+
+    def _result(self, name, tag, model_dir, method, alpha, steps, ppl, start) -> RunResult:
+        mc = ModelConfig.from_dir(model_dir)
+        return RunResult(name, tag, mc.num_key_value_heads, method, alpha, steps, ppl,
+                         mc.kv_bytes_per_token("float32"), mc.kv_bytes_per_token("bfloat16"),
+                         round(time.time() - start, 1))
+
+    # ---- SmolLM2 -------------------------------------------------------------------------
+    def _run_smollm2(self) -> None:
+        from kvslim.model.registry import default_model_dir
+        src = str(default_model_dir(self.show_progress))
+        runs = [("mha", 3, 0)] + [(m, 1, s) for m in ("mean", "align")
+                                   for s in (0, self.cfg.smollm2_steps)]
+        for method, k, steps in runs:
+            name = f"smollm2-k{k}-{method if method != 'mha' else 'orig'}-s{steps}"
+            if name in self.results:
+                continue
+            start = time.time()
+            model_dir = self._converted(src, "smollm2", k, method) if method != "mha" \
+                else Path(src)
+            if steps:
+                model_dir = self._uptrain(model_dir, self.work / name, steps,
+                                          self.cfg.smollm2_batch_size, self.cfg.smollm2_lr)
+            ppl = self._ppl(model_dir, self.cfg.smollm2_ppl_max_tokens)
+            self._save(self._result(name, "smollm2", model_dir, method if method != "mha"
+                                    else "original", 0.0, steps, ppl, start))
+
+
+def _last_step(model_dir: Path) -> int:
+    log = model_dir / "train_log.jsonl"
+    if not log.is_file():
+        raise KvslimError(f"no train_log.jsonl in {model_dir}; pass --original-steps")
+    lines = [json.loads(l) for l in log.read_text().splitlines() if l.strip()]
+    return max(l["step"] for l in lines)
