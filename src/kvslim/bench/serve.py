@@ -154,6 +154,8 @@ async def _request(client: httpx.AsyncClient, model: str, prompt, config: ServeB
                 result.error = f"HTTP {response.status_code}: {text[:200]}"
                 return result
             async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    result.success = result.ttft > 0
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[len("data: "):])
@@ -163,7 +165,7 @@ async def _request(client: httpx.AsyncClient, model: str, prompt, config: ServeB
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                if chunk.get("choices"):            # a token arrived (its text may be held back)
                     now = time.perf_counter()
                     if result.ttft == 0.0:
                         result.ttft = now - start
@@ -171,9 +173,8 @@ async def _request(client: httpx.AsyncClient, model: str, prompt, config: ServeB
                         result.itl.append(now - last)
                     last = now
         result.latency = time.perf_counter() - start
-        result.success = result.ttft > 0
         if not result.success:
-            result.error = "the stream carried no text"
+            result.error = "the stream ended without output or [DONE]"
     except (httpx.HTTPError, ValueError) as e:
         result.error = f"{type(e).__name__}: {e}"
     return result

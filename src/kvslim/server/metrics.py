@@ -21,11 +21,11 @@ class ServerMetrics:
         r, ns = self.registry, "kvslim"
         self.requests = Counter("requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], namespace=ns, registry=r)
-        self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens admitted", namespace=ns,
-                                     registry=r)
+        self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens of requests that started "
+                                     "generating", namespace=ns, registry=r)
         self.generation_tokens = Counter("generation_tokens", "Tokens generated", namespace=ns,
                                          registry=r)
-        self.finished = Counter("request_finished", "Engine requests finished, by reason",
+        self.finished = Counter("completions_finished", "Completions finished, by reason",
                                 ["finish_reason"], namespace=ns, registry=r)
         self.ttft = Histogram("time_to_first_token_seconds", "Arrival to first output token",
                               namespace=ns, registry=r, buckets=LATENCY_BUCKETS)
