@@ -1,0 +1,165 @@
+"""The server through the official `openai` client, sync and async, streaming and not,
+completions and chat: greedy outputs equal the offline `LLM` on the same checkpoint."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from kvslim.engine.sampling_params import SamplingParams
+
+PROMPTS = ["It is a truth universally acknowledged, that",
+           "In the beginning God created",
+           "The kernel schedules tasks; memory is"]
+MAX_TOKENS = 12
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def test_models_lists_the_served_name(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].object == "model"
+    assert client.models.retrieve("tiny").id == "tiny"
+
+
+def test_completions_batch_equals_llm_generate(client, reference):
+    expected = reference.generate(PROMPTS, greedy(), use_tqdm=False)
+    response = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=MAX_TOKENS,
+                                         temperature=0)
+    assert response.object == "text_completion" and response.id.startswith("cmpl-")
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    for choice, out in zip(response.choices, expected):
+        assert choice.text == out.outputs[0].text
+        assert choice.finish_reason == out.outputs[0].finish_reason
+    assert response.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
+    assert response.usage.completion_tokens == sum(len(o.outputs[0].token_ids) for o in expected)
+    assert response.usage.total_tokens == (response.usage.prompt_tokens
+                                           + response.usage.completion_tokens)
+
+
+def test_completions_stream_with_usage_and_token_ids(client, reference):
+    ids = reference.tokenizer.encode(PROMPTS[1])
+    expected = reference.generate([ids], greedy(), use_tqdm=False)[0]
+    stream = client.completions.create(model="tiny", prompt=ids, max_tokens=MAX_TOKENS,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected.outputs[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == expected.outputs[0].finish_reason
+    assert all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        len(expected.outputs[0].token_ids)
+    assert chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_chat_async_equals_llm_chat(async_client, reference):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": PROMPTS[0]}]
+    expected = reference.chat(messages, greedy(), use_tqdm=False)[0].outputs[0]
+
+    async def both():
+        async with async_client() as c:
+            full = await c.chat.completions.create(model="tiny", messages=messages,
+                                                   max_tokens=MAX_TOKENS, temperature=0)
+            stream = await c.chat.completions.create(model="tiny", messages=messages,
+                                                     max_tokens=MAX_TOKENS, temperature=0,
+                                                     stream=True)
+            return full, [chunk async for chunk in stream]
+
+    full, chunks = asyncio.run(both())
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == expected.text
+    assert full.choices[0].finish_reason == expected.finish_reason
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_chat_sync_stream_and_max_completion_tokens(client, reference):
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    expected = reference.chat(messages, greedy(5), use_tqdm=False)[0].outputs[0]
+    stream = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                            max_completion_tokens=5, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert text == expected.text
+
+
+def test_completions_async_stream_equals_llm(async_client, reference):
+    expected = reference.generate(PROMPTS[2], greedy(), use_tqdm=False)[0].outputs[0]
+
+    async def run():
+        async with async_client() as c:
+            stream = await c.completions.create(model="tiny", prompt=PROMPTS[2],
+                                                max_tokens=MAX_TOKENS, temperature=0,
+                                                stream=True)
+            return "".join([chunk.choices[0].text async for chunk in stream])
+
+    assert asyncio.run(run()) == expected.text
+
+
+def test_n_and_seed_give_numbered_reproducible_choices(client):
+    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=1.0, n=3, seed=7)
+    first = client.completions.create(**kw)
+    second = client.completions.create(**kw)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    batch = client.completions.create(**{**kw, "prompt": PROMPTS[:2], "n": 2})
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+
+
+def test_stop_string_cuts_the_text(client, reference):
+    full = reference.generate(PROMPTS[0], greedy(20, ignore_eos=True), use_tqdm=False)[0]
+    text = full.outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip(), "the greedy output should have text to stop on"
+    response = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20,
+                                         temperature=0, stop=[stop],
+                                         extra_body={"ignore_eos": True})
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.text == text[:text.find(stop)]
+
+
+def test_echo_and_logprobs(client):
+    echoed = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4,
+                                       temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith(PROMPTS[1])
+    scored = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4,
+                                       temperature=0, logprobs=2)
+    lp = scored.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == scored.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and 1 <= len(top) <= 3 and top[token] == logprob
+        assert max(top.values()) == logprob                       # greedy: the best one
+
+
+def test_chat_logprobs(client):
+    response = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=2)
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens == 3
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_tokenize_and_detokenize(server, reference):
+    with httpx.Client(base_url=server.url, headers=server.headers) as http:
+        tokens = http.post("/tokenize", json={"prompt": PROMPTS[0]}).json()
+        assert tokens["tokens"] == reference.tokenizer.encode(PROMPTS[0])
+        assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
+        text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+        assert text == PROMPTS[0]
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.json()["tokens"] == reference.tokenizer.encode_chat(
+            [{"role": "user", "content": "hi"}])
