@@ -12,6 +12,15 @@ torch.set_num_threads(int(os.environ.get("KVSLIM_TEST_THREADS", min(2, os.cpu_co
 from checkpoints import VARIANTS, write_checkpoint  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kvslim_home(tmp_path_factory) -> Path:
+    """Tests (and the CLI processes they start) use their own KVSLIM_HOME: the default model is
+    imported there once per session. KVSLIM_TEST_HOME reuses a fixed one across runs."""
+    home = Path(os.environ.get("KVSLIM_TEST_HOME") or tmp_path_factory.mktemp("kvslim_home"))
+    os.environ["KVSLIM_HOME"] = str(home)
+    return home
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """variant name -> directory written by transformers' save_pretrained."""
@@ -40,10 +49,11 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
-    """smollm2_gguf imported once per session (about 15 s)."""
-    from kvslim.model.gguf_import import import_gguf
-    return import_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2"), show_progress=False)
+def smollm2_dir(smollm2_gguf, kvslim_home) -> Path:
+    """The default model, imported from smollm2_gguf once per session (about 20 s) — the same
+    directory the CLI's default model resolves to."""
+    from kvslim.model.registry import default_model_dir
+    return default_model_dir(show_progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,42 @@
+"""`kvslim generate` and `kvslim demo` as a user runs them."""
+import json
+import subprocess
+import sys
+
+
+def kvslim(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "kvslim.cli.main", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_generate_json_on_a_model_dir(hf_checkpoints):
+    r = kvslim("generate", "--model", str(hf_checkpoints["gqa"]), "--prompt", "In the beginning",
+               "--raw", "--max-tokens", "5", "--json", "--kv-cache-memory", "4MiB")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["token_ids"]) == 5 and out["finish_reason"] in ("length", "stop")
+
+
+def test_generate_bad_parameter_is_one_line(hf_checkpoints):
+    r = kvslim("generate", "--model", str(hf_checkpoints["gqa"]), "--prompt", "x",
+               "--temperature", "-1")
+    assert r.returncode == 2 and "temperature must be >= 0" in r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_default_model_answers(smollm2_dir):
+    r = kvslim("generate", "--prompt", "What is the capital of France?", "--max-tokens", "16",
+               "--kv-cache-memory", "64MiB")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_demo_report(smollm2_dir):
+    r = kvslim("demo", "--json", "--max-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["requests"] == 16 and report["output_tokens"] <= 16 * 6
+    assert report["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    assert report["peak_concurrent_sequences"] > 1
+    assert report["prefix_cache_hit_tokens"] > 0
+    assert 0 < report["blocks_peak_used"] <= report["blocks_total"]
