@@ -163,3 +163,18 @@ def test_tokenize_and_detokenize(server, reference):
         chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
         assert chat.json()["tokens"] == reference.tokenizer.encode_chat(
             [{"role": "user", "content": "hi"}])
+
+
+def test_sampling_extras_reach_the_engine(client, reference):
+    """top_k=1 samples the argmax whatever the temperature; penalties change greedy output."""
+    expected = reference.generate(PROMPTS[0], greedy(), use_tqdm=False)[0].outputs[0].text
+    top1 = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                     temperature=1.5, seed=3, extra_body={"top_k": 1})
+    assert top1.choices[0].text == expected
+    penalised = reference.generate(PROMPTS[0], greedy(frequency_penalty=2.0,
+                                                      repetition_penalty=1.5),
+                                   use_tqdm=False)[0].outputs[0].text
+    response = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                         temperature=0, frequency_penalty=2.0,
+                                         extra_body={"repetition_penalty": 1.5})
+    assert response.choices[0].text == penalised

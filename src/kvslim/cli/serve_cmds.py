@@ -44,6 +44,13 @@ def run_serve(args) -> int:
     print(f"kvslim serve: {name} on http://{args.host}:{args.port} "
           f"({stats.num_blocks} KV blocks of {stats.block_size} tokens, "
           f"max_model_len {llm.engine.max_model_len})", file=sys.stderr, flush=True)
+    if stats.max_tokens < llm.engine.max_model_len:
+        # The engine rejects a request whose prompt + max_tokens exceeds the whole cache, and a
+        # chat request without max_tokens asks for up to max_model_len.
+        print(f"kvslim serve: warning: the KV cache holds {stats.max_tokens} tokens, fewer than "
+              f"max_model_len; requests without max_tokens will be refused. Raise "
+              f"--kv-cache-memory or lower --max-model-len to {stats.max_tokens}.",
+              file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
     server = uvicorn.Server(config)
