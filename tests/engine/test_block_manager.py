@@ -88,6 +88,8 @@ def test_free_keeps_cached_blocks_and_evicts_in_lru_order():
     bm.allocate(e)                                        # block 0 survived, block 1 was evicted
     assert e.block_table == [0, 4] and e.num_cached_tokens == 4
     assert bm.prefix_cache_hits == 8 + 4 + 4
+    scanned = sum(1 for b in bm.free_queue if bm.blocks[b].hash is not None)
+    assert bm.num_cached_free_blocks == scanned
 
 
 def test_can_allocate_counts_revived_blocks_and_watermark():

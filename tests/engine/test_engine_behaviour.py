@@ -61,10 +61,15 @@ def test_budget_too_small_for_one_sequence(hf_checkpoints):
     path = hf_checkpoints["gqa"]
     with pytest.raises(KvslimError, match="too small for one block"):
         engine(path, kv_cache_memory=100)
-    eng = engine(path, kv_cache_memory=4 * engine(path).runner.bytes_per_block)   # 64 tokens
-    with pytest.raises(InvalidRequestError, match="whole cache holds 64"):
+    budget = 4 * engine(path).runner.bytes_per_block                # 64 tokens
+    with pytest.raises(KvslimError, match="max_model_len=128 needs more KV cache"):
+        engine(path, kv_cache_memory=budget, max_model_len=128)
+    eng = engine(path, kv_cache_memory=budget)      # the model's 512 positions: capped to 64
+    assert eng.max_model_len == 64
+    with pytest.raises(InvalidRequestError, match=r"exceeds max_model_len \(64\)"):
         eng.add_request(PROMPT, SamplingParams(max_tokens=60))
-    assert tokens(run(eng, [PROMPT], SamplingParams(max_tokens=40, **GREEDY)))[0]
+    out = run(eng, [PROMPT], SamplingParams(max_tokens=None, **GREEDY))[0]   # up to the cap
+    assert len(out.outputs[0].token_ids) == 64 - len(PROMPT)
 
 
 def test_seeded_sampling_is_reproducible_across_batches(hf_checkpoints):

@@ -33,6 +33,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}         # block hash -> block id
+        self.num_cached_free_blocks = 0          # free blocks whose contents are still findable
         self.prefix_cache_queries = 0            # prompt tokens looked up at admission
         self.prefix_cache_hits = 0               # of those, served from the cache
 
@@ -44,10 +45,6 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free_queue if self.blocks[b].hash is not None)
 
     # ---- hashing -------------------------------------------------------------------------
     def _update_hashes(self, seq: Sequence, num_blocks: int) -> None:
@@ -102,12 +99,14 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self.free_queue[block_id]
+            self.num_cached_free_blocks -= block.hash is not None
         block.ref_count += 1
 
     def _allocate_new(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:                      # evict its cached contents
+            self.num_cached_free_blocks -= 1
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
             block.hash = block.token_ids = None
@@ -163,6 +162,7 @@ class BlockManager:
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
+                self.num_cached_free_blocks += block.hash is not None
         seq.block_table = []
         seq.block_table_dirty_from = 0
         seq.num_registered_blocks = 0
@@ -186,4 +186,5 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         for block_id in self.free_queue:
             self.blocks[block_id].hash = self.blocks[block_id].token_ids = None
+        self.num_cached_free_blocks = 0
         self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].hash == h}

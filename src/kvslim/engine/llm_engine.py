@@ -42,9 +42,9 @@ class LLMEngine:
         self.model = load_model(model_dir, dtype=self.config.dtype, device=device)
         self.model_config = self.model.config
         self.tokenizer = tokenizer or Tokenizer.from_dir(model_dir)
-        self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
         eos = list(dict.fromkeys(self.tokenizer.eos_token_ids + self.model_config.eos_token_ids))
         self.eos_token_ids = eos
+        self.max_model_len = self._max_model_len()
         self.runner = ModelRunner(self.model, self.config, eos, self.max_model_len)
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching,
@@ -59,6 +59,23 @@ class LLMEngine:
         self.num_steps = 0
         self.peak_num_running = 0                    # most sequences decoded in one step
         self.peak_used_blocks = 0
+
+    def _max_model_len(self) -> int:
+        """The model's context, capped by what the KV cache can hold for one sequence (a user
+        who asks for more than the cache holds gets an error instead)."""
+        from kvslim.engine.model_runner import kv_block_bytes
+        dtype = next(self.model.parameters()).dtype
+        capacity = (self.config.kv_cache_memory
+                    // kv_block_bytes(self.model_config, self.config.block_size, dtype)
+                    * self.config.block_size)
+        if self.config.max_model_len is not None:
+            if capacity and self.config.max_model_len > capacity:
+                raise KvslimError(
+                    f"max_model_len={self.config.max_model_len} needs more KV cache than "
+                    f"kv_cache_memory={self.config.kv_cache_memory} bytes holds ({capacity} "
+                    f"tokens); raise kv_cache_memory or lower max_model_len")
+            return self.config.max_model_len
+        return max(1, min(self.model_config.max_position_embeddings, capacity))
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -181,7 +198,7 @@ class LLMEngine:
             completions.append(CompletionOutput(
                 index=seq.index, text=detok.text, token_ids=seq.output_token_ids,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
                 cumulative_logprob=seq.cumulative_logprob,
                 delta_text=detok.take_delta(seq.is_finished),
                 delta_token_ids=seq.output_token_ids[sent:]))
