@@ -1,5 +1,5 @@
-"""`kvslim bench <kind>`: one sub-command per benchmark. Each kind registers itself on the
-`bench` sub-parser below; only `serve` (load against a running server) is here so far."""
+"""`kvslim bench <kind>`: one sub-command per benchmark — throughput, latency, capacity, report
+(the standard suite that writes docs/benchmarks.md) and serve (load against a running server)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,10 @@ import os
 
 
 def register(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (serve: load against an OpenAI server)")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, capacity, report, serve")
     kinds = bench.add_subparsers(dest="bench_command", metavar="KIND", required=True)
+    from kvslim.cli.bench_engine_cmds import register_engine_benchmarks
+    register_engine_benchmarks(kinds)
     _register_serve(kinds)
 
 

@@ -1,0 +1,118 @@
+"""`kvslim bench latency`: decode speed at batch 1 and batch 8 — time to first token, time per
+output token, decode tokens/s — for kvslim and its peers in the same run, with the roofline: the
+machine's measured memory bandwidth and the fraction of it each engine's decode step achieves
+(weights + KV-cache bytes read per step / step time)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvslim.bench.machine import Bandwidth, memory_bandwidth
+from kvslim.bench.runners import kvslim_llm, peer
+from kvslim.bench.workload import Workload, special_ids
+from kvslim.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineLatency:
+    engine: str
+    label: str
+    batch: int
+    ttft_s: float
+    tpot_s: float
+    decode_tokens_per_s: float
+    bytes_per_step: int
+    achieved_gb_s: float
+    fraction_of_bandwidth: float
+
+
+@dataclass
+class LatencyResult:
+    model: str
+    input_len: int
+    output_len: int
+    threads: int
+    bandwidth: Bandwidth
+    weight_bytes: int
+    kv_bytes_per_token: int
+    results: list[EngineLatency] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def ratio(self, other: str, batch: int) -> float | None:
+        by = {(r.engine, r.batch): r for r in self.results}
+        a, b = by.get(("kvslim", batch)), by.get((other, batch))
+        return a.decode_tokens_per_s / b.decode_tokens_per_s if a and b else None
+
+
+def _entry(result: LatencyResult, engine, label, batch, ttft, tpot) -> EngineLatency:
+    context = result.input_len + result.output_len // 2          # mean context while decoding
+    step_bytes = result.weight_bytes + batch * context * result.kv_bytes_per_token
+    gb_s = step_bytes / tpot / 1e9
+    return EngineLatency(engine, label, batch, round(ttft, 4), round(tpot, 5),
+                         round(batch / tpot, 1), step_bytes, round(gb_s, 2),
+                         round(gb_s / result.bandwidth.read_gb_s, 3))
+
+
+def run_latency(model_dir, input_len: int = 128, output_len: int = 64,
+                batches: tuple[int, ...] = (1, 8), compare: list[str] = (),
+                show_progress: bool = True) -> LatencyResult:
+    llm = kvslim_llm(model_dir, "1GiB", max_num_seqs=max(batches))
+    model = llm.engine.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in
+                                                               model.parameters()}.values())
+    result = LatencyResult(str(model_dir), input_len, output_len, torch.get_num_threads(),
+                           memory_bandwidth(), weight_bytes,
+                           llm.engine.runner.bytes_per_block // llm.engine.config.block_size)
+    w = Workload(max(batches), input_len, output_len, seed=1)
+    prompts = w.prompts(llm.engine.model_config.vocab_size, special_ids(llm.tokenizer))
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    for b in batches:
+        outs = llm.generate(prompts[:b], params, use_tqdm=False)
+        ttft = sum(o.metrics.time_to_first_token for o in outs) / b
+        tpot = sum(o.metrics.time_per_output_token for o in outs) / b
+        result.results.append(_entry(result, "kvslim", "kvslim", b, ttft, tpot))
+    del llm
+    for name in compare:
+        runner = peer(name, model_dir, torch.get_num_threads())
+        if runner is None:
+            result.skipped.append(f"{name}: llama-cpp-python is not installed")
+            continue
+        if show_progress:
+            print(f"[bench] {runner.label} ...", flush=True)
+        for b in batches:
+            if name == "llamacpp" and b > 1:
+                result.skipped.append(f"llamacpp batch {b}: its Python API decodes one "
+                                      f"sequence at a time")
+                continue
+            if name == "hf":
+                runner.generate(prompts[:b], 2, b)                      # warm-up
+                ttft, tpot = runner.latency(prompts[:b], output_len)
+            else:
+                runner.run(prompts[0], 2)
+                ttft, tpot = runner.latency(prompts[0], output_len)
+            result.results.append(_entry(result, name, runner.label, b, ttft, tpot))
+    return result
+
+
+def format_latency(r: LatencyResult) -> str:
+    lines = [f"decode latency: {r.input_len} prompt tokens, {r.output_len} generated, float32, "
+             f"{r.threads} threads, model {r.model}",
+             f"memory bandwidth: {r.bandwidth.read_gb_s} GB/s read, {r.bandwidth.copy_gb_s} "
+             f"GB/s copy; weights {r.weight_bytes / 1e6:.0f} MB, KV {r.kv_bytes_per_token} B/token",
+             f"{'engine':<44} {'batch':>5} {'TTFT s':>8} {'TPOT ms':>8} {'tok/s':>7} "
+             f"{'GB/s':>6} {'of BW':>6}"]
+    for e in r.results:
+        lines.append(f"{e.label:<44} {e.batch:>5} {e.ttft_s:>8.3f} {e.tpot_s * 1e3:>8.1f} "
+                     f"{e.decode_tokens_per_s:>7.1f} {e.achieved_gb_s:>6.1f} "
+                     f"{e.fraction_of_bandwidth:>6.0%}")
+    for e in r.results:
+        if e.engine != "kvslim" and r.ratio(e.engine, e.batch):
+            lines.append(f"kvslim / {e.engine} at batch {e.batch}: "
+                         f"{r.ratio(e.engine, e.batch):.2f}x decode tokens/s")
+    lines += [f"skipped {s}" for s in r.skipped]
+    return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""`kvslim bench report`: the standard suite in one run, written to docs/benchmarks.md (tables,
+PNG plots, the machine) and docs/benchmarks.json (every measured number)."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from kvslim.bench.capacity import CapacityResult, conversions, format_capacity, run_capacity
+from kvslim.bench.latency import LatencyResult, format_latency, run_latency
+from kvslim.bench.machine import machine_info
+from kvslim.bench.throughput import ThroughputResult, format_throughput, run_throughput
+from kvslim.bench.workload import Workload
+from kvslim.model.registry import default_model_dir
+
+FULL = dict(workload=Workload(64, 128, 128), latency=(128, 64), capacity=("64MiB", 256))
+QUICK = dict(workload=Workload(8, 32, 32), latency=(32, 16), capacity=("4MiB", 64))
+
+
+def run_report(out: str | Path, ref_model: str | Path, quick: bool = False) -> Path:
+    plan = QUICK if quick else FULL
+    out = Path(out)
+    started = time.time()
+    model = default_model_dir()
+    machine = machine_info()
+    thr = run_throughput(model, plan["workload"], ["hf", "llamacpp"])
+    print(format_throughput(thr), flush=True)
+    lat = run_latency(model, *plan["latency"], batches=(1, 8), compare=["hf", "llamacpp"])
+    print(format_latency(lat), flush=True)
+    h = json.loads((Path(ref_model) / "config.json").read_text())["num_key_value_heads"]
+    dirs = conversions(Path(ref_model), sorted({h // 4, 1}, reverse=True),
+                       Path("runs/capacity"), show_progress=True)
+    cap = run_capacity(dirs, *plan["capacity"])
+    print(format_capacity(cap), flush=True)
+    minutes = (time.time() - started) / 60
+    command = "kvslim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    images = plot(thr, lat, cap, out.parent / "img")
+    raw = {"machine": machine.to_dict(), "throughput": thr.to_dict(), "latency": lat.to_dict(),
+           "capacity": cap.to_dict(), "minutes": round(minutes, 1), "command": command}
+    out.with_suffix(".json").write_text(json.dumps(raw, indent=2) + "\n")
+    out.write_text(render(machine, thr, lat, cap, images, out.parent, command, minutes))
+    return out
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render(machine, thr: ThroughputResult, lat: LatencyResult, cap: CapacityResult, images,
+           root: Path, command: str, minutes: float) -> str:
+    w = thr.workload
+    thr_rows = [[e.label, f"{e.seconds:.1f}", f"{e.requests_per_s:.2f}",
+                 f"{e.output_tokens_per_s:.1f}", f"{e.total_tokens_per_s:.1f}",
+                 "1.00x" if e.engine == "kvslim" else f"{thr.ratio(e.engine):.2f}x"]
+                for e in thr.results]
+    lat_rows = [[e.label, e.batch, f"{e.ttft_s * 1e3:.0f}", f"{e.tpot_s * 1e3:.1f}",
+                 f"{e.decode_tokens_per_s:.1f}", f"{e.achieved_gb_s:.1f}",
+                 f"{e.fraction_of_bandwidth:.0%}",
+                 "—" if e.engine == "kvslim" else f"{lat.ratio(e.engine, e.batch):.2f}x"]
+                for e in lat.results]
+    base = cap.entries[0]
+    cap_rows = [[e.model, e.kv_heads, f"{e.kv_bytes_per_token:,}", e.num_blocks, e.max_sequences,
+                 f"{e.max_sequences / base.max_sequences:.2f}x", e.peak_running,
+                 f"{e.output_tokens_per_s:.1f}", e.preemptions] for e in cap.entries]
+    skipped = "\n".join(f"- skipped {s}" for s in thr.skipped + lat.skipped) or ""
+    img = [p.relative_to(root) for p in images]
+    return f"""# Benchmarks
+
+Every number on this page was measured by one command, in one run of {minutes:.0f} minutes:
+
+```bash
+{command}
+```
+
+Raw results: `benchmarks.json`. Machine: {machine.cpu}, {machine.cores} cores,
+{machine.memory_gib} GiB, torch {machine.torch} with {machine.torch_threads} threads,
+Python {machine.python}. Memory bandwidth measured in the same run:
+{lat.bandwidth.read_gb_s} GB/s read, {lat.bandwidth.copy_gb_s} GB/s copy (read + write).
+All engines run the same model ({Path(thr.model).name}), the same token ids, float32 weights,
+greedy decoding with a fixed number of output tokens, and the same number of threads.
+
+## Offline throughput — {w['num_prompts']} prompts, {w['input_len']} tokens in, {w['output_len']} out
+
+{_table(["engine", "seconds", "requests/s", "output tokens/s", "total tokens/s", "kvslim is"],
+        thr_rows)}
+
+![throughput]({img[0]})
+
+## Decode latency — {lat.input_len}-token prompts, {lat.output_len} generated
+
+TTFT: time to first token; TPOT: time per output token after the first. Bytes per step: all
+weights plus the KV cache of the batch at its mean context; "of BW" is that traffic divided by
+TPOT, as a fraction of the measured read bandwidth (the roofline of a memory-bound decode).
+
+{_table(["engine", "batch", "TTFT ms", "TPOT ms", "decode tokens/s", "GB/s", "of BW",
+         "kvslim is"], lat_rows)}
+
+![latency]({img[1]})
+
+## Capacity — one KV-cache budget ({cap.kv_cache_memory / 2**20:.0f} MiB), MHA vs its GQA/MQA conversions
+
+Sequences of {cap.context} tokens ({cap.context // 2} prompt + {cap.context - cap.context // 2}
+generated); {cap.num_requests} requests submitted at once, so that the cache, not
+`max_num_seqs`, limits the batch. "fit" counts whole sequences in the allocated blocks; "peak"
+is the most sequences the engine ran in one step.
+
+{_table(["model", "KV heads", "KV bytes/token", "blocks", "fit", "vs MHA", "peak running",
+         "output tokens/s", "preemptions"], cap_rows)}
+
+![capacity]({img[2]})
+
+{skipped}
+"""
+
+
+def plot(thr, lat, cap, img_dir: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    img_dir.mkdir(parents=True, exist_ok=True)
+    paths = [img_dir / n for n in ("bench-throughput.png", "bench-latency.png",
+                                   "bench-capacity.png")]
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    names = [e.engine for e in thr.results]
+    ax.barh(names, [e.output_tokens_per_s for e in thr.results], color="tab:blue")
+    ax.set_xlabel("output tokens/s (higher is better)")
+    ax.set_title("Offline throughput")
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    labels = [f"{e.engine} b{e.batch}" for e in lat.results]
+    ax.barh(labels, [e.decode_tokens_per_s for e in lat.results], color="tab:green")
+    ax.set_xlabel("decode tokens/s (higher is better)")
+    ax.set_title("Decode speed at batch 1 and 8")
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    names = [f"{e.kv_heads} KV heads" for e in cap.entries]
+    axes[0].bar(names, [e.max_sequences for e in cap.entries], color="tab:purple", label="fit")
+    axes[0].plot(names, [e.peak_running for e in cap.entries], "ko", label="measured peak")
+    axes[0].set_title("Concurrent sequences")
+    axes[0].legend()
+    axes[1].bar(names, [e.output_tokens_per_s for e in cap.entries], color="tab:orange")
+    axes[1].set_title("Sustained output tokens/s")
+    fig.tight_layout()
+    fig.savefig(paths[2], dpi=110)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,107 @@
+"""`kvslim bench throughput | latency | capacity | report`."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+
+def _common(p) -> None:
+    p.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) threads")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def register_engine_benchmarks(kinds) -> None:
+    p = kinds.add_parser("throughput", help="offline throughput vs HF transformers and llama.cpp")
+    p.add_argument("--model", default=None, help="model directory (default: embedded model)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--compare", default="hf,llamacpp", help="peers: hf, llamacpp, or ''")
+    p.add_argument("--hf-batch-size", type=int, default=8)
+    p.add_argument("--kv-cache-memory", default="2GiB")
+    _common(p)
+    p.set_defaults(func=run_throughput_cmd)
+
+    p = kinds.add_parser("latency", help="batch-1/8 decode speed and roofline vs peers")
+    p.add_argument("--model", default=None)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--compare", default="hf,llamacpp")
+    _common(p)
+    p.set_defaults(func=run_latency_cmd)
+
+    p = kinds.add_parser("capacity", help="an MHA model vs its GQA/MQA conversions, one budget")
+    p.add_argument("--model", default="models/ref-mha", help="the MHA model")
+    p.add_argument("--kv-heads", default=None, help="conversions to compare (default H/4,1)")
+    p.add_argument("--kv-cache-memory", default="64MiB")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--work-dir", default="runs/capacity")
+    _common(p)
+    p.set_defaults(func=run_capacity_cmd)
+
+    p = kinds.add_parser("report", help="the standard suite -> docs/benchmarks.md with plots")
+    p.add_argument("--out", default="docs/benchmarks.md")
+    p.add_argument("--ref-model", default="models/ref-mha")
+    p.add_argument("--quick", action="store_true", help="a much smaller suite (smoke test)")
+    _common(p)
+    p.set_defaults(func=run_report_cmd)
+
+
+def _setup(args):
+    from kvslim.model.registry import resolve_model
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return resolve_model(getattr(args, "model", None))
+
+
+def _emit(args, result, fmt) -> int:
+    print(json.dumps(result.to_dict(), indent=2) if args.json else fmt(result))
+    return 0
+
+
+def run_throughput_cmd(args) -> int:
+    from kvslim.bench.runners import parse_compare
+    from kvslim.bench.throughput import format_throughput, run_throughput
+    from kvslim.bench.workload import Workload
+    model = _setup(args)
+    w = Workload(args.num_prompts, args.input_len, args.output_len)
+    result = run_throughput(model, w, parse_compare(args.compare), args.hf_batch_size,
+                            args.kv_cache_memory, show_progress=not args.json)
+    return _emit(args, result, format_throughput)
+
+
+def run_latency_cmd(args) -> int:
+    from kvslim.bench.latency import format_latency, run_latency
+    from kvslim.bench.runners import parse_compare
+    model = _setup(args)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    result = run_latency(model, args.input_len, args.output_len, batches,
+                         parse_compare(args.compare), show_progress=not args.json)
+    return _emit(args, result, format_latency)
+
+
+def run_capacity_cmd(args) -> int:
+    from pathlib import Path
+
+    from kvslim.bench.capacity import conversions, format_capacity, run_capacity
+    from kvslim.model.config import ModelConfig
+    model = _setup(args)
+    h = ModelConfig.from_dir(model).num_key_value_heads
+    ks = [int(k) for k in args.kv_heads.split(",")] if args.kv_heads else sorted({h // 4, 1},
+                                                                                 reverse=True)
+    dirs = conversions(model, ks, Path(args.work_dir), show_progress=not args.json)
+    result = run_capacity(dirs, args.kv_cache_memory, args.context, args.num_requests,
+                          show_progress=not args.json)
+    return _emit(args, result, format_capacity)
+
+
+def run_report_cmd(args) -> int:
+    from kvslim.bench.report import run_report
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = run_report(args.out, args.ref_model, quick=args.quick)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,57 @@
+"""The engine benchmarks as commands: they run, compare in one process, and --json parses.
+(Speed itself is measured by `kvslim bench report`, never asserted in a test.)"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvslim.bench.capacity import conversions, run_capacity
+from kvslim.bench.latency import run_latency
+from kvslim.bench.throughput import run_throughput
+from kvslim.bench.workload import Workload
+from kvslim.errors import KvslimError
+from kvslim.bench.runners import parse_compare
+
+
+def test_throughput_runs_kvslim_and_hf_on_the_same_work(hf_checkpoints):
+    r = run_throughput(hf_checkpoints["gqa"], Workload(6, 12, 8), ["hf"], hf_batch_size=4,
+                       kv_cache_memory="4MiB", show_progress=False)
+    assert [e.engine for e in r.results] == ["kvslim", "hf"]
+    assert all(e.output_tokens_per_s > 0 for e in r.results)
+    d = r.to_dict()
+    assert d["ratios"]["kvslim/hf"] > 0 and d["workload"]["num_prompts"] == 6
+
+
+def test_latency_reports_roofline_fractions(hf_checkpoints):
+    r = run_latency(hf_checkpoints["gqa"], input_len=10, output_len=6, batches=(1, 2),
+                    compare=["hf"], show_progress=False)
+    assert [(e.engine, e.batch) for e in r.results] == [("kvslim", 1), ("kvslim", 2),
+                                                         ("hf", 1), ("hf", 2)]
+    assert r.bandwidth.read_gb_s > 0
+    e = r.results[1]
+    assert e.bytes_per_step == r.weight_bytes + 2 * (10 + 3) * r.kv_bytes_per_token
+    assert e.fraction_of_bandwidth > 0
+
+
+def test_capacity_grows_with_fewer_kv_heads(hf_checkpoints, tmp_path):
+    dirs = conversions(hf_checkpoints["mha8"], [2, 1], tmp_path, show_progress=False)
+    r = run_capacity(dirs, kv_cache_memory=64 * 16384, context=32, show_progress=False)
+    fit = [e.max_sequences for e in r.entries]
+    assert [e.kv_heads for e in r.entries] == [8, 2, 1]
+    assert fit == [fit[0], 4 * fit[0], 8 * fit[0]]
+    assert r.entries[1].peak_running >= 3 * r.entries[0].peak_running
+
+
+def test_unknown_peer_is_an_error():
+    with pytest.raises(KvslimError, match="unknown engine 'vllm'"):
+        parse_compare("hf,vllm")
+
+
+def test_cli_json(hf_checkpoints):
+    r = subprocess.run([sys.executable, "-m", "kvslim.cli.main", "bench", "throughput",
+                        "--model", str(hf_checkpoints["gqa"]), "--num-prompts", "3",
+                        "--input-len", "8", "--output-len", "4", "--compare", "",
+                        "--kv-cache-memory", "4MiB", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["results"][0]["engine"] == "kvslim"
