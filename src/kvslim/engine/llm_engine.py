@@ -16,6 +16,7 @@ from kvslim.engine.scheduler import Scheduler
 from kvslim.engine.sequence import Sequence
 from kvslim.errors import InvalidRequestError, KvslimError
 from kvslim.model.device import resolve_device
+from kvslim.model.fused import fuse_for_inference
 from kvslim.model.loader import load_model
 from kvslim.model.tokenizer import Tokenizer
 
@@ -39,7 +40,8 @@ class LLMEngine:
     def __init__(self, model_dir, config: EngineConfig | None = None, tokenizer: Tokenizer | None = None):
         self.config = config or EngineConfig()
         device = resolve_device(self.config.device)
-        self.model = load_model(model_dir, dtype=self.config.dtype, device=device)
+        self.model = fuse_for_inference(load_model(model_dir, dtype=self.config.dtype,
+                                                   device=device))
         self.model_config = self.model.config
         self.tokenizer = tokenizer or Tokenizer.from_dir(model_dir)
         eos = list(dict.fromkeys(self.tokenizer.eos_token_ids + self.model_config.eos_token_ids))
