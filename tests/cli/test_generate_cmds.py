@@ -40,3 +40,13 @@ def test_demo_report(smollm2_dir):
     assert report["peak_concurrent_sequences"] > 1
     assert report["prefix_cache_hit_tokens"] > 0
     assert 0 < report["blocks_peak_used"] <= report["blocks_total"]
+
+
+def test_chat_reads_turns_until_exit(hf_checkpoints):
+    r = subprocess.run([sys.executable, "-m", "kvslim.cli.main", "chat", "--model",
+                        str(hf_checkpoints["gqa"]), "--max-tokens", "4",
+                        "--kv-cache-memory", "4MiB"],
+                       input="hello\n/reset\nagain\n/exit\n", capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("> ") == 4 and r.stdout.count("s]") == 2   # two answers, timed
