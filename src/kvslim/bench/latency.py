@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvslim.bench.machine import Bandwidth, memory_bandwidth
-from kvslim.bench.runners import kvslim_llm, peer
+from kvslim.bench.runners import kvslim_llm, peers
 from kvslim.bench.workload import Workload, special_ids
 from kvslim.engine.sampling_params import SamplingParams
 
@@ -77,13 +77,7 @@ def run_latency(model_dir, input_len: int = 128, output_len: int = 64,
         tpot = sum(o.metrics.time_per_output_token for o in outs) / b
         result.results.append(_entry(result, "kvslim", "kvslim", b, ttft, tpot))
     del llm
-    for name in compare:
-        runner = peer(name, model_dir, torch.get_num_threads())
-        if runner is None:
-            result.skipped.append(f"{name}: llama-cpp-python is not installed")
-            continue
-        if show_progress:
-            print(f"[bench] {runner.label} ...", flush=True)
+    for name, runner in peers(compare, model_dir, result.skipped, show_progress):
         for b in batches:
             if name == "llamacpp" and b > 1:
                 result.skipped.append(f"llamacpp batch {b}: its Python API decodes one "

@@ -125,22 +125,12 @@ def plot(thr, lat, cap, img_dir: Path) -> list[Path]:
     img_dir.mkdir(parents=True, exist_ok=True)
     paths = [img_dir / n for n in ("bench-throughput.png", "bench-latency.png",
                                    "bench-capacity.png")]
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
-    names = [e.engine for e in thr.results]
-    ax.barh(names, [e.output_tokens_per_s for e in thr.results], color="tab:blue")
-    ax.set_xlabel("output tokens/s (higher is better)")
-    ax.set_title("Offline throughput")
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
-    labels = [f"{e.engine} b{e.batch}" for e in lat.results]
-    ax.barh(labels, [e.decode_tokens_per_s for e in lat.results], color="tab:green")
-    ax.set_xlabel("decode tokens/s (higher is better)")
-    ax.set_title("Decode speed at batch 1 and 8")
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=110)
-    plt.close(fig)
+    _barh(plt, paths[0], [e.engine for e in thr.results],
+          [e.output_tokens_per_s for e in thr.results], "tab:blue",
+          "output tokens/s (higher is better)", "Offline throughput")
+    _barh(plt, paths[1], [f"{e.engine} b{e.batch}" for e in lat.results],
+          [e.decode_tokens_per_s for e in lat.results], "tab:green",
+          "decode tokens/s (higher is better)", "Decode speed at batch 1 and 8")
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     names = [f"{e.kv_heads} KV heads" for e in cap.entries]
     axes[0].bar(names, [e.max_sequences for e in cap.entries], color="tab:purple", label="fit")
@@ -153,3 +143,13 @@ def plot(thr, lat, cap, img_dir: Path) -> list[Path]:
     fig.savefig(paths[2], dpi=110)
     plt.close(fig)
     return paths
+
+
+def _barh(plt, path: Path, labels, values, color: str, xlabel: str, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    ax.barh(labels, values, color=color)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -41,6 +41,18 @@ def exported_gguf(model_dir: Path, dtype: str = "f32") -> Path:
     return out
 
 
+def peers(names: list[str], model_dir: Path, skipped: list[str], show_progress: bool):
+    """(name, runner) for each peer that can run here; the others are noted in `skipped`."""
+    for name in names:
+        runner = peer(name, model_dir, torch.get_num_threads())
+        if runner is None:
+            skipped.append(f"{name}: llama-cpp-python is not installed")
+            continue
+        if show_progress:
+            print(f"[bench] {runner.label} ...", flush=True)
+        yield name, runner
+
+
 def peer(name: str, model_dir: Path, threads: int):
     if name == "hf":
         from kvslim.bench.peer_hf import HFPeer

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvslim.bench.runners import kvslim_llm, peer
+from kvslim.bench.runners import kvslim_llm, peers
 from kvslim.bench.workload import Workload, special_ids
 from kvslim.engine.sampling_params import SamplingParams
 
@@ -67,13 +67,7 @@ def run_throughput(model_dir, w: Workload, compare: list[str], hf_batch_size: in
     assert all(len(o.outputs[0].token_ids) == w.output_len for o in outs)
     result.results.append(_entry("kvslim", "kvslim (continuous batching)", seconds, w))
     del llm
-    for name in compare:
-        runner = peer(name, model_dir, torch.get_num_threads())
-        if runner is None:
-            result.skipped.append(f"{name}: llama-cpp-python is not installed")
-            continue
-        if show_progress:
-            print(f"[bench] {runner.label} ...", flush=True)
+    for name, runner in peers(compare, model_dir, result.skipped, show_progress):
         if name == "hf":
             runner.generate(prompts[:1], 2, 1)                       # warm-up
             seconds = runner.generate(prompts, w.output_len, hf_batch_size)
