@@ -192,23 +192,33 @@ class LLMEngine:
             self.runner.sampler.release(seq)
 
     def _output(self, state: RequestState) -> RequestOutput:
-        completions = []
-        for seq in sorted(state.seqs, key=lambda s: s.index):
-            detok = state.detokenizers[seq.index]
-            sent = state.sent_tokens.get(seq.index, 0)
-            state.sent_tokens[seq.index] = seq.num_output_tokens
-            completions.append(CompletionOutput(
-                index=seq.index, text=detok.text, token_ids=seq.output_token_ids,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                cumulative_logprob=seq.cumulative_logprob,
-                delta_text=detok.take_delta(seq.is_finished),
-                delta_token_ids=seq.output_token_ids[sent:]))
+        completions = [self._completion(state, seq)
+                       for seq in sorted(state.seqs, key=lambda s: s.index)]
         finished = state.finished
         if finished:
             del self.requests[state.request_id]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
                              finished, self._metrics(state))
+
+    @staticmethod
+    def _completion(state: RequestState, seq: Sequence) -> CompletionOutput:
+        """O(new tokens): the whole token and logprob lists are copied only once, at the end."""
+        detok = state.detokenizers[seq.index]
+        sent = state.sent_tokens.get(seq.index, 0)
+        state.sent_tokens[seq.index] = seq.num_output_tokens
+        new = seq.num_output_tokens - sent
+        wants_logprobs = seq.params.logprobs is not None
+        done = seq.is_finished
+        return CompletionOutput(
+            index=seq.index, text=detok.text,
+            token_ids=seq.output_token_ids if done else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if done and wants_logprobs else None,
+            cumulative_logprob=seq.cumulative_logprob,
+            delta_text=detok.take_delta(done),
+            delta_token_ids=seq.token_ids[len(seq.token_ids) - new:] if new else [],
+            delta_logprobs=seq.logprobs[len(seq.logprobs) - new:] if wants_logprobs and new
+            else None)
 
     @staticmethod
     def _metrics(state: RequestState) -> RequestMetrics:

@@ -8,15 +8,19 @@ from kvslim.engine.sequence import TokenLogprob
 
 @dataclass
 class CompletionOutput:
+    """One completion's progress. `text` is always the whole text so far; `token_ids` and
+    `logprobs` are the complete lists only once finished (None while running), so that a step
+    never copies what earlier steps already reported: stream with the `delta_*` fields."""
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: list[int] | None
     finish_reason: str | None = None          # "stop", "length", "abort" or None (running)
     stop_reason: str | int | None = None      # the stop string or stop token that ended it
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float = 0.0
     delta_text: str = ""                      # new text since the previous output (streaming)
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -203,11 +203,6 @@ class AsyncEngine:
             if tracked is None:
                 continue
             self._record(tracked, output, now)
-            for completion in output.outputs:
-                # The engine hands out the sequence's live logprobs list, which keeps growing
-                # on this thread while the event loop reads it: give the loop a snapshot.
-                if completion.logprobs is not None:
-                    completion.logprobs = list(completion.logprobs)
             deliveries.append((tracked.stream, (tracked.index, output)))
             if output.finished:
                 del self._tracked[output.request_id]

@@ -39,12 +39,12 @@ class _Job:
         return sse(ChatCompletionChunk(id=self.id, created=self.created,
                                        model=self.ctx.model_name, choices=choices, usage=usage))
 
-    def logprobs(self, completion: CompletionOutput, num_tokens: int | None = None):
+    def logprobs(self, completion: CompletionOutput, delta: bool = False):
+        """The whole completion's logprobs, or (streaming) those of this step's new tokens."""
         if not self.request.logprobs:
             return None
-        entries = completion.logprobs or []
-        return chat_logprobs(self.ctx.tokenizer,
-                             entries if num_tokens is None else entries[-num_tokens:])
+        entries = completion.delta_logprobs if delta else completion.logprobs
+        return chat_logprobs(self.ctx.tokenizer, entries or [])
 
     def abort_unfinished(self) -> None:
         if not self.finished:
@@ -120,7 +120,7 @@ def _chunk_choice(job: _Job, c: CompletionOutput, done: set[int]) -> ChatStreamC
     if c.index in done:
         return None
     new_tokens = len(c.delta_token_ids)
-    logprobs = job.logprobs(c, new_tokens) if new_tokens else None
+    logprobs = job.logprobs(c, delta=True) if new_tokens else None
     if not c.delta_text and not c.finished and logprobs is None:
         return None
     if c.finished:

@@ -131,7 +131,7 @@ def _chunk_choice(job: _Job, index: int, output: RequestOutput, c: CompletionOut
     new_tokens = len(c.delta_token_ids)
     logprobs = None
     if job.request.logprobs is not None and new_tokens:
-        logprobs = completion_logprobs(job.ctx.tokenizer, c.logprobs[-new_tokens:],
+        logprobs = completion_logprobs(job.ctx.tokenizer, c.delta_logprobs,
                                        text_sent.get(number, 0))
     if not text and not c.finished and logprobs is None:
         return None
