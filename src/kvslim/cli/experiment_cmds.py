@@ -17,7 +17,7 @@ def register(sub) -> None:
     g.add_argument("--work-dir", default="runs/gqa", help="checkpoints and results.json")
     g.add_argument("--report", default="docs/gqa-uptraining.md")
     g.add_argument("--original-steps", type=int, help="default: from MODEL/train_log.jsonl")
-    g.add_argument("--uptrain-lr", type=float, default=6e-4)
+    g.add_argument("--uptrain-lr", type=float, default=2e-4)
     g.add_argument("--ppl-max-tokens", type=int, default=None)
     g.add_argument("--skip-smollm2", action="store_true")
     g.add_argument("--smollm2-steps", type=int, default=100)

@@ -27,7 +27,7 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="output model directory")
     p.add_argument("--fraction", type=float, help="uptrain for this fraction of --of-steps")
     p.add_argument("--of-steps", type=int, help="the original training's step count")
-    add_loop_args(p, steps=100, lr=6e-4, warmup=-1)
+    add_loop_args(p, steps=100, lr=2e-4, warmup=-1)
     p.set_defaults(func=run_uptrain)
 
     p = sub.add_parser("ppl", help="sliding-window perplexity of a model on a text file")

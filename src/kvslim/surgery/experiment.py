@@ -40,7 +40,7 @@ class ExperimentConfig:
     extra_methods: list[str] = field(default_factory=lambda: ["mean", "align"])
     batch_size: int = 16
     seq_len: int = 256
-    uptrain_lr: float = 6e-4
+    uptrain_lr: float = 2e-4             # where pretraining ended: a higher peak undoes it
     calib_samples: int = 32
     ppl_context: int = 256
     ppl_stride: int = 128
