@@ -16,3 +16,17 @@ def test_fused_model_matches(hf_checkpoints, variant):
         assert all(isinstance(l.self_attn, FusedAttention) and isinstance(l.mlp, FusedMLP)
                    for l in fused.model.layers)
         torch.testing.assert_close(fused.logits(ids), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "qwen2_bias", "tied"])
+def test_packed_cpu_linears_match(hf_checkpoints, variant):
+    from kvslim.model.cpu_linear import PackedLinear, pack_linears_for_cpu
+    ids = torch.randint(0, VOCAB, (2, 15))
+    with torch.no_grad():
+        ref = load_model(hf_checkpoints[variant]).logits(ids)
+        model = fuse_for_inference(load_model(hf_checkpoints[variant]))
+        if not pack_linears_for_cpu(model):
+            pytest.skip("oneDNN linear not available in this torch build")
+        assert isinstance(model.lm_head, PackedLinear)
+        assert isinstance(model.model.layers[0].self_attn.qkv_proj, PackedLinear)
+        torch.testing.assert_close(model.logits(ids), ref, atol=1e-4, rtol=1e-4)

@@ -16,6 +16,7 @@ from kvslim.engine.scheduler import Scheduler
 from kvslim.engine.sequence import Sequence
 from kvslim.errors import InvalidRequestError, KvslimError
 from kvslim.model.device import resolve_device
+from kvslim.model.cpu_linear import pack_linears_for_cpu
 from kvslim.model.fused import fuse_for_inference
 from kvslim.model.loader import load_model
 from kvslim.model.tokenizer import Tokenizer
@@ -42,6 +43,7 @@ class LLMEngine:
         device = resolve_device(self.config.device)
         self.model = fuse_for_inference(load_model(model_dir, dtype=self.config.dtype,
                                                    device=device))
+        pack_linears_for_cpu(self.model)
         self.model_config = self.model.config
         self.tokenizer = tokenizer or Tokenizer.from_dir(model_dir)
         eos = list(dict.fromkeys(self.tokenizer.eos_token_ids + self.model_config.eos_token_ids))
