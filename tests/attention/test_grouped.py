@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvslim.attention.grouped import causal_mask, grouped_sdpa
+from kvslim.attention.grouped import causal_mask, grouped_mask, grouped_sdpa
 
 
 def reference(q, k, v, allowed, scale):
@@ -24,7 +24,7 @@ def test_matches_repeated_kv_reference(heads, kv_heads, tq, tk):
     v = torch.randn(2, tk, kv_heads, 16, generator=g)
     allowed = causal_mask(tq, tk, q.device).expand(2, tq, tk).clone()
     allowed[1, -1, 0] = False                            # row-specific masking
-    out = grouped_sdpa(q, k, v, allowed, 0.25)
+    out = grouped_sdpa(q, k, v, grouped_mask(allowed, heads // kv_heads, q.dtype), 0.25)
     torch.testing.assert_close(out, reference(q, k, v, allowed, 0.25), atol=1e-5, rtol=1e-5)
     if tq == tk:
         plain = grouped_sdpa(q, k, v, None, 0.25)

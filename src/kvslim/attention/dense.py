@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvslim.attention.grouped import causal_mask, grouped_sdpa
+from kvslim.attention.grouped import MaskCache, causal_mask, grouped_sdpa
 
 
 class DenseAttention:
@@ -12,6 +12,7 @@ class DenseAttention:
                  sliding_window: int | None = None):
         """padding_mask [B, T] bool, True for real tokens (left or right padding both work)."""
         self.allowed = None
+        self.masks = MaskCache()
         if padding_mask is not None or sliding_window is not None:
             allowed = causal_mask(seq_len, seq_len, device, sliding_window).unsqueeze(0)
             if padding_mask is not None:
@@ -22,4 +23,5 @@ class DenseAttention:
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
-        return grouped_sdpa(q, k, v, self.allowed, scale)
+        group = q.shape[-2] // k.shape[-2]
+        return grouped_sdpa(q, k, v, self.masks.get(0, self.allowed, group, q.dtype), scale)

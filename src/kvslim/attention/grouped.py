@@ -10,23 +10,47 @@ import torch.nn.functional as F
 
 
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [B, Tq, H, D]; k, v [B, Tk, KVH, D]; allowed bool [B or 1, Tq, Tk] (True = may attend),
-    None for plain causal with Tq == Tk. Returns [B, Tq, H, D]."""
+                 mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [B, Tq, H, D]; k, v [B, Tk, KVH, D]; mask from `grouped_mask` ([B or 1, 1, G*Tq, Tk]
+    additive), or None for plain causal attention with Tq == Tk. Returns [B, Tq, H, D]."""
     b, tq, h, d = q.shape
     kvh = k.shape[2]
     g = h // kvh
     qg = q.view(b, tq, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * tq, d)
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)
-    if allowed is None and g == 1:
+    if mask is None and g == 1:
         out = F.scaled_dot_product_attention(qg, kt, vt, is_causal=True, scale=scale)
     else:
-        if allowed is None:
-            allowed = causal_mask(tq, tq, q.device).unsqueeze(0)
-        mask = allowed.unsqueeze(1).expand(allowed.shape[0], g, tq, allowed.shape[-1])
-        mask = mask.reshape(allowed.shape[0], 1, g * tq, allowed.shape[-1])
+        if mask is None:
+            mask = grouped_mask(causal_mask(tq, tq, q.device)[None], g, q.dtype)
         out = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)
     return out.view(b, kvh, g, tq, d).permute(0, 3, 1, 2, 4).reshape(b, tq, h, d)
+
+
+def grouped_mask(allowed: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """bool [B, Tq, Tk] (True = may attend) -> the additive [B, 1, group*Tq, Tk] mask for the
+    folded queries. Built once per forward pass and shared by every layer."""
+    bsz, tq, tk = allowed.shape
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, float("-inf"))
+    return mask[:, None].expand(bsz, group, tq, tk).reshape(bsz, 1, group * tq, tk)
+
+
+class MaskCache:
+    """Per forward pass: the grouped additive form of each boolean mask, made on first use
+    (when the layers' group size and dtype are known) and reused by every later layer."""
+
+    def __init__(self):
+        self._built: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+
+    def get(self, key: int, allowed: torch.Tensor | None, group: int, dtype: torch.dtype
+            ) -> torch.Tensor | None:
+        if allowed is None:
+            return None
+        cache_key = (key, group, dtype)
+        if cache_key not in self._built:
+            self._built[cache_key] = grouped_mask(allowed, group, dtype)
+        return self._built[cache_key]
 
 
 def causal_mask(tq: int, tk: int, device: torch.device, sliding_window: int | None = None,

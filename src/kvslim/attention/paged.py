@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvslim.attention.grouped import causal_mask, grouped_sdpa
+from kvslim.attention.grouped import MaskCache, causal_mask, grouped_sdpa
 
 
 @dataclass
@@ -37,6 +37,7 @@ class PagedAttention:
         self.meta = meta
         self.block_size = kv_caches[0][0].shape[1]
         device = meta.slot_mapping.device
+        self.masks = MaskCache()
         self.decode_allowed = None
         if meta.num_decode_tokens:
             max_len = meta.decode_block_tables.shape[1] * self.block_size
@@ -59,19 +60,27 @@ class PagedAttention:
         slots = self.meta.slot_mapping
         k_cache.view(-1, kvh, d)[slots] = k
         v_cache.view(-1, kvh, d)[slots] = v
-        out = torch.empty_like(q)
+        group = q.shape[1] // kvh
         nd = self.meta.num_decode_tokens
+        decoded = None
         if nd:
             tables = self.meta.decode_block_tables
             keys = k_cache[tables].view(nd, -1, kvh, d)
             values = v_cache[tables].view(nd, -1, kvh, d)
-            out[:nd] = grouped_sdpa(q[:nd, None], keys, values, self.decode_allowed, scale)[:, 0]
-        for chunk, allowed in zip(self.meta.prefills, self.prefill_allowed):
+            mask = self.masks.get(-1, self.decode_allowed, group, q.dtype)
+            decoded = grouped_sdpa(q[:nd, None], keys, values, mask, scale)[:, 0]
+            if not self.meta.prefills:                 # a pure decode step: no copy into out
+                return decoded
+        out = torch.empty_like(q)
+        if decoded is not None:
+            out[:nd] = decoded
+        for i, (chunk, allowed) in enumerate(zip(self.meta.prefills, self.prefill_allowed)):
             s, t = chunk.query_start, chunk.query_len
             if chunk.context_len == t:          # nothing cached before: use the fresh K/V
                 keys, values = k[s:s + t], v[s:s + t]
             else:
                 keys = k_cache[chunk.block_table].view(-1, kvh, d)[:chunk.context_len]
                 values = v_cache[chunk.block_table].view(-1, kvh, d)[:chunk.context_len]
-            out[s:s + t] = grouped_sdpa(q[None, s:s + t], keys[None], values[None], allowed, scale)[0]
+            mask = self.masks.get(i, allowed, group, q.dtype)
+            out[s:s + t] = grouped_sdpa(q[None, s:s + t], keys[None], values[None], mask, scale)[0]
         return out
