@@ -57,7 +57,10 @@ def run_capacity(model_dirs: list[Path], kv_cache_memory: str | int = "64MiB",
                  context: int = 256, num_requests: int | None = None, block_size: int = 16,
                  show_progress: bool = True) -> CapacityResult:
     budget = parse_bytes(kv_cache_memory)
-    half = context // 2
+    # Prompts of nearly the whole context: a sequence holds (almost) all its blocks from its
+    # admission, so the concurrency measured is the concurrency that fits, not a transient.
+    output_len = max(4, context // 16)
+    prompt_len = context - output_len
     blocks_per_seq = -(-context // block_size)
     configs = [ModelConfig.from_dir(d) for d in model_dirs]
     # Enough requests to fill the cache of the model with the fewest KV heads, and a bit more.
@@ -67,10 +70,10 @@ def run_capacity(model_dirs: list[Path], kv_cache_memory: str | int = "64MiB",
     for model_dir, cfg in zip(model_dirs, configs):
         llm = kvslim_llm(model_dir, budget, max_num_seqs=4096, max_num_batched_tokens=4096)
         stats = llm.kv_cache_stats()
-        w = Workload(n, half, context - half, seed=2)
+        w = Workload(n, prompt_len, output_len, seed=2)
         prompts = w.prompts(cfg.vocab_size, special_ids(llm.tokenizer))
         start = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=context - half, temperature=0.0,
+        outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, temperature=0.0,
                                                     ignore_eos=True), use_tqdm=show_progress)
         seconds = time.perf_counter() - start
         result.entries.append(CapacityEntry(

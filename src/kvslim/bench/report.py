@@ -104,8 +104,8 @@ TPOT, as a fraction of the measured read bandwidth (the roofline of a memory-bou
 
 ## Capacity — one KV-cache budget ({cap.kv_cache_memory / 2**20:.0f} MiB), MHA vs its GQA/MQA conversions
 
-Sequences of {cap.context} tokens ({cap.context // 2} prompt + {cap.context - cap.context // 2}
-generated); {cap.num_requests} requests submitted at once, so that the cache, not
+Sequences of {cap.context} tokens ({cap.context - max(4, cap.context // 16)} prompt +
+{max(4, cap.context // 16)} generated); {cap.num_requests} requests submitted at once, so that the cache, not
 `max_num_seqs`, limits the batch. "fit" counts whole sequences in the allocated blocks; "peak"
 is the most sequences the engine ran in one step.
 
