@@ -2,16 +2,19 @@
 PNG plots, the machine) and docs/benchmarks.json (every measured number)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from kvslim.bench.capacity import CapacityResult, conversions, format_capacity, run_capacity
-from kvslim.bench.latency import LatencyResult, format_latency, run_latency
-from kvslim.bench.machine import machine_info
-from kvslim.bench.throughput import ThroughputResult, format_throughput, run_throughput
+from kvslim.bench.capacity import (CapacityEntry, CapacityResult, conversions, format_capacity,
+                                   run_capacity)
+from kvslim.bench.latency import EngineLatency, LatencyResult, format_latency, run_latency
+from kvslim.bench.machine import Bandwidth, MachineInfo, machine_info
+from kvslim.bench.throughput import (EngineThroughput, ThroughputResult, format_throughput,
+                                     run_throughput)
 from kvslim.bench.workload import Workload
 from kvslim.model.registry import default_model_dir
 
@@ -37,12 +40,53 @@ def run_report(out: str | Path, ref_model: str | Path, quick: bool = False) -> P
     minutes = (time.time() - started) / 60
     command = "kvslim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     out.parent.mkdir(parents=True, exist_ok=True)
-    images = plot(thr, lat, cap, out.parent / "img")
     raw = {"machine": machine.to_dict(), "throughput": thr.to_dict(), "latency": lat.to_dict(),
            "capacity": cap.to_dict(), "minutes": round(minutes, 1), "command": command}
     out.with_suffix(".json").write_text(json.dumps(raw, indent=2) + "\n")
-    out.write_text(render(machine, thr, lat, cap, images, out.parent, command, minutes))
+    return render_from_json(out)
+
+
+def render_from_json(out: str | Path) -> Path:
+    """(Re)write the markdown and plots from the measured numbers in OUT.json."""
+    out = Path(out)
+    raw = json.loads(out.with_suffix(".json").read_text())
+    machine = MachineInfo(**raw["machine"])
+    t, l, c = raw["throughput"], raw["latency"], raw["capacity"]
+    thr = ThroughputResult(**{**_fields(ThroughputResult, t),
+                              "results": [EngineThroughput(**r) for r in t["results"]]})
+    lat = LatencyResult(**{**_fields(LatencyResult, l), "bandwidth": Bandwidth(**l["bandwidth"]),
+                           "results": [EngineLatency(**r) for r in l["results"]]})
+    cap = CapacityResult(**{**_fields(CapacityResult, c),
+                            "entries": [CapacityEntry(**e) for e in c["entries"]]})
+    images = plot(thr, lat, cap, out.parent / "img")
+    out.write_text(render(machine, thr, lat, cap, images, out.parent, raw["command"],
+                          raw["minutes"]))
     return out
+
+
+def _fields(cls, d: dict) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+def goal_checks(thr: ThroughputResult, lat: LatencyResult, cap: CapacityResult
+                ) -> list[tuple[str, bool | None, str]]:
+    """The issue's goals against this run's numbers; None when a peer did not run."""
+    checks = []
+
+    def add(text, value, target):
+        checks.append((text, None if value is None else value >= target,
+                       "not measured" if value is None else f"{value:.2f}x (goal {target}x)"))
+
+    add("offline throughput vs HF transformers", thr.ratio("hf"), 5)
+    add("offline throughput vs llama.cpp request by request", thr.ratio("llamacpp"), 2)
+    add("batch-1 decode vs HF transformers", lat.ratio("hf", 1), 3)
+    add("batch-1 decode vs llama.cpp", lat.ratio("llamacpp", 1), 0.8)
+    if len(cap.entries) > 1:
+        base, gqa = cap.entries[0], cap.entries[1]
+        add(f"GQA-{gqa.kv_heads} holds more concurrent sequences than its MHA parent",
+            gqa.max_sequences / base.max_sequences, base.kv_heads / gqa.kv_heads)
+    return checks
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -68,6 +112,8 @@ def render(machine, thr: ThroughputResult, lat: LatencyResult, cap: CapacityResu
                  f"{e.max_sequences / base.max_sequences:.2f}x", e.peak_running,
                  f"{e.output_tokens_per_s:.1f}", e.preemptions] for e in cap.entries]
     skipped = "\n".join(f"- skipped {s}" for s in thr.skipped + lat.skipped) or ""
+    goals = "\n".join(f"- {'—' if ok is None else 'PASS' if ok else 'FAIL'}: {text}: {detail}"
+                      for text, ok, detail in goal_checks(thr, lat, cap))
     img = [p.relative_to(root) for p in images]
     return f"""# Benchmarks
 
@@ -83,6 +129,16 @@ Python {machine.python}. Memory bandwidth measured in the same run:
 {lat.bandwidth.read_gb_s} GB/s read, {lat.bandwidth.copy_gb_s} GB/s copy (read + write).
 All engines run the same model ({Path(thr.model).name}), the same token ids, float32 weights,
 greedy decoding with a fixed number of output tokens, and the same number of threads.
+
+## The goals, checked against the numbers below
+{goals}
+
+Where the time goes: a batch-1 decode step reads every weight once, so it is bound by memory
+bandwidth (the "of BW" column). llama.cpp's hand-written AVX2 kernels stream the weights at close
+to the measured bandwidth; kvslim runs PyTorch eager operations (oneDNN matrix products with
+prepacked weights, about forty operations per layer), which at batch 1 leaves it well below the
+roofline. kvslim's lead comes from batching: continuous batching serves every request in the
+same steps, and a GQA model's smaller cache lets more of them run at once.
 
 ## Offline throughput — {w['num_prompts']} prompts, {w['input_len']} tokens in, {w['output_len']} out
 

@@ -46,6 +46,8 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--out", default="docs/benchmarks.md")
     p.add_argument("--ref-model", default="models/ref-mha")
     p.add_argument("--quick", action="store_true", help="a much smaller suite (smoke test)")
+    p.add_argument("--render-only", action="store_true",
+                   help="rewrite OUT and its plots from OUT.json without measuring")
     _common(p)
     p.set_defaults(func=run_report_cmd)
 
@@ -99,9 +101,12 @@ def run_capacity_cmd(args) -> int:
 
 
 def run_report_cmd(args) -> int:
-    from kvslim.bench.report import run_report
+    from kvslim.bench.report import render_from_json, run_report
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = run_report(args.out, args.ref_model, quick=args.quick)
+    if args.render_only:
+        out = render_from_json(args.out)
+    else:
+        out = run_report(args.out, args.ref_model, quick=args.quick)
     print(f"wrote {out}")
     return 0
