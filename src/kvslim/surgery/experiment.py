@@ -8,6 +8,7 @@ uptraining. Every finished run is recorded in RESULTS so that an interrupted exp
 where it stopped; the report (docs/gqa-uptraining.md + plots) is written from those records."""
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import time
@@ -47,10 +48,11 @@ class ExperimentConfig:
     ppl_max_tokens: int | None = None
     seed: int = 0
     smollm2: bool = True
-    smollm2_steps: int = 100
+    smollm2_steps: int = 30
     smollm2_batch_size: int = 4
     smollm2_lr: float = 1e-4
-    smollm2_ppl_max_tokens: int | None = 50_000
+    smollm2_ppl_max_tokens: int | None = 20_000
+    shard: tuple[int, int] = (0, 1)      # (i, n): this process runs jobs i, i+n, i+2n, ...
 
 
 @dataclass
@@ -80,6 +82,9 @@ class Experiment:
                               f"{self.config.num_key_value_heads} KV heads)")
         self.original_steps = cfg.original_steps or _last_step(Path(cfg.model))
 
+    def reload(self) -> None:
+        self.results = self._load()
+
     def _load(self) -> dict[str, RunResult]:
         path = self.work / RESULTS
         if not path.is_file():
@@ -87,15 +92,24 @@ class Experiment:
         return {k: RunResult(**v) for k, v in json.loads(path.read_text()).items()}
 
     def _save(self, result: RunResult) -> None:
-        self.results[result.name] = result
-        data = {k: asdict(v) for k, v in self.results.items()}
-        (self.work / RESULTS).write_text(json.dumps(data, indent=2) + "\n")
+        # Shards of one experiment share RESULTS: merge under a lock, never overwrite.
+        with open(self.work / f"{RESULTS}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.results = self._load()
+            self.results[result.name] = result
+            data = {k: asdict(v) for k, v in self.results.items()}
+            tmp = self.work / f"{RESULTS}.tmp"
+            tmp.write_text(json.dumps(data, indent=2) + "\n")
+            tmp.replace(self.work / RESULTS)
         if self.show_progress:
             print(f"[experiment] {result.name}: test ppl {result.test_ppl:.3f} "
                   f"({result.seconds:.0f} s)", flush=True)
 
     # ---- the plan ------------------------------------------------------------------------
     def plan(self) -> list[tuple[int, str, float]]:
+        """Reference-model runs, cheapest and most informative first: every conversion at
+        alpha = 0, then every alpha in `alphas`, then the extra alphas (K = H/4 first), so that
+        a time-boxed run still answers the main questions."""
         h = self.config.num_attention_heads
         ks = self.cfg.kv_heads or sorted({h // 2, h // 4, 1}, reverse=True)
         runs = [(h, "mha", a) for a in self.all_alphas]
@@ -103,19 +117,46 @@ class Experiment:
             for method in self.cfg.methods:
                 extra = self.cfg.extra_alphas if method in self.cfg.extra_methods else []
                 runs += [(k, method, a) for a in self.cfg.alphas + extra]
-        return runs
+        extra = set(self.cfg.extra_alphas) - set(self.cfg.alphas)
+        return sorted(runs, key=lambda r: (r[2] in extra, r[2], r[0] not in (h, h // 4)))
+
+    def smollm2_plan(self) -> list[tuple[str, int, int]]:
+        return [("mha", 3, 0)] + [(m, 1, s) for s in (0, self.cfg.smollm2_steps)
+                                   for m in ("mean", "align")]
+
+    def jobs(self) -> list[tuple]:
+        """All runs in order; SmolLM2 goes before the extra alphas."""
+        ref = [("ref",) + r for r in self.plan()]
+        extra = set(self.cfg.extra_alphas) - set(self.cfg.alphas)
+        main = [j for j in ref if j[3] not in extra]
+        small = [("smollm2",) + r for r in self.smollm2_plan()] if self.cfg.smollm2 else []
+        return main + small + [j for j in ref if j[3] in extra]
+
+    def missing(self) -> list[str]:
+        """Names of planned runs without a result (for the report)."""
+        return [n for n in (self._name(j) for j in self.jobs()) if n not in self.results]
 
     @property
     def all_alphas(self) -> list[float]:
         return sorted(set(self.cfg.alphas + self.cfg.extra_alphas))
 
+    @staticmethod
+    def _name(job: tuple) -> str:
+        if job[0] == "ref":
+            _, k, method, alpha = job
+            return f"ref-k{k}-{method}-a{alpha:g}"
+        _, method, k, steps = job
+        return f"smollm2-k{k}-{method if method != 'mha' else 'orig'}-s{steps}"
+
     def run(self) -> None:
-        for k, method, alpha in self.plan():
-            name = f"ref-k{k}-{method}-a{alpha:g}"
-            if name not in self.results:
-                self._run_ref(name, k, method, alpha)
-        if self.cfg.smollm2:
-            self._run_smollm2()
+        i, n = self.cfg.shard
+        for job in self.jobs()[i::n]:
+            if self._name(job) in self._load():
+                continue
+            if job[0] == "ref":
+                self._run_ref(self._name(job), *job[1:])
+            else:
+                self._run_smollm2(self._name(job), *job[1:])
 
     # ---- one run -------------------------------------------------------------------------
     def _run_ref(self, name: str, k: int, method: str, alpha: float) -> None:
@@ -162,24 +203,17 @@ class Experiment:
                          round(time.time() - start, 1))
 
     # ---- SmolLM2 -------------------------------------------------------------------------
-    def _run_smollm2(self) -> None:
+    def _run_smollm2(self, name: str, method: str, k: int, steps: int) -> None:
         from kvslim.model.registry import default_model_dir
         src = str(default_model_dir(self.show_progress))
-        runs = [("mha", 3, 0)] + [(m, 1, s) for m in ("mean", "align")
-                                   for s in (0, self.cfg.smollm2_steps)]
-        for method, k, steps in runs:
-            name = f"smollm2-k{k}-{method if method != 'mha' else 'orig'}-s{steps}"
-            if name in self.results:
-                continue
-            start = time.time()
-            model_dir = self._converted(src, "smollm2", k, method) if method != "mha" \
-                else Path(src)
-            if steps:
-                model_dir = self._uptrain(model_dir, self.work / name, steps,
-                                          self.cfg.smollm2_batch_size, self.cfg.smollm2_lr)
-            ppl = self._ppl(model_dir, self.cfg.smollm2_ppl_max_tokens)
-            self._save(self._result(name, "smollm2", model_dir, method if method != "mha"
-                                    else "original", 0.0, steps, ppl, start))
+        start = time.time()
+        model_dir = self._converted(src, "smollm2", k, method) if method != "mha" else Path(src)
+        if steps:
+            model_dir = self._uptrain(model_dir, self.work / name, steps,
+                                      self.cfg.smollm2_batch_size, self.cfg.smollm2_lr)
+        ppl = self._ppl(model_dir, self.cfg.smollm2_ppl_max_tokens)
+        self._save(self._result(name, "smollm2", model_dir,
+                                method if method != "mha" else "original", 0.0, steps, ppl, start))
 
 
 def _last_step(model_dir: Path) -> int:

@@ -146,6 +146,14 @@ def plot(exp: Experiment, img_dir: Path) -> list[Path]:
     return [p1, p2]
 
 
+def _missing_note(exp: Experiment) -> str:
+    missing = exp.missing()
+    if not missing:
+        return ""
+    return ("**Not run** (planned, no result recorded — the command was stopped before them): "
+            + ", ".join(f"`{m}`" for m in missing) + ".\n")
+
+
 def write_report(exp: Experiment, command: str) -> Path:
     report = Path(exp.cfg.report)
     images = plot(exp, report.parent / "img")
@@ -207,6 +215,7 @@ Perplexity on the first {cfg.smollm2_ppl_max_tokens or "all"} tokens of the test
 
 {smollm2_table(exp)}
 
+{_missing_note(exp)}
 ## Reading the results
 - The reference model is small and trained on a few million tokens, so its absolute perplexity is
   high; what matters here are the differences between rows, measured on the same test tokens.
