@@ -141,6 +141,31 @@ def test_echo_and_logprobs(client):
         assert max(top.values()) == logprob                       # greedy: the best one
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, reference):
+    """lm-eval-harness's loglikelihood request: echo + logprobs returns every prompt token's
+    logprob (the first is null), equal to the offline engine's prompt_logprobs."""
+    expected = reference.generate([PROMPTS[0]], greedy(1, logprobs=1, prompt_logprobs=1),
+                                  use_tqdm=False)[0]
+    n = len(expected.prompt_token_ids)
+    wanted = [e.logprob for e in expected.prompt_logprobs[1:]] + \
+        [expected.outputs[0].logprobs[0].logprob]
+    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=1, temperature=0, echo=True,
+              logprobs=1)
+    response = client.completions.create(**kw)
+    choice = response.choices[0]
+    assert choice.text == PROMPTS[0] + expected.outputs[0].text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(wanted, abs=1e-4)
+    assert all(len(top) in (1, 2) for top in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = [x for chunk in chunks for c in chunk.choices if c.logprobs
+                for x in c.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(wanted, abs=1e-4)
+
+
 def test_chat_logprobs(client):
     response = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=3,

@@ -56,8 +56,8 @@ class BlockManager:
     def _lookup(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks. The last token is never
         served from the cache: its logits are needed, so it must be computed."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+            return []                   # prompt logprobs need the logits of every prompt token
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._update_hashes(seq, max_blocks)
         hits = []

@@ -199,8 +199,10 @@ class LLMEngine:
         finished = state.finished
         if finished:
             del self.requests[state.request_id]
+        prompt_logprobs = (state.seqs[0].prompt_logprobs
+                           if state.params.prompt_logprobs is not None else None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, self._metrics(state))
+                             finished, self._metrics(state), prompt_logprobs)
 
     @staticmethod
     def _completion(state: RequestState, seq: Sequence) -> CompletionOutput:

@@ -9,6 +9,7 @@ from kvslim.attention import PagedAttention, PagedAttentionMetadata
 from kvslim.attention.paged import PrefillChunk
 from kvslim.engine.block_table import BlockTables
 from kvslim.engine.config import EngineConfig
+from kvslim.engine.prompt_logprobs import record_prompt_logprobs
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import SchedulerOutput
 from kvslim.errors import KvslimError
@@ -56,6 +57,11 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, requests = self._prepare(out)
         attn = PagedAttention(self.kv_caches, meta, self.model.config.sliding_window)
         hidden = self.model(input_ids, positions, attn=attn)
+        for chunk, entry in zip(meta.prefills, out.prefills):
+            if entry.seq.needs_prompt_logprobs:
+                record_prompt_logprobs(self.model, hidden, chunk.query_start,
+                                       chunk.context_len - chunk.query_len, chunk.query_len,
+                                       entry.seq)
         if not requests:
             return {}
         logits = self.model.compute_logits(hidden[sample_rows])

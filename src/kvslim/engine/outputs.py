@@ -61,6 +61,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # With params.prompt_logprobs: one entry per prompt token (None for the first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

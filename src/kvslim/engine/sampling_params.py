@@ -24,7 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None          # None: none; k >= 0: chosen token + top-k
-    prompt_logprobs: None = None         # reserved; not supported yet
+    prompt_logprobs: int | None = None   # logprob of every prompt token (+ top-k); no prefix cache
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -70,6 +70,10 @@ class SamplingParams:
               "stop_token_ids must be non-negative integers")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "logprobs", f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+        check(self.prompt_logprobs is None
+              or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+              "prompt_logprobs",
+              f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -47,6 +47,8 @@ class Sequence:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # params.prompt_logprobs: entry i scores prompt token i given the ones before (None for 0).
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     fork_pending: bool = False             # parent of n > 1 completions, not forked yet
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
@@ -58,6 +60,8 @@ class Sequence:
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.token_ids)
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]              # the first token has no context
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -88,6 +92,11 @@ class Sequence:
     def is_prefill(self) -> bool:
         """More than the last sampled token is still to be computed (prompt or recompute)."""
         return self.num_uncomputed_tokens > 1
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
 
     @property
     def is_finished(self) -> bool:
@@ -121,6 +130,7 @@ class Sequence:
                          num_computed_tokens=self.num_computed_tokens,
                          num_cached_tokens=self.num_cached_tokens,
                          block_hashes=list(self.block_hashes),
+                         prompt_logprobs=self.prompt_logprobs,      # complete by now; shared
                          num_registered_blocks=self.num_registered_blocks,
                          arrival_time=self.arrival_time,
                          first_scheduled_time=self.first_scheduled_time)

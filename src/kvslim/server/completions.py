@@ -14,7 +14,7 @@ from kvslim.engine.outputs import CompletionOutput, RequestOutput
 from kvslim.server.async_engine import EngineDeadError, RequestStream
 from kvslim.server.context import ServerContext
 from kvslim.server.errors import engine_dead
-from kvslim.server.logprobs import completion_logprobs
+from kvslim.server.logprobs import completion_logprobs, echo_logprobs, join_logprobs
 from kvslim.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
                                     Usage, random_id)
 from kvslim.server.streaming import DONE, sse
@@ -38,6 +38,18 @@ class _Job:
         if output.prompt is not None:
             return output.prompt
         return self.ctx.tokenizer.decode(output.prompt_token_ids)
+
+    def logprobs(self, output: RequestOutput, entries, text_offset: int, first: bool):
+        """The legacy logprobs of `entries` (generated tokens); the first chunk of an echoed
+        choice starts with the prompt's."""
+        if self.request.logprobs is None:
+            return None
+        generated = completion_logprobs(self.ctx.tokenizer, entries or [], text_offset)
+        if not (first and self.request.echo):
+            return generated
+        prompt = echo_logprobs(self.ctx.tokenizer, output.prompt_token_ids,
+                               output.prompt_logprobs)
+        return join_logprobs(prompt, generated)
 
     def abort_unfinished(self) -> None:
         if len(self.finished) < len(self.request_ids):
@@ -75,8 +87,7 @@ def _response(job: _Job, outputs: list[RequestOutput]) -> CompletionResponse:
     for index, output in enumerate(outputs):
         prefix = job.echo_text(output)
         for c in output.outputs:
-            logprobs = (completion_logprobs(job.ctx.tokenizer, c.logprobs, len(prefix))
-                        if job.request.logprobs is not None else None)
+            logprobs = job.logprobs(output, c.logprobs, len(prefix), first=True)
             choices.append(CompletionChoice(
                 index=job.choice_index(index, c), text=prefix + c.text, logprobs=logprobs,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
@@ -126,13 +137,13 @@ def _chunk_choice(job: _Job, index: int, output: RequestOutput, c: CompletionOut
     if number in done_choices:                           # n > 1: siblings still report it
         return None
     text = c.delta_text
-    if number not in text_sent:
+    first = number not in text_sent
+    if first:
         text = job.echo_text(output) + text
-    new_tokens = len(c.delta_token_ids)
     logprobs = None
-    if job.request.logprobs is not None and new_tokens:
-        logprobs = completion_logprobs(job.ctx.tokenizer, c.delta_logprobs,
-                                       text_sent.get(number, 0))
+    if c.delta_token_ids or (first and job.request.echo):
+        logprobs = job.logprobs(output, c.delta_logprobs, text_sent.get(number, 0) +
+                                (len(text) - len(c.delta_text)), first)
     if not text and not c.finished and logprobs is None:
         return None
     text_sent[number] = text_sent.get(number, 0) + len(text)

@@ -28,6 +28,27 @@ def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob],
     return result
 
 
+def echo_logprobs(tokenizer: Tokenizer, prompt_token_ids: list[int],
+                  entries: list[TokenLogprob | None]) -> CompletionLogprobs:
+    """The echoed prompt's part of the legacy shape: the first token has no logprob (null)."""
+    first = token_text(tokenizer, prompt_token_ids[0])
+    rest = completion_logprobs(tokenizer, entries[1:], len(first))
+    return CompletionLogprobs(tokens=[first] + rest.tokens,
+                              token_logprobs=[None] + rest.token_logprobs,
+                              top_logprobs=[None] + rest.top_logprobs,
+                              text_offset=[0] + rest.text_offset)
+
+
+def join_logprobs(*parts: CompletionLogprobs) -> CompletionLogprobs:
+    result = CompletionLogprobs()
+    for part in parts:
+        result.tokens += part.tokens
+        result.token_logprobs += part.token_logprobs
+        result.top_logprobs += part.top_logprobs
+        result.text_offset += part.text_offset
+    return result
+
+
 def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> ChatLogprobs:
     def top(token_id: int, logprob: float) -> TopLogprob:
         text = token_text(tokenizer, token_id)

@@ -96,13 +96,6 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of is not supported (it must equal n)")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_logprobs(cls, value, info: ValidationInfo):
-        if value and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
-        return value
-
     def prompts(self) -> list[str | TokenIds]:
         """One engine prompt per entry: a string, a list of strings, ids, or a list of ids."""
         p = self.prompt
@@ -113,7 +106,10 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        params = self._sampling_params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:       # score the prompt too (lm-eval style)
+            params.prompt_logprobs = self.logprobs
+        return params
 
 
 class TextPart(_Request):
