@@ -42,6 +42,8 @@ def test_gqa_holds_h_over_k_times_the_concurrent_sequences(hf_checkpoints):
     (dict(params=SamplingParams(max_tokens=250)), "max_tokens"),
     (dict(prompt=[]), "prompt"),
     (dict(prompt=[VOCAB + 5]), "prompt"),
+    (dict(params=SamplingParams(logit_bias={VOCAB: 1.0})), "logit_bias"),
+    (dict(params=SamplingParams(stop_token_ids=[VOCAB + 1])), "stop_token_ids"),
 ])
 def test_bad_requests_fail_and_the_engine_keeps_serving(hf_checkpoints, kwargs, param):
     eng = engine(hf_checkpoints["gqa"], max_model_len=256)

@@ -137,3 +137,22 @@ def test_invalid_params_name_the_field(field, value):
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**{field: value})
     assert err.value.param == field and field in str(err.value)
+
+
+def test_logit_bias_shifts_only_its_row_and_tokens():
+    s = sampler()
+    logits = LOGITS.repeat(2, 1)
+    biased = req(temperature=0.0, logit_bias={0: 5.0}, logprobs=1)
+    plain = req(name="p", temperature=0.0, logprobs=1)
+    (b,), (p,) = s(logits, [biased, plain])
+    assert b.token_id == 0 and p.token_id == 3         # log 0.1 + 5 beats log 0.4
+    assert b.logprob.logprob == pytest.approx(math.log(0.1))    # logprobs stay raw
+    (b,), = s(LOGITS, [req(temperature=0.0, logit_bias={3: -100})])
+    assert b.token_id == 2                             # -100 bans the best token
+
+
+@pytest.mark.parametrize("bias", [{-1: 1.0}, {1: 100.5}, {1: "x"}, {1.5: 1.0}])
+def test_bad_logit_bias_names_the_field(bias):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(logit_bias=bias)
+    assert e.value.param == "logit_bias"

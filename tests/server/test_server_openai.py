@@ -166,6 +166,13 @@ def test_echo_with_logprobs_scores_the_prompt(client, reference):
     assert streamed[0] is None and streamed[1:] == pytest.approx(wanted, abs=1e-4)
 
 
+def test_logit_bias_reaches_the_sampler(client, reference):
+    forced = reference.tokenizer.encode(" the")[-1]
+    response = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=5,
+                                         temperature=0, logit_bias={str(forced): 100})
+    assert response.choices[0].text == reference.tokenizer.decode([forced] * 5)
+
+
 def test_chat_logprobs(client):
     response = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=3,

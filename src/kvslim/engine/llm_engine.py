@@ -90,6 +90,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, ids = self._tokenize(prompt)
         params = self._check_lengths(ids, params)
+        self._check_token_ids(params)
         state = RequestState(request_id, text, ids, params)
         seq = Sequence(request_id=request_id, token_ids=list(ids), params=params,
                        block_size=self.config.block_size, fork_pending=params.n > 1)
@@ -137,6 +138,14 @@ class LLMEngine:
                 f"(kv_cache_memory={self.config.kv_cache_memory} bytes); raise kv_cache_memory "
                 f"or lower max_tokens", "max_tokens")
         return params
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        for name in ("logit_bias", "stop_token_ids"):
+            bad = [t for t in getattr(params, name) if t >= vocab]
+            if bad:
+                raise InvalidRequestError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                                          f"(0..{vocab - 1})", name)
 
     def _detokenizer(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,

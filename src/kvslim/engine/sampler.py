@@ -1,6 +1,6 @@
 """`Sampler`: the next token of every sequence in a batch, each with its own parameters.
 
-Order, per row: penalties (repetition, presence, frequency) -> EOS/stop-token ban while
+Order, per row: logit_bias -> penalties (repetition, presence, frequency) -> EOS/stop-token ban while
 min_tokens is not reached -> greedy argmax, or temperature -> top_k -> top_p -> min_p ->
 a draw. A request with a `seed` draws from its own generator, so its output does not depend on
 what else is in the batch. Logprobs are those of the model's raw distribution."""
@@ -63,6 +63,7 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)        # processed in place below
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(r.seq.params.logprobs is not None for r in requests) else None)
+        self._apply_logit_bias(logits, requests)
         logits = self._apply_penalties(logits, requests)
         self._ban_until_min_tokens(logits, requests)
         rows = [i for i, r in enumerate(requests) for _ in range(r.num_samples)]
@@ -78,6 +79,13 @@ class Sampler:
         return results
 
     # ---- logits processing ---------------------------------------------------------------
+    def _apply_logit_bias(self, logits: torch.Tensor, requests: list[SampleRequest]) -> None:
+        for i, r in enumerate(requests):
+            bias = r.seq.params.logit_bias
+            if bias:
+                ids = torch.tensor(list(bias), device=self.device)
+                logits[i, ids] += torch.tensor(list(bias.values()), device=self.device)
+
     def _apply_penalties(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
         rows = [i for i, r in enumerate(requests) if r.seq.params.uses_penalties]
         if not rows:

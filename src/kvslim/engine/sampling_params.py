@@ -22,6 +22,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
     ignore_eos: bool = False
     logprobs: int | None = None          # None: none; k >= 0: chosen token + top-k
     prompt_logprobs: int | None = None   # logprob of every prompt token (+ top-k); no prefix cache
@@ -33,6 +34,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -68,6 +70,9 @@ class SamplingParams:
               "stop must be a non-empty string or a list of non-empty strings")
         check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "stop_token_ids must be non-negative integers")
+        check(all(_is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100
+                  for t, b in self.logit_bias.items()), "logit_bias",
+              "logit_bias maps token ids (>= 0) to biases in [-100, 100]")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "logprobs", f"logprobs must be between 0 and 20, got {self.logprobs!r}")
         check(self.prompt_logprobs is None

@@ -61,7 +61,12 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
-    _no_logit_bias = field_validator("logit_bias")(_unsupported("logit_bias is not supported"))
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value):
+        if value and not all(k.strip().isdigit() for k in value):
+            raise ValueError("logit_bias keys must be token ids (strings of digits)")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -75,6 +80,7 @@ class _SamplingFields(_Request):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
 
