@@ -1,6 +1,11 @@
 """The GQA experiment end to end on a tiny model: every run recorded, resumable, a report with
 tables, goal checks and plots written from the records."""
 import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
 
 from kvslim.surgery.experiment import Experiment, ExperimentConfig
 from kvslim.surgery.experiment_report import goal_checks, write_report
@@ -8,18 +13,23 @@ from kvslim.surgery.train_config import ModelShape, TrainConfig
 from kvslim.surgery.trainer import train
 
 
-def test_tiny_experiment_runs_resumes_and_reports(tmp_path, calib_file):
+def tiny_setup(tmp_path, calib_file, **overrides) -> ExperimentConfig:
     model = tmp_path / "ref"
     train(TrainConfig(data=str(calib_file), out=str(model), vocab_size=300, seq_len=32,
                       shape=ModelShape(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
                                        num_key_value_heads=4, intermediate_size=64),
                       steps=20, batch_size=4, warmup_steps=2, save_every=20, device="cpu"),
           show_progress=False)
-    cfg = ExperimentConfig(model=str(model), train=str(calib_file), valid=str(calib_file),
-                           test=str(calib_file), work_dir=str(tmp_path / "work"),
-                           report=str(tmp_path / "docs" / "report.md"), kv_heads=[2, 1],
-                           alphas=[0.0, 0.1], extra_alphas=[0.2], batch_size=4, seq_len=32, calib_samples=4,
-                           ppl_context=32, ppl_stride=16, ppl_max_tokens=300, smollm2=False)
+    kw = dict(model=str(model), train=str(calib_file), valid=str(calib_file),
+              test=str(calib_file), work_dir=str(tmp_path / "work"),
+              report=str(tmp_path / "docs" / "report.md"), kv_heads=[2, 1],
+              alphas=[0.0, 0.1], extra_alphas=[0.2], batch_size=4, seq_len=32, calib_samples=4,
+              ppl_context=32, ppl_stride=16, ppl_max_tokens=300, smollm2=False)
+    return ExperimentConfig(**{**kw, **overrides})
+
+
+def test_tiny_experiment_runs_resumes_and_reports(tmp_path, calib_file):
+    cfg = tiny_setup(tmp_path, calib_file)
     exp = Experiment(cfg, show_progress=False)
     assert exp.original_steps == 20
     exp.run()
@@ -39,3 +49,32 @@ def test_tiny_experiment_runs_resumes_and_reports(tmp_path, calib_file):
     checks = goal_checks(again)
     assert any("align beats mean" in c[0] for c in checks)
     assert all(f"{r.test_ppl:.3f}" in text for r in again.results.values())
+
+
+def test_shards_split_the_plan_and_share_one_results_file(tmp_path, calib_file):
+    cfg = tiny_setup(tmp_path, calib_file, kv_heads=[2], alphas=[0.0], extra_alphas=[0.1],
+                     methods=["mean", "align"], extra_methods=["align"])
+    first = Experiment(replace(cfg, shard=(0, 2)), show_progress=False)
+    plan = [first._name(j) for j in first.jobs()]
+    # alpha 0 first, the extra alpha last; the MHA control leads each alpha
+    assert plan == ["ref-k4-mha-a0", "ref-k2-mean-a0", "ref-k2-align-a0", "ref-k4-mha-a0.1",
+                    "ref-k2-align-a0.1"]
+    first.run()
+    assert set(first.results) == set(plan[0::2])
+    text = write_report(first, "kvslim experiment gqa").read_text()
+    assert "**Not run**" in text and "`ref-k2-mean-a0`" in text
+    second = Experiment(replace(cfg, shard=(1, 2)), show_progress=False)
+    second.run()
+    recorded = json.loads((tmp_path / "work" / "results.json").read_text())
+    assert set(recorded) == set(plan)                  # merged, nothing overwritten
+    first.reload()
+    assert first.missing() == []
+    assert "**Not run**" not in write_report(first, "kvslim experiment gqa").read_text()
+
+
+@pytest.mark.parametrize("shard,message", [("2/2", "need 0 <= I < N"), ("a/b", "must look like I/N")])
+def test_bad_shard_is_one_line(shard, message):
+    r = subprocess.run([sys.executable, "-m", "kvslim.cli.main", "experiment", "gqa",
+                        "--shard", shard, "--report-only"], capture_output=True, text=True)
+    assert r.returncode == 2 and message in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
