@@ -117,6 +117,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not show_progress)
     metrics: dict = {}
     t_last, tokens_since = time.perf_counter(), 0
+    speed = "…"                                  # tokens/s, refreshed every log_every steps
     for step in range(start, cfg.steps):
         lr = cfg.lr_at(step)
         for group in optimizer.param_groups:
@@ -145,7 +146,9 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
         if len(metrics) > 4 or done == cfg.steps:
             log.write(json.dumps(metrics) + "\n")
             log.flush()
-        bar.set_postfix(loss=f"{loss_sum:.3f}", lr=f"{lr:.2e}",
+        if "tokens_per_s" in metrics:
+            speed = f"{metrics['tokens_per_s']:,.0f}"
+        bar.set_postfix(loss=f"{loss_sum:.3f}", lr=f"{lr:.2e}", tok_s=speed,
                         **({"val": f"{metrics['val_loss']:.3f}"} if "val_loss" in metrics else {}))
         bar.update(1)
         if done % cfg.save_every == 0 or done == cfg.steps:
