@@ -32,6 +32,22 @@ def tiny_tokens() -> list[str]:
     return SPECIALS + list(byte_alphabet().values()) + [m.replace(" ", "") for m in MERGES]
 
 
+# A SentencePiece (llama.cpp "llama") vocabulary as Llama 2 / Mistral files carry it: <unk>, <s>,
+# </s>, 256 byte-fallback tokens, then pieces with "▁" for a space, scored best-first.
+SPM_PIECES = ["▁", "e", "l", "o", "h", "w", "r", "d", "t", "▁t", "▁h", "he",
+              "ll", "▁he", "▁the", "▁hell", "▁hello", "▁w", "or",
+              "▁wor", "ld", "▁world", "in", "▁in", "a", "▁a", "n", "▁an",
+              "▁and", "s", "i", "c"]
+
+
+def spm_vocabulary() -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types: 2 unknown, 3 control, 6 byte, 1 normal)."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    scores = [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES)
+    return tokens, scores, types
+
+
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf does to HF Q/K rows (the transform kvslim undoes)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -48,10 +64,13 @@ def stored(w: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: bool = False,
-                    add_bos: bool = False, seed: int = 0) -> dict[str, np.ndarray]:
-    """Write a 2-layer GQA model; return the HF state dict (float32) it should import to."""
+                    add_bos: bool | None = False, seed: int = 0, vocab: str = "gpt2"
+                    ) -> dict[str, np.ndarray]:
+    """Write a 2-layer GQA model with a byte-level BPE ("gpt2") or SentencePiece ("llama")
+    vocabulary; return the HF state dict (float32) it should import to. add_bos=None leaves
+    the flag out, as older files do."""
     rng = np.random.default_rng(seed)
-    tokens = tiny_tokens()
+    tokens = tiny_tokens() if vocab == "gpt2" else spm_vocabulary()[0]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
     w.add_context_length(256)
@@ -61,14 +80,21 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: boo
     w.add_head_count_kv(KV_HEADS)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_model(vocab)
     w.add_token_list(tokens)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
-    w.add_token_merges(MERGES)
+    if vocab == "gpt2":
+        w.add_tokenizer_pre("default")
+        w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
+        w.add_token_merges(MERGES)
+    else:
+        _, scores, types = spm_vocabulary()
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_add_bos_token(add_bos)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
     expected = {}
 

@@ -152,3 +152,20 @@ def test_missing_metadata(tmp_path):
     w.close()
     with pytest.raises(ConfigError, match="has no 'llama.embedding_length'"):
         import_gguf(tmp_path / "empty.gguf", tmp_path / "out", show_progress=False)
+
+
+def test_sentencepiece_gguf_matches_transformers(tmp_path):
+    """A Llama-2-style file (SentencePiece vocabulary): kvslim's import and transformers' GGUF
+    loader give the same ids and the same logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    write_tiny_gguf(tmp_path / "spm.gguf", vocab="llama", add_bos=None, seed=3)
+    out = import_gguf(tmp_path / "spm.gguf", tmp_path / "out", show_progress=False)
+    text = "hello world and the world in hello"
+    ids = Tokenizer.from_dir(out).encode(text)
+    assert ids == AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")(text)["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="spm.gguf",
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits
+    ours = load_model(out, dtype=torch.float32).logits(torch.tensor([ids]))
+    assert (ours - ref).abs().max().item() <= 1e-4

@@ -78,11 +78,46 @@ def test_add_bos_token_follows_gguf(tmp_path, add_bos):
     assert [tok.id_to_token(i) for i in range(3)] == SPECIALS
 
 
-def test_sentencepiece_vocabulary_is_refused(tmp_path, monkeypatch):
+SPM_TEXTS = ["hello world", " hello  world", "the world and hello", "Hello, wörld! 日本",
+             "in\nan\n\nworld", "", "  ", "hello</s><s>"]
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory):
+    """A SentencePiece GGUF (llama.cpp "llama" vocabulary, no add_bos flag: llama.cpp adds BOS),
+    imported by kvslim, and transformers' tokenizer for the same file."""
+    from transformers import AutoTokenizer
+    tmp = tmp_path_factory.mktemp("spm")
+    write_tiny_gguf(tmp / "spm.gguf", vocab="llama", add_bos=None)
+    out = import_gguf(tmp / "spm.gguf", tmp / "out", show_progress=False)
+    return out, AutoTokenizer.from_pretrained(tmp, gguf_file="spm.gguf")
+
+
+def test_sentencepiece_vocabulary_encodes_like_transformers(spm):
+    out, reference = spm
+    tok = Tokenizer.from_dir(out)
+    for text in SPM_TEXTS:
+        assert tok.encode(text) == reference(text)["input_ids"], text
+    ids = tok.encode("hello world")
+    assert ids[0] == 1                                   # BOS, as llama.cpp adds it
+    assert [tok.id_to_token(i) for i in ids[1:]] == ["\u2581hello", "\u2581world"]
+    assert tok.encode("日", add_special_tokens=False)[-3:] == [3 + b for b in "日".encode()]
+    for text in SPM_TEXTS:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
+    for text in ("hello world", "the world and hello", "Hello, wörld! 日本", "in\nan\n\nworld"):
+        assert tok.decode(tok.encode(text)) == text
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert (config["bos_token"], config["eos_token"], config["unk_token"]) == \
+        ("<s>", "</s>", "<unk>")
+    assert config["add_bos_token"] is True
+
+
+def test_other_tokenizer_models_are_refused(tmp_path, monkeypatch):
     write_tiny_gguf(tmp_path / "tiny.gguf")
     gguf = GGUFFile.open(tmp_path / "tiny.gguf")
     real_get = gguf.get
-    monkeypatch.setattr(gguf, "get", lambda key, default=None: "llama"
+    monkeypatch.setattr(gguf, "get", lambda key, default=None: "bert"
                         if key == "tokenizer.ggml.model" else real_get(key, default))
-    with pytest.raises(ConfigError, match="tokenizer model 'llama' is not supported"):
+    with pytest.raises(ConfigError, match="tokenizer model 'bert' is not supported"):
         tokenizer_files(gguf)

@@ -1,10 +1,13 @@
 """Rebuild `tokenizer.json`, `tokenizer_config.json` and `generation_config.json` from the
 vocabulary a GGUF file carries in its metadata (`tokenizer.ggml.*`).
 
-Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are rebuilt. The tokenizer is
-assembled the way transformers assembles one for the same file (GPT-2 style BPE, ByteLevel
+Byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`: SmolLM2, Llama 3, Qwen2) are
+assembled here the way transformers assembles one for the same file (GPT-2 style BPE, ByteLevel
 pre-tokenizer and decoder, no normalizer, control tokens added whole as special tokens), so that
-both turn the same text into the same ids; tests/model check this on real text."""
+both turn the same text into the same ids; tests/model check this on real text. SentencePiece
+vocabularies ("llama": Llama 2, Mistral, TinyLlama) take transformers' own builder for GGUF
+files — merges recovered from the scores, byte fallback, "▁" for spaces — and the BOS rule of
+llama.cpp."""
 from __future__ import annotations
 
 import json
@@ -41,14 +44,16 @@ def tokenizer_files(gguf: GGUFFile) -> dict[str, str]:
     kind = gguf.get("tokenizer.ggml.model")
     if kind is None:
         raise ConfigError(f"{gguf.path.name}: GGUF has no tokenizer (no tokenizer.ggml.model)")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ConfigError(f"{gguf.path.name}: GGUF tokenizer model {kind!r} is not supported; "
-                          "kvslim rebuilds byte-level BPE ('gpt2') vocabularies only")
+                          "kvslim rebuilds byte-level BPE ('gpt2') and SentencePiece ('llama') "
+                          "vocabularies")
     tokens = list(gguf.require("tokenizer.ggml.tokens"))
     specials = _special_tokens(gguf, tokens)
-    add_bos = bool(gguf.get("tokenizer.ggml.add_bos_token", False))
+    # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
+    add_bos = bool(gguf.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(gguf.get("tokenizer.ggml.add_eos_token", False))
-    tok = build_tokenizer(gguf, tokens)
+    tok = build_tokenizer(gguf, tokens) if kind == "gpt2" else sentencepiece_tokenizer(gguf)
     tok.post_processor = _post_processor(tokens, gguf, add_bos, add_eos)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -94,6 +99,14 @@ def build_tokenizer(gguf: GGUFFile, tokens: list[str]) -> Tokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     _add_whole_tokens(tok, tokens, gguf.get("tokenizer.ggml.token_type") or [], alphabet, vocab)
+    return tok
+
+
+def sentencepiece_tokenizer(gguf: GGUFFile) -> Tokenizer:
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (convert_gguf_tokenizer,
+                                                                       get_gguf_tokenizer)
+    architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(gguf.path))
+    tok, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
     return tok
 
 
