@@ -221,6 +221,11 @@ Perplexity on the first {cfg.smollm2_ppl_max_tokens or "all"} tokens of the test
   high; what matters here are the differences between rows, measured on the same test tokens.
 - alpha = 0 is the conversion alone; alpha > 0 shows how much of the loss a little training
   recovers, against a control that received the same training.
+- alpha is relative: here alpha = 0.05 is {round(0.05 * steps)} steps of {cfg.batch_size} x
+  {cfg.seq_len} tokens ({0.05 * steps * cfg.batch_size * cfg.seq_len / 1e6:.2f}M tokens). In the
+  GQA paper the same fraction of T5's pre-training is orders of magnitude more tokens, so a gap
+  that uptraining closes there can stay open here; the ranking of the methods is the part that
+  transfers.
 """
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(text)
