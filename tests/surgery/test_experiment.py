@@ -45,6 +45,7 @@ def test_tiny_experiment_runs_resumes_and_reports(tmp_path, calib_file):
     report = write_report(again, "kvslim experiment gqa --tiny")
     text = report.read_text()
     assert "kvslim experiment gqa --tiny" in text and "| 1 (MQA) | align |" in text
+    assert json.loads(report.with_suffix(".json").read_text()) == recorded   # the raw runs
     assert (report.parent / "img" / "gqa-ppl-vs-alpha.png").stat().st_size > 10_000
     checks = goal_checks(again)
     assert any("align beats mean" in c[0] for c in checks)

@@ -2,9 +2,10 @@
 from the recorded results."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-from kvslim.surgery.experiment import Experiment, RunResult
+from kvslim.surgery.experiment import RESULTS, Experiment, RunResult
 
 METHOD_ORDER = ["mean", "first", "random", "align"]
 COLORS = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:gray", "align": "tab:green",
@@ -164,7 +165,9 @@ def write_report(exp: Experiment, command: str) -> Path:
     steps = exp.original_steps
     text = f"""# GQA surgery: MHA -> GQA / MQA, uptraining, and a conversion better than mean pooling
 
-Everything below was produced by one command (it resumes if interrupted):
+Everything below was produced by one command (it resumes if interrupted; every run it
+recorded is in `{report.with_suffix(".json").name}`, which resumes it on a fresh checkout when
+copied to `{cfg.work_dir}/results.json`):
 
 ```bash
 {command}
@@ -229,4 +232,6 @@ Perplexity on the first {cfg.smollm2_ppl_max_tokens or "all"} tokens of the test
 """
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(text)
+    # Every recorded run, as the command wrote it: copy it to WORK_DIR/results.json to resume.
+    shutil.copyfile(exp.work / RESULTS, report.with_suffix(".json"))
     return report
