@@ -79,3 +79,18 @@ def test_bad_shard_is_one_line(shard, message):
                         "--shard", shard, "--report-only"], capture_output=True, text=True)
     assert r.returncode == 2 and message in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_processes_on_one_shard_share_the_jobs_as_a_queue(tmp_path, calib_file):
+    """A job claimed by a live process is skipped by the others; a dead claimer's job is not."""
+    import os
+    cfg = tiny_setup(tmp_path, calib_file, kv_heads=[2], alphas=[0.0], extra_alphas=[],
+                     methods=["mean"], extra_methods=[])
+    exp = Experiment(cfg, show_progress=False)
+    names = [exp._name(j) for j in exp.jobs()]
+    assert names == ["ref-k4-mha-a0", "ref-k2-mean-a0"]
+    (tmp_path / "work" / "ref-k4-mha-a0.claim").write_text(str(os.getppid()))   # alive
+    (tmp_path / "work" / "ref-k2-mean-a0.claim").write_text("999999999")        # no such pid
+    exp.run()
+    assert set(exp.results) == {"ref-k2-mean-a0"}
+    assert not (tmp_path / "work" / "ref-k2-mean-a0.claim").exists()           # released

@@ -8,8 +8,10 @@ uptraining. Every finished run is recorded in RESULTS so that an interrupted exp
 where it stopped; the report (docs/gqa-uptraining.md + plots) is written from those records."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -93,8 +95,7 @@ class Experiment:
 
     def _save(self, result: RunResult) -> None:
         # Shards of one experiment share RESULTS: merge under a lock, never overwrite.
-        with open(self.work / f"{RESULTS}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with self._locked():
             self.results = self._load()
             self.results[result.name] = result
             data = {k: asdict(v) for k, v in self.results.items()}
@@ -149,14 +150,37 @@ class Experiment:
         return f"smollm2-k{k}-{method if method != 'mha' else 'orig'}-s{steps}"
 
     def run(self) -> None:
+        """Run this shard's jobs in order. Processes started with the same shard share them as a
+        queue: each job is claimed before it runs, so no two run it and none sits idle."""
         i, n = self.cfg.shard
         for job in self.jobs()[i::n]:
-            if self._name(job) in self._load():
+            name = self._name(job)
+            if name in self._load() or not self._claim(name):
                 continue
-            if job[0] == "ref":
-                self._run_ref(self._name(job), *job[1:])
-            else:
-                self._run_smollm2(self._name(job), *job[1:])
+            try:
+                if job[0] == "ref":
+                    self._run_ref(name, *job[1:])
+                else:
+                    self._run_smollm2(name, *job[1:])
+            finally:
+                (self.work / f"{name}.claim").unlink(missing_ok=True)
+
+    def _claim(self, name: str) -> bool:
+        """True if this process may run `name`: nobody alive claimed it and it has no result."""
+        with self._locked():
+            path = self.work / f"{name}.claim"
+            if path.is_file() and _alive(int(path.read_text() or 0)):
+                return False
+            if name in self._load():
+                return False
+            path.write_text(str(os.getpid()))
+            return True
+
+    @contextlib.contextmanager
+    def _locked(self, what: str = RESULTS):
+        with open(self.work / f"{what}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
 
     # ---- one run -------------------------------------------------------------------------
     def _run_ref(self, name: str, k: int, method: str, alpha: float) -> None:
@@ -174,10 +198,12 @@ class Experiment:
         if method == "mha":
             return Path(src)
         out = self.work / f"{tag}-k{k}-{method}"
-        if not (out / "config.json").is_file():
-            convert_to_gqa(src, out, k, method, calib=self.cfg.train,
-                           calib_samples=self.cfg.calib_samples, calib_seq_len=self.cfg.seq_len,
-                           seed=self.cfg.seed, show_progress=self.show_progress)
+        with self._locked(out.name):             # another process may be converting it
+            if not (out / "config.json").is_file():
+                convert_to_gqa(src, out, k, method, calib=self.cfg.train,
+                               calib_samples=self.cfg.calib_samples,
+                               calib_seq_len=self.cfg.seq_len, seed=self.cfg.seed,
+                               show_progress=self.show_progress)
         return out
 
     def _uptrain(self, src: Path, out: Path, steps: int, batch: int, lr: float) -> Path:
@@ -222,3 +248,15 @@ def _last_step(model_dir: Path) -> int:
         raise KvslimError(f"no train_log.jsonl in {model_dir}; pass --original-steps")
     lines = [json.loads(l) for l in log.read_text().splitlines() if l.strip()]
     return max(l["step"] for l in lines)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
