@@ -80,7 +80,7 @@ def ref_table(exp: Experiment) -> str:
         for r, a in zip(runs, alphas):
             c = idx.get((h, "mha", a))
             deltas.append(f"{(r.test_ppl - c.test_ppl) / c.test_ppl:+.2%}" if r and c else "—")
-        label = "MHA (control)" if m == "mha" else ("MQA" if k == 1 else f"GQA-{k}")
+        label = "MHA, control" if m == "mha" else ("MQA" if k == 1 else f"GQA-{k}")
         lines.append(f"| {k} ({label}) | {m if m != 'mha' else '—'} | {bytes_:,} | "
                      + " | ".join(cells) + " | " + " | ".join(deltas) + " |")
     return "\n".join(lines)
