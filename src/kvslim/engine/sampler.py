@@ -1,8 +1,8 @@
 """`Sampler`: the next token of every sequence in a batch, each with its own parameters.
 
-Order, per row: logit_bias -> penalties (repetition, presence, frequency) -> EOS/stop-token ban while
-min_tokens is not reached -> greedy argmax, or temperature -> top_k -> top_p -> min_p ->
-a draw. A request with a `seed` draws from its own generator, so its output does not depend on
+Order, per row: logit_bias -> penalties (repetition, presence, frequency) -> EOS/stop-token
+ban while min_tokens is not reached -> greedy argmax, or temperature -> top_k -> top_p -> min_p
+-> a draw. A request with a `seed` draws from its own generator, so its output does not depend on
 what else is in the batch. Logprobs are those of the model's raw distribution."""
 from __future__ import annotations
 
