@@ -18,10 +18,11 @@ def register(sub) -> None:
     g.add_argument("--report", default="docs/gqa-uptraining.md")
     g.add_argument("--original-steps", type=int, help="default: from MODEL/train_log.jsonl")
     g.add_argument("--uptrain-lr", type=float, default=2e-4)
-    g.add_argument("--ppl-max-tokens", type=int, default=None)
+    g.add_argument("--ppl-max-tokens", type=int, default=40_000,
+                   help="score the first N test tokens (0: all)")
     g.add_argument("--skip-smollm2", action="store_true")
     g.add_argument("--smollm2-steps", type=int, default=30)
-    g.add_argument("--smollm2-ppl-max-tokens", type=int, default=20_000)
+    g.add_argument("--smollm2-ppl-max-tokens", type=int, default=12_000)
     g.add_argument("--shard", default="0/1", metavar="I/N",
                    help="run jobs I, I+N, ... of the plan (N processes share --work-dir)")
     g.add_argument("--report-only", action="store_true",
@@ -42,7 +43,8 @@ def run_gqa(args) -> int:
     cfg = ExperimentConfig(model=args.model, train=args.train, valid=args.valid, test=args.test,
                            work_dir=args.work_dir, report=args.report,
                            original_steps=args.original_steps, uptrain_lr=args.uptrain_lr,
-                           ppl_max_tokens=args.ppl_max_tokens, smollm2=not args.skip_smollm2,
+                           ppl_max_tokens=args.ppl_max_tokens or None,
+                           smollm2=not args.skip_smollm2,
                            smollm2_steps=args.smollm2_steps,
                            smollm2_ppl_max_tokens=args.smollm2_ppl_max_tokens, shard=shard)
     exp = Experiment(cfg, show_progress=not args.quiet)

@@ -53,7 +53,7 @@ class ExperimentConfig:
     smollm2_steps: int = 30
     smollm2_batch_size: int = 4
     smollm2_lr: float = 1e-4
-    smollm2_ppl_max_tokens: int | None = 20_000
+    smollm2_ppl_max_tokens: int | None = 12_000
     shard: tuple[int, int] = (0, 1)      # (i, n): this process runs jobs i, i+n, i+2n, ...
 
 
@@ -118,7 +118,7 @@ class Experiment:
             for method in self.cfg.methods:
                 extra = self.cfg.extra_alphas if method in self.cfg.extra_methods else []
                 runs += [(k, method, a) for a in self.cfg.alphas + extra]
-        extra = set(self.cfg.extra_alphas) - set(self.cfg.alphas)
+        extra = self._only_extra_alphas
         return sorted(runs, key=lambda r: (r[2] in extra, r[2], r[0] not in (h, h // 4)))
 
     def smollm2_plan(self) -> list[tuple[str, int, int]]:
@@ -128,7 +128,7 @@ class Experiment:
     def jobs(self) -> list[tuple]:
         """All runs in order; SmolLM2 goes before the extra alphas."""
         ref = [("ref",) + r for r in self.plan()]
-        extra = set(self.cfg.extra_alphas) - set(self.cfg.alphas)
+        extra = self._only_extra_alphas
         main = [j for j in ref if j[3] not in extra]
         small = [("smollm2",) + r for r in self.smollm2_plan()] if self.cfg.smollm2 else []
         return main + small + [j for j in ref if j[3] in extra]
@@ -136,6 +136,10 @@ class Experiment:
     def missing(self) -> list[str]:
         """Names of planned runs without a result (for the report)."""
         return [n for n in (self._name(j) for j in self.jobs()) if n not in self.results]
+
+    @property
+    def _only_extra_alphas(self) -> set[float]:
+        return set(self.cfg.extra_alphas) - set(self.cfg.alphas)
 
     @property
     def all_alphas(self) -> list[float]:
@@ -155,7 +159,7 @@ class Experiment:
         i, n = self.cfg.shard
         for job in self.jobs()[i::n]:
             name = self._name(job)
-            if name in self._load() or not self._claim(name):
+            if not self._claim(name):                # done, or another process runs it
                 continue
             try:
                 if job[0] == "ref":
