@@ -36,3 +36,14 @@ def test_matches_repeated_kv_reference(heads, kv_heads, tq, tk):
 def test_sliding_window_mask():
     m = causal_mask(3, 6, torch.device("cpu"), sliding_window=2)
     assert m.int().tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_unmasked_queries_see_every_key(heads, kv_heads):
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 1, heads, 16, generator=g)
+    k = torch.randn(1, 9, kv_heads, 16, generator=g)
+    v = torch.randn(1, 9, kv_heads, 16, generator=g)
+    out = grouped_sdpa(q, k, v, None, 0.25, causal=False)
+    everything = torch.ones(1, 1, 9, dtype=torch.bool)
+    torch.testing.assert_close(out, reference(q, k, v, everything, 0.25), atol=1e-5, rtol=1e-5)

@@ -30,3 +30,18 @@ def test_packed_cpu_linears_match(hf_checkpoints, variant):
         assert isinstance(model.lm_head, PackedLinear)
         assert isinstance(model.model.layers[0].self_attn.qkv_proj, PackedLinear)
         torch.testing.assert_close(model.logits(ids), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 9])
+def test_packed_linear_every_row_count(bias, rows):
+    """One row takes the GEMV path, more rows the packed kernel: both compute nn.Linear."""
+    from kvslim.model.cpu_linear import PackedLinear, packed_linear_available
+    if not packed_linear_available():
+        pytest.skip("oneDNN linear not available in this torch build")
+    linear = torch.nn.Linear(40, 24, bias=bias)
+    x = torch.randn(rows, 40)
+    with torch.no_grad():
+        torch.testing.assert_close(PackedLinear(linear)(x), linear(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(PackedLinear(linear)(x[None]), linear(x)[None],
+                                   atol=1e-5, rtol=1e-5)

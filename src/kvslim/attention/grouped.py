@@ -10,15 +10,18 @@ import torch.nn.functional as F
 
 
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+                 mask: torch.Tensor | None, scale: float, causal: bool = True) -> torch.Tensor:
     """q [B, Tq, H, D]; k, v [B, Tk, KVH, D]; mask from `grouped_mask` ([B or 1, 1, G*Tq, Tk]
-    additive), or None for plain causal attention with Tq == Tk. Returns [B, Tq, H, D]."""
+    additive), or None for plain causal attention with Tq == Tk (or, with causal=False, for
+    queries that see every key). Returns [B, Tq, H, D]."""
     b, tq, h, d = q.shape
     kvh = k.shape[2]
     g = h // kvh
     qg = q.view(b, tq, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * tq, d)
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)
-    if mask is None and g == 1:
+    if mask is None and not causal:
+        out = F.scaled_dot_product_attention(qg, kt, vt, scale=scale)
+    elif mask is None and g == 1:
         out = F.scaled_dot_product_attention(qg, kt, vt, is_causal=True, scale=scale)
     else:
         if mask is None:

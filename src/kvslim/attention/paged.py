@@ -39,7 +39,12 @@ class PagedAttention:
         device = meta.slot_mapping.device
         self.masks = MaskCache()
         self.decode_allowed = None
-        if meta.num_decode_tokens:
+        # A lone decode (batch-1 generation) reads exactly its context: no mask, and SDPA's
+        # unmasked path, instead of masking the padding of its last block.
+        self.single_decode_len = (int(meta.decode_context_lens[0])
+                                  if meta.num_decode_tokens == 1 and sliding_window is None
+                                  else None)
+        if meta.num_decode_tokens and self.single_decode_len is None:
             max_len = meta.decode_block_tables.shape[1] * self.block_size
             key_pos = torch.arange(max_len, device=device)[None, :]
             lens = meta.decode_context_lens[:, None]
@@ -68,8 +73,13 @@ class PagedAttention:
             blocks = self.meta.decode_block_tables.reshape(-1)
             keys = k_cache.index_select(0, blocks).view(nd, -1, kvh, d)
             values = v_cache.index_select(0, blocks).view(nd, -1, kvh, d)
-            mask = self.masks.get(-1, self.decode_allowed, group, q.dtype)
-            decoded = grouped_sdpa(q[:nd, None], keys, values, mask, scale)[:, 0]
+            if self.single_decode_len is not None:
+                n = self.single_decode_len
+                decoded = grouped_sdpa(q[:1, None], keys[:, :n], values[:, :n], None, scale,
+                                       causal=False)[:, 0]
+            else:
+                mask = self.masks.get(-1, self.decode_allowed, group, q.dtype)
+                decoded = grouped_sdpa(q[:nd, None], keys, values, mask, scale)[:, 0]
             if not self.meta.prefills:                 # a pure decode step: no copy into out
                 return decoded
         out = torch.empty_like(q)
