@@ -32,16 +32,20 @@ def test_packed_cpu_linears_match(hf_checkpoints, variant):
         torch.testing.assert_close(model.logits(ids), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("gemv_copy", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 9])
-def test_packed_linear_every_row_count(bias, rows):
-    """One row takes the GEMV path, more rows the packed kernel: both compute nn.Linear."""
+def test_packed_linear_every_row_count(bias, rows, gemv_copy):
+    """One row takes the GEMV path (when the layer keeps that copy), more rows the packed
+    kernel: both compute nn.Linear."""
     from kvslim.model.cpu_linear import PackedLinear, packed_linear_available
     if not packed_linear_available():
         pytest.skip("oneDNN linear not available in this torch build")
     linear = torch.nn.Linear(40, 24, bias=bias)
     x = torch.randn(rows, 40)
     with torch.no_grad():
-        torch.testing.assert_close(PackedLinear(linear)(x), linear(x), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(PackedLinear(linear)(x[None]), linear(x)[None],
+        packed = PackedLinear(linear, gemv_copy)
+        assert (packed.weight_in_out is not None) == gemv_copy
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed(x[None]), linear(x)[None],
                                    atol=1e-5, rtol=1e-5)
