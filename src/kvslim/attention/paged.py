@@ -32,7 +32,9 @@ class PagedAttentionMetadata:
 
 class PagedAttention:
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 meta: PagedAttentionMetadata, sliding_window: int | None = None):
+                 meta: PagedAttentionMetadata, sliding_window: int | None = None,
+                 graph_safe: bool = False):
+        """graph_safe: no host synchronisation (the decode path a CUDA graph records)."""
         self.kv_caches = kv_caches
         self.meta = meta
         self.block_size = kv_caches[0][0].shape[1]
@@ -43,7 +45,7 @@ class PagedAttention:
         # unmasked path, instead of masking the padding of its last block.
         self.single_decode_len = (int(meta.decode_context_lens[0])
                                   if meta.num_decode_tokens == 1 and sliding_window is None
-                                  else None)
+                                  and not graph_safe else None)
         if meta.num_decode_tokens and self.single_decode_len is None:
             max_len = meta.decode_block_tables.shape[1] * self.block_size
             key_pos = torch.arange(max_len, device=device)[None, :]

@@ -14,6 +14,8 @@ def add_engine_args(p, kv_cache_memory: str = "1GiB", max_num_seqs: int = 64) ->
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run decode steps without CUDA graphs")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -26,7 +28,8 @@ def llm_from_args(args):
     return LLM(args.model, dtype=args.dtype, device=args.device,
                kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)
+               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+               enforce_eager=args.enforce_eager)
 
 
 def add_sampling_args(p, max_tokens: int = 256) -> None:

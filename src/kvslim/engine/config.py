@@ -33,6 +33,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0                        # for requests that sample without their own seed
+    enforce_eager: bool = False          # on CUDA: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)

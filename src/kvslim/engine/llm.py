@@ -19,14 +19,16 @@ class LLM:
                  kv_cache_memory: str | int = "1GiB", block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, seed: int = 0):
+                 enable_chunked_prefill: bool = True, seed: int = 0,
+                 enforce_eager: bool = False):
         from kvslim.model.registry import resolve_model
         self.model_dir = resolve_model(model)
         config = EngineConfig(
             kv_cache_memory=kv_cache_memory, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, dtype=dtype, device=device, seed=seed)
+            enable_chunked_prefill=enable_chunked_prefill, dtype=dtype, device=device, seed=seed,
+            enforce_eager=enforce_eager)
         self.engine = LLMEngine(self.model_dir, config)
         self.tokenizer = self.engine.tokenizer
 

@@ -9,6 +9,7 @@ from kvslim.attention import PagedAttention, PagedAttentionMetadata
 from kvslim.attention.paged import PrefillChunk
 from kvslim.engine.block_table import BlockTables
 from kvslim.engine.config import EngineConfig
+from kvslim.engine.decode_graphs import DecodeGraphs
 from kvslim.engine.prompt_logprobs import record_prompt_logprobs
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import SchedulerOutput
@@ -36,14 +37,34 @@ class ModelRunner:
             raise KvslimError(
                 f"kv_cache_memory={config.kv_cache_memory} bytes is too small for one block of "
                 f"{self.block_size} tokens ({self.bytes_per_block} bytes for this model)")
-        # One allocation for the whole cache: [layers, K/V, blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            mc.num_hidden_layers, 2, self.num_blocks, self.block_size, mc.num_key_value_heads,
-            mc.head_dim, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self._allocate_cache(reserved_blocks=int(use_graphs))
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.block_tables = BlockTables(config.max_num_seqs, max_blocks_per_seq, self.device)
         self.sampler = Sampler(mc.vocab_size, self.device, eos_token_ids, config.seed)
+        self.decode_graphs = self._decode_graphs(use_graphs=True) if use_graphs else None
+
+    def _allocate_cache(self, reserved_blocks: int) -> None:
+        """One allocation for the whole cache: [layers, K/V, blocks, block_size, kv_heads,
+        head_dim], plus `reserved_blocks` the block manager never hands out."""
+        mc = self.model.config
+        self.kv_cache = torch.zeros(
+            mc.num_hidden_layers, 2, self.num_blocks + reserved_blocks, self.block_size,
+            mc.num_key_value_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+
+    def _decode_graphs(self, use_graphs: bool) -> DecodeGraphs:
+        # Padding rows write into the reserved block after the last one in use.
+        return DecodeGraphs(self.model, self.kv_caches, self.num_blocks * self.block_size,
+                            self.config.max_num_seqs, self.block_tables.table.shape[1],
+                            self.model.config.sliding_window, use_graphs)
+
+    def enable_padded_decode(self) -> None:
+        """Run pure decode steps through the decode-graph path without CUDA graphs: padded
+        batches from static buffers, executed eagerly. This is the CUDA path's logic on any
+        device (tests); call it before the first step, as it reallocates the (empty) cache."""
+        self._allocate_cache(reserved_blocks=1)
+        self.decode_graphs = self._decode_graphs(use_graphs=False)
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
@@ -55,8 +76,12 @@ class ModelRunner:
             src, dst = zip(*out.block_copies)
             self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
         input_ids, positions, meta, sample_rows, requests = self._prepare(out)
-        attn = PagedAttention(self.kv_caches, meta, self.model.config.sliding_window)
-        hidden = self.model(input_ids, positions, attn=attn)
+        hidden = None
+        if self.decode_graphs is not None and not out.prefills:
+            hidden = self.decode_graphs.run(input_ids, positions, meta)
+        if hidden is None:
+            attn = PagedAttention(self.kv_caches, meta, self.model.config.sliding_window)
+            hidden = self.model(input_ids, positions, attn=attn)
         for chunk, entry in zip(meta.prefills, out.prefills):
             if entry.seq.needs_prompt_logprobs:
                 record_prompt_logprobs(self.model, hidden, chunk.query_start,
