@@ -4,9 +4,11 @@ machine's measured memory bandwidth and the fraction of it each engine's decode 
 (weights + KV-cache bytes read per step / step time)."""
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from kvslim.bench.machine import Bandwidth, memory_bandwidth
 from kvslim.bench.runners import kvslim_llm, peers
@@ -26,6 +28,7 @@ class EngineLatency:
     bytes_per_step: int
     achieved_gb_s: float
     fraction_of_bandwidth: float
+    tpot_runs_s: list[float] = field(default_factory=list)   # every repeat; tpot_s is the median
 
 
 @dataclass
@@ -39,6 +42,7 @@ class LatencyResult:
     kv_bytes_per_token: int
     results: list[EngineLatency] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    repeats: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,18 +53,25 @@ class LatencyResult:
         return a.decode_tokens_per_s / b.decode_tokens_per_s if a and b else None
 
 
-def _entry(result: LatencyResult, engine, label, batch, ttft, tpot) -> EngineLatency:
+def _entry(result: LatencyResult, engine, label, batch, runs: list[tuple[float, float]]
+           ) -> EngineLatency:
+    ttft = statistics.median(r[0] for r in runs)
+    tpot = statistics.median(r[1] for r in runs)
     context = result.input_len + result.output_len // 2          # mean context while decoding
     step_bytes = result.weight_bytes + batch * context * result.kv_bytes_per_token
     gb_s = step_bytes / tpot / 1e9
     return EngineLatency(engine, label, batch, round(ttft, 4), round(tpot, 5),
                          round(batch / tpot, 1), step_bytes, round(gb_s, 2),
-                         round(gb_s / result.bandwidth.read_gb_s, 3))
+                         round(gb_s / result.bandwidth.read_gb_s, 3),
+                         [round(r[1], 5) for r in runs])
 
 
 def run_latency(model_dir, input_len: int = 128, output_len: int = 64,
                 batches: tuple[int, ...] = (1, 8), compare: list[str] = (),
-                show_progress: bool = True) -> LatencyResult:
+                show_progress: bool = True, repeats: int = 3) -> LatencyResult:
+    """Each engine and batch measured `repeats` times, the engines taking turns within every
+    round, so that a slow spell of a shared machine does not fall on one engine only; the
+    tables show medians."""
     llm = kvslim_llm(model_dir, "1GiB", max_num_seqs=max(batches))
     # Counted from the checkpoint: the engine's runtime layout (packed weights) is not the
     # model's size. Every weight is read once per decode step.
@@ -68,36 +79,51 @@ def run_latency(model_dir, input_len: int = 128, output_len: int = 64,
                     * llm.engine.runner.dtype.itemsize)
     result = LatencyResult(str(model_dir), input_len, output_len, torch.get_num_threads(),
                            memory_bandwidth(), weight_bytes,
-                           llm.engine.runner.bytes_per_block // llm.engine.config.block_size)
+                           llm.engine.runner.bytes_per_block // llm.engine.config.block_size,
+                           repeats=repeats)
     w = Workload(max(batches), input_len, output_len, seed=1)
     prompts = w.prompts(llm.engine.model_config.vocab_size, special_ids(llm.tokenizer))
+    engines = [("kvslim", "kvslim", _kvslim_measure(llm, prompts, output_len))]
+    for name, runner in peers(compare, model_dir, result.skipped, show_progress):
+        engines.append((name, runner.label, _peer_measure(name, runner, prompts, output_len)))
+    if "llamacpp" in compare:
+        result.skipped += [f"llamacpp batch {b}: its Python API decodes one sequence at a time"
+                           for b in batches if b > 1]
+    runs: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for _ in tqdm(range(repeats), desc="latency rounds", disable=not show_progress):
+        for name, _, measure in engines:
+            for b in batches:
+                if not (name == "llamacpp" and b > 1):
+                    runs.setdefault((name, b), []).append(measure(b))
+    labels = {name: label for name, label, _ in engines}
+    result.results = [_entry(result, name, labels[name], b, r) for (name, b), r in runs.items()]
+    return result
+
+
+def _kvslim_measure(llm, prompts, output_len: int):
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    for b in batches:
+
+    def measure(b: int) -> tuple[float, float]:
         outs = llm.generate(prompts[:b], params, use_tqdm=False)
-        ttft = sum(o.metrics.time_to_first_token for o in outs) / b
-        tpot = sum(o.metrics.time_per_output_token for o in outs) / b
-        result.results.append(_entry(result, "kvslim", "kvslim", b, ttft, tpot))
-    del llm
-    for name, runner in peers(compare, model_dir, result.skipped, show_progress):
-        for b in batches:
-            if name == "llamacpp" and b > 1:
-                result.skipped.append(f"llamacpp batch {b}: its Python API decodes one "
-                                      f"sequence at a time")
-                continue
-            if name == "hf":
-                runner.generate(prompts[:b], 2, b)                      # warm-up
-                ttft, tpot = runner.latency(prompts[:b], output_len)
-            else:
-                runner.run(prompts[0], 2)
-                ttft, tpot = runner.latency(prompts[0], output_len)
-            result.results.append(_entry(result, name, runner.label, b, ttft, tpot))
-    return result
+        return (sum(o.metrics.time_to_first_token for o in outs) / b,
+                sum(o.metrics.time_per_output_token for o in outs) / b)
+    return measure
+
+
+def _peer_measure(name: str, runner, prompts, output_len: int):
+    def measure(b: int) -> tuple[float, float]:
+        if name == "hf":
+            runner.generate(prompts[:b], 2, b)                      # warm-up
+            return runner.latency(prompts[:b], output_len)
+        runner.run(prompts[0], 2)
+        return runner.latency(prompts[0], output_len)
+    return measure
 
 
 def format_latency(r: LatencyResult) -> str:
     lines = [f"decode latency: {r.input_len} prompt tokens, {r.output_len} generated, float32, "
-             f"{r.threads} threads, model {r.model}",
+             f"{r.threads} threads, median of {r.repeats} runs, model {r.model}",
              f"memory bandwidth: {r.bandwidth.read_gb_s} GB/s read, {r.bandwidth.copy_gb_s} "
              f"GB/s copy; weights {r.weight_bytes / 1e6:.0f} MB, KV {r.kv_bytes_per_token} B/token",
              f"{'engine':<44} {'batch':>5} {'TTFT s':>8} {'TPOT ms':>8} {'tok/s':>7} "

@@ -18,8 +18,9 @@ from kvslim.bench.throughput import (EngineThroughput, ThroughputResult, format_
 from kvslim.bench.workload import Workload
 from kvslim.model.registry import default_model_dir
 
-FULL = dict(workload=Workload(64, 128, 128), latency=(128, 64), capacity=("64MiB", 256))
-QUICK = dict(workload=Workload(8, 32, 32), latency=(32, 16), capacity=("4MiB", 64))
+FULL = dict(workload=Workload(64, 128, 128), latency=(128, 64), repeats=5,
+            capacity=("64MiB", 256))
+QUICK = dict(workload=Workload(8, 32, 32), latency=(32, 16), repeats=1, capacity=("4MiB", 64))
 
 
 def run_report(out: str | Path, ref_model: str | Path, quick: bool = False) -> Path:
@@ -30,7 +31,8 @@ def run_report(out: str | Path, ref_model: str | Path, quick: bool = False) -> P
     machine = machine_info()
     thr = run_throughput(model, plan["workload"], ["hf", "llamacpp"])
     print(format_throughput(thr), flush=True)
-    lat = run_latency(model, *plan["latency"], batches=(1, 8), compare=["hf", "llamacpp"])
+    lat = run_latency(model, *plan["latency"], batches=(1, 8), compare=["hf", "llamacpp"],
+                      repeats=plan["repeats"])
     print(format_latency(lat), flush=True)
     h = json.loads((Path(ref_model) / "config.json").read_text())["num_key_value_heads"]
     dirs = conversions(Path(ref_model), sorted({h // 4, 1}, reverse=True),
@@ -106,6 +108,10 @@ def roofline_text(lat: LatencyResult) -> str:
                    if parts else ".")
 
 
+def _range_ms(runs: list[float]) -> str:
+    return f"{min(runs) * 1e3:.1f}–{max(runs) * 1e3:.1f}" if runs else "—"
+
+
 def _table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -120,6 +126,7 @@ def render(machine, thr: ThroughputResult, lat: LatencyResult, cap: CapacityResu
                  "1.00x" if e.engine == "kvslim" else f"{thr.ratio(e.engine):.2f}x"]
                 for e in thr.results]
     lat_rows = [[e.label, e.batch, f"{e.ttft_s * 1e3:.0f}", f"{e.tpot_s * 1e3:.1f}",
+                 _range_ms(e.tpot_runs_s),
                  f"{e.decode_tokens_per_s:.1f}", f"{e.achieved_gb_s:.1f}",
                  f"{e.fraction_of_bandwidth:.0%}",
                  "—" if e.engine == "kvslim" else f"{lat.ratio(e.engine, e.batch):.2f}x"]
@@ -168,12 +175,14 @@ once.
 
 ## Decode latency — {lat.input_len}-token prompts, {lat.output_len} generated
 
+Each engine ran {lat.repeats} times, the engines taking turns in every round; the table shows
+medians (the TPOT range is the fastest and slowest run).
 TTFT: time to first token; TPOT: time per output token after the first. Bytes per step: all
 weights plus the KV cache of the batch at its mean context; "of BW" is that traffic divided by
 TPOT, as a fraction of the measured read bandwidth (the roofline of a memory-bound decode).
 
-{_table(["engine", "batch", "TTFT ms", "TPOT ms", "decode tokens/s", "GB/s", "of BW",
-         "kvslim is"], lat_rows)}
+{_table(["engine", "batch", "TTFT ms", "TPOT ms", "TPOT range", "decode tokens/s", "GB/s",
+         "of BW", "kvslim is"], lat_rows)}
 
 ![latency]({img[1]})
 

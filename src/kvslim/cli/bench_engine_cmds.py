@@ -5,6 +5,8 @@ import json
 
 import torch
 
+from kvslim.errors import KvslimError
+
 
 def _common(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) threads")
@@ -29,6 +31,8 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--compare", default="hf,llamacpp")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds, engines taking turns in each; tables show medians")
     _common(p)
     p.set_defaults(func=run_latency_cmd)
 
@@ -80,8 +84,11 @@ def run_latency_cmd(args) -> int:
     from kvslim.bench.runners import parse_compare
     model = _setup(args)
     batches = tuple(int(b) for b in args.batches.split(","))
+    if args.repeats < 1:
+        raise KvslimError(f"--repeats must be at least 1, got {args.repeats}")
     result = run_latency(model, args.input_len, args.output_len, batches,
-                         parse_compare(args.compare), show_progress=not args.json)
+                         parse_compare(args.compare), show_progress=not args.json,
+                         repeats=args.repeats)
     return _emit(args, result, format_latency)
 
 
