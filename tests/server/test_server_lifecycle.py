@@ -10,6 +10,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
+from live_server import LiveServer
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.llm_engine import LLMEngine
 from kvslim.server.app import build_app
@@ -32,6 +33,21 @@ def test_sigterm_drains_in_flight_stream_then_exits_0(server):
     usage = json.loads(rest[-2][len("data: "):])["usage"]
     assert usage["completion_tokens"] == 400                  # finished, not cut
     assert server.terminate() == 0, server.logs()
+
+
+def test_repeated_sigterm_still_exits_0(tiny_model, tmp_path):
+    """A second SIGTERM (an impatient supervisor) while the server shuts down after its drain
+    must not turn the clean exit into a kill."""
+    live = LiveServer(tiny_model, tmp_path / "server.log").wait_healthy()
+    live.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while live.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+        try:
+            live.process.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            break
+    assert live.terminate() == 0, live.logs()
 
 
 def test_health_follows_the_engine_loop(tiny_model):

@@ -59,6 +59,9 @@ def run_serve(args) -> int:
     # SIGTERM before uvicorn has installed its own handler.
     signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "should_exit", True))
     server.run()
+    # Drained: a repeated SIGTERM while the interpreter shuts down (when Python has put the
+    # default handler back) would turn this clean exit into a kill.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Exit promptly after the drain: the interpreter's last garbage collections would walk every
     # object torch, pydantic and FastAPI made (seconds); frozen objects are skipped.
     gc.freeze()
