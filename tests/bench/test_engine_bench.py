@@ -65,3 +65,27 @@ def test_cli_rejects_zero_repeats(hf_checkpoints):
                        capture_output=True, text=True)
     assert r.returncode != 0 and "--repeats must be at least 1" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_profile_splits_the_decode_step(hf_checkpoints):
+    from kvslim.bench.profile import CATEGORIES, profile_decode
+    r = profile_decode(hf_checkpoints["gqa"], batches=(1, 3), input_len=12, steps=4)
+    assert [p.batch for p in r.profiles] == [1, 3]
+    for p in r.profiles:
+        assert set(p.ms_per_step) == set(CATEGORIES)
+        assert p.ms_per_step["gemm"] > 0 and p.ms_per_step["attention"] > 0
+        assert min(p.ms_per_step.values()) >= 0
+        # the categories partition the profiled step (up to rounding)
+        assert abs(sum(p.ms_per_step.values()) - p.profiled_step_ms) < 0.05 + 0.01 * p.steps
+        assert p.top_ops and p.step_ms > 0
+
+
+def test_profile_cli_json_and_bad_steps(hf_checkpoints):
+    base = [sys.executable, "-m", "kvslim.cli.main", "bench", "profile", "--model",
+            str(hf_checkpoints["gqa"]), "--input-len", "8"]
+    r = subprocess.run(base + ["--batches", "2", "--steps", "2", "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["profiles"][0]["batch"] == 2
+    bad = subprocess.run(base + ["--steps", "0"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--steps" in bad.stderr and "Traceback" not in bad.stderr

@@ -13,6 +13,7 @@ from kvslim.bench.capacity import (CapacityEntry, CapacityResult, conversions, f
                                    run_capacity)
 from kvslim.bench.latency import EngineLatency, LatencyResult, format_latency, run_latency
 from kvslim.bench.machine import Bandwidth, MachineInfo, machine_info
+from kvslim.bench.profile import CATEGORIES, DecodeProfile, ProfileResult, profile_decode
 from kvslim.bench.throughput import (EngineThroughput, ThroughputResult, format_throughput,
                                      run_throughput)
 from kvslim.bench.workload import Workload
@@ -34,6 +35,7 @@ def run_report(out: str | Path, ref_model: str | Path, quick: bool = False) -> P
     lat = run_latency(model, *plan["latency"], batches=(1, 8), compare=["hf", "llamacpp"],
                       repeats=plan["repeats"])
     print(format_latency(lat), flush=True)
+    prof = profile_decode(model, (1, 8), plan["latency"][0], steps=16)
     h = json.loads((Path(ref_model) / "config.json").read_text())["num_key_value_heads"]
     dirs = conversions(Path(ref_model), sorted({h // 4, 1}, reverse=True),
                        Path("runs/capacity"), show_progress=True)
@@ -43,7 +45,7 @@ def run_report(out: str | Path, ref_model: str | Path, quick: bool = False) -> P
     command = "kvslim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     out.parent.mkdir(parents=True, exist_ok=True)
     raw = {"machine": machine.to_dict(), "throughput": thr.to_dict(), "latency": lat.to_dict(),
-           "capacity": cap.to_dict(), "minutes": round(minutes, 1), "command": command}
+           "profile": prof.to_dict(), "capacity": cap.to_dict(), "minutes": round(minutes, 1), "command": command}
     out.with_suffix(".json").write_text(json.dumps(raw, indent=2) + "\n")
     return render_from_json(out)
 
@@ -60,9 +62,13 @@ def render_from_json(out: str | Path) -> Path:
                            "results": [EngineLatency(**r) for r in l["results"]]})
     cap = CapacityResult(**{**_fields(CapacityResult, c),
                             "entries": [CapacityEntry(**e) for e in c["entries"]]})
+    prof = None
+    if "profile" in raw:
+        prof = ProfileResult(**{**_fields(ProfileResult, raw["profile"]), "profiles": [
+            DecodeProfile(**p) for p in raw["profile"]["profiles"]]})
     images = plot(thr, lat, cap, out.parent / "img")
     out.write_text(render(machine, thr, lat, cap, images, out.parent, raw["command"],
-                          raw["minutes"]))
+                          raw["minutes"], prof))
     return out
 
 
@@ -108,6 +114,31 @@ def roofline_text(lat: LatencyResult) -> str:
                    if parts else ".")
 
 
+def profile_section(prof: ProfileResult | None) -> str:
+    if prof is None:
+        return ""
+    rows = [[p.batch, f"{p.step_ms:.1f}", f"{p.profiled_step_ms:.1f}"]
+            + [f"{p.ms_per_step[c]:.1f} ({p.ms_per_step[c] / p.profiled_step_ms:.0%})"
+               for c in CATEGORIES] for p in prof.profiles]
+    top = "\n".join(f"- batch {p.batch}: " + ", ".join(f"`{n}` {ms} ms" for n, ms in p.top_ops)
+                    for p in prof.profiles)
+    return f"""
+### Where a decode step's time goes
+
+torch's profiler over {prof.profiles[0].steps} pure decode steps per batch size
+(`kvslim bench profile`): self time of the matrix products, of attention (KV-cache writes and
+block gathers included), of every other operation, and the rest of the step outside any
+operation (Python, dispatch, scheduling, sampling bookkeeping). The profiler adds a little to
+every operation, so shares are of the profiled step; the unprofiled step is beside it.
+
+{_table(["batch", "step ms", "profiled ms", "GEMM", "attention", "other ops", "outside ops"],
+        rows)}
+
+The costliest operations, ms per step:
+{top}
+"""
+
+
 def _range_ms(runs: list[float]) -> str:
     return f"{min(runs) * 1e3:.1f}–{max(runs) * 1e3:.1f}" if runs else "—"
 
@@ -119,7 +150,7 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 
 def render(machine, thr: ThroughputResult, lat: LatencyResult, cap: CapacityResult, images,
-           root: Path, command: str, minutes: float) -> str:
+           root: Path, command: str, minutes: float, prof: ProfileResult | None = None) -> str:
     w = thr.workload
     thr_rows = [[e.label, f"{e.seconds:.1f}", f"{e.requests_per_s:.2f}",
                  f"{e.output_tokens_per_s:.1f}", f"{e.total_tokens_per_s:.1f}",
@@ -185,7 +216,7 @@ TPOT, as a fraction of the measured read bandwidth (the roofline of a memory-bou
          "of BW", "kvslim is"], lat_rows)}
 
 ![latency]({img[1]})
-
+{profile_section(prof)}
 ## Capacity — one KV-cache budget ({cap.kv_cache_memory / 2**20:.0f} MiB), MHA vs its GQA/MQA conversions
 
 Sequences of {cap.context} tokens ({cap.context - max(4, cap.context // 16)} prompt +

@@ -1,4 +1,4 @@
-"""`kvslim bench throughput | latency | capacity | report`."""
+"""`kvslim bench throughput | latency | profile | capacity | report`."""
 from __future__ import annotations
 
 import json
@@ -35,6 +35,15 @@ def register_engine_benchmarks(kinds) -> None:
                    help="rounds, engines taking turns in each; tables show medians")
     _common(p)
     p.set_defaults(func=run_latency_cmd)
+
+    p = kinds.add_parser("profile", help="where a decode step's time goes: GEMM, attention, "
+                                         "other ops, outside ops")
+    p.add_argument("--model", default=None)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--steps", type=int, default=16, help="decode steps profiled per batch")
+    _common(p)
+    p.set_defaults(func=run_profile_cmd)
 
     p = kinds.add_parser("capacity", help="an MHA model vs its GQA/MQA conversions, one budget")
     p.add_argument("--model", default="models/ref-mha", help="the MHA model")
@@ -90,6 +99,16 @@ def run_latency_cmd(args) -> int:
                          parse_compare(args.compare), show_progress=not args.json,
                          repeats=args.repeats)
     return _emit(args, result, format_latency)
+
+
+def run_profile_cmd(args) -> int:
+    from kvslim.bench.profile import format_profile, profile_decode
+    model = _setup(args)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    if args.steps < 1 or min(batches) < 1:
+        raise KvslimError("--steps and every --batches entry must be at least 1")
+    return _emit(args, profile_decode(model, batches, args.input_len, args.steps),
+                 format_profile)
 
 
 def run_capacity_cmd(args) -> int:
