@@ -10,8 +10,10 @@ input-major ([in, out], contiguous) streams it fastest. On the Xeon of our bench
 25 GB/s against 18 GB/s for the packed kernel; at 2 rows they are even and from 8 rows on the
 packed kernel wins by 20-30%. So each layer keeps both forms, twice the weight memory, when
 the model's weights take at most a quarter of this machine's memory; a larger model keeps the
-packed form only. Float32 only; on any other device or dtype, or where the op is missing, the model is left as it
-is."""
+packed form only.
+
+Float32 only; on any other device or dtype, or where the op is missing, the model is left as
+it is."""
 from __future__ import annotations
 
 import os
