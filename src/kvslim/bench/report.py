@@ -45,7 +45,8 @@ def run_report(out: str | Path, ref_model: str | Path, quick: bool = False) -> P
     command = "kvslim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     out.parent.mkdir(parents=True, exist_ok=True)
     raw = {"machine": machine.to_dict(), "throughput": thr.to_dict(), "latency": lat.to_dict(),
-           "profile": prof.to_dict(), "capacity": cap.to_dict(), "minutes": round(minutes, 1), "command": command}
+           "profile": prof.to_dict(), "capacity": cap.to_dict(), "minutes": round(minutes, 1),
+           "command": command}
     out.with_suffix(".json").write_text(json.dumps(raw, indent=2) + "\n")
     return render_from_json(out)
 
