@@ -29,20 +29,19 @@ def step(sched, token=7):
 
 
 def plan(out):
-    return ([(e.seq.request_id, e.num_tokens) for e in out.decodes],
-            [(e.seq.request_id, e.num_tokens) for e in out.prefills])
+    return [(e.seq.request_id, e.num_tokens) for e in out.scheduled]
 
 
 def test_chunked_prefill_runs_beside_decodes():
     sched, _ = make(budget=8)
     add(sched, 3, name="a")
     add(sched, 20, name="b")
-    assert plan(step(sched)) == ([], [("a", 3), ("b", 5)])
-    assert plan(step(sched)) == ([("a", 1)], [("b", 7)])
-    assert plan(step(sched)) == ([("a", 1)], [("b", 7)])
+    assert plan(step(sched)) == [("a", 3), ("b", 5)]
+    assert plan(step(sched)) == [("a", 1), ("b", 7)]
+    assert plan(step(sched)) == [("a", 1), ("b", 7)]
     out = step(sched)                           # b's last prompt token: one query, sampled
-    assert plan(out) == ([("a", 1), ("b", 1)], [])
-    assert [e.sample for e in out.decodes] == [True, True]
+    assert plan(out) == [("a", 1), ("b", 1)]
+    assert [e.sample for e in out.scheduled] == [True, True]
 
 
 def test_sequences_join_and_leave_every_step():
@@ -50,7 +49,7 @@ def test_sequences_join_and_leave_every_step():
     a = add(sched, 4, max_tokens=2, name="a")
     step(sched)
     b = add(sched, 4, max_tokens=3, name="b")     # arrives while a decodes
-    assert plan(step(sched)) == ([("a", 1)], [("b", 4)])
+    assert plan(step(sched)) == [("a", 1), ("b", 4)]
     assert a.finish_reason == "length" and a.status is SequenceStatus.FINISHED
     assert sched.running == [b]
     step(sched)
@@ -63,10 +62,10 @@ def test_max_num_seqs_limits_the_batch():
     sched, _ = make(max_num_seqs=2)
     for name in "abc":
         add(sched, 2, max_tokens=2, name=name)
-    assert plan(step(sched)) == ([], [("a", 2), ("b", 2)])
+    assert plan(step(sched)) == [("a", 2), ("b", 2)]
     assert [s.request_id for s in sched.waiting] == ["c"]
-    assert plan(step(sched)) == ([("a", 1), ("b", 1)], [])   # both finish (2 tokens)
-    assert plan(step(sched)) == ([], [("c", 2)])
+    assert plan(step(sched)) == [("a", 1), ("b", 1)]   # both finish (2 tokens)
+    assert plan(step(sched)) == [("c", 2)]
 
 
 def test_preemption_takes_the_newest_and_recomputes():
@@ -77,7 +76,7 @@ def test_preemption_takes_the_newest_and_recomputes():
     step(sched)                                  # position 3 still fits in block 1
     assert bm.num_free_blocks == 0
     out = step(sched)                            # a needs a 3rd block: b (newest) is preempted
-    assert plan(out) == ([("a", 1)], [])
+    assert plan(out) == [("a", 1)]
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and sched.num_preemptions == 1
     assert list(sched.waiting) == [b] and b.block_table == []
@@ -94,7 +93,7 @@ def test_fcfs_head_of_queue_is_not_overtaken():
     add(sched, 12, max_tokens=2, name="a")       # 3 blocks
     add(sched, 8, max_tokens=2, name="big")      # needs 2 blocks (+ watermark 0): waits
     add(sched, 1, max_tokens=2, name="small")    # would fit, but must not jump the queue
-    assert plan(step(sched)) == ([], [("a", 12)])
+    assert plan(step(sched)) == [("a", 12)]
     assert [s.request_id for s in sched.waiting] == ["big", "small"]
 
 

@@ -1,25 +1,38 @@
 """`BlockManager`: which KV-cache blocks each sequence owns. Plain Python, no torch.
 
 - Reference counts let sequences share blocks (prefix-cache hits, n > 1 forks).
-- Prefix caching: a full, computed block is entered under the chained hash of its tokens and its
-  parent's hash; a hit is confirmed token by token, so a hash collision can never serve wrong K/V.
+- Prefix caching: a full, computed block is entered under a chained digest (sha256 of its
+  parent's digest and its token ids), so equal digests mean equal prefixes unless sha256 itself
+  collides; a hit is still confirmed token by token, block after block from the first, so even a
+  forced collision can never serve wrong K/V.
 - Freed blocks keep their contents and stay findable until reused. The free queue is in eviction
   order (least recently freed first; a sequence's tail blocks before its prefix).
 - Copy-on-write: a sequence about to write into a block it shares gets a private copy; the copy
   itself is tensor work, returned as (src, dst) pairs for the model runner."""
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvslim.engine.sequence import Sequence
 
 
+def block_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """The prefix-cache key of a full block: sha256 over the parent block's key and the block's
+    token ids (as int64). Token ids are all that determines K/V today; anything else that does
+    (adapters, images, a per-tenant salt) must go into this digest too."""
+    digest = hashlib.sha256(parent or b"\0" * 32)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
 
 
@@ -32,7 +45,7 @@ class BlockManager:
         self.watermark_blocks = watermark_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}         # block hash -> block id
+        self.cached: dict[bytes, int] = {}       # block digest -> block id
         self.num_cached_free_blocks = 0          # free blocks whose contents are still findable
         self.prefix_cache_queries = 0            # prompt tokens looked up at admission
         self.prefix_cache_hits = 0               # of those, served from the cache
@@ -51,7 +64,7 @@ class BlockManager:
         """Extend seq.block_hashes to its first `num_blocks` full blocks (incremental)."""
         for i in range(len(seq.block_hashes), num_blocks):
             parent = seq.block_hashes[i - 1] if i else None
-            seq.block_hashes.append(hash((parent, tuple(seq.block_tokens(i)))))
+            seq.block_hashes.append(block_hash(parent, seq.block_tokens(i)))
 
     def _lookup(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks. The last token is never

@@ -3,6 +3,8 @@ budget), turns the scheduler's decision into flat inputs + attention metadata, r
 samples."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kvslim.attention import PagedAttention, PagedAttentionMetadata
@@ -12,7 +14,7 @@ from kvslim.engine.config import EngineConfig
 from kvslim.engine.decode_graphs import DecodeGraphs
 from kvslim.engine.prompt_logprobs import record_prompt_logprobs
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
-from kvslim.engine.scheduler import SchedulerOutput
+from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvslim.errors import KvslimError
 from kvslim.model.llama import LlamaForCausalLM
 
@@ -72,49 +74,55 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, list[SampleResult]]:
-        if out.block_copies:
-            src, dst = zip(*out.block_copies)
+        copies = out.block_copies
+        if copies:
+            src, dst = zip(*copies)
             self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
-        input_ids, positions, meta, sample_rows, requests = self._prepare(out)
+        entries = _attention_order(out.scheduled)
+        input_ids, positions, meta, query_starts = self._prepare(entries)
         hidden = None
-        if self.decode_graphs is not None and not out.prefills:
+        if self.decode_graphs is not None and not meta.prefills:
             hidden = self.decode_graphs.run(input_ids, positions, meta)
         if hidden is None:
             attn = PagedAttention(self.kv_caches, meta, self.model.config.sliding_window)
             hidden = self.model(input_ids, positions, attn=attn)
-        for chunk, entry in zip(meta.prefills, out.prefills):
-            if entry.seq.needs_prompt_logprobs:
-                record_prompt_logprobs(self.model, hidden, chunk.query_start,
-                                       chunk.context_len - chunk.query_len, chunk.query_len,
-                                       entry.seq)
+        sample_rows, requests = [], []
+        for entry, query_start in zip(entries, query_starts):
+            scored = entry.prompt_logprob_positions
+            if scored:
+                record_prompt_logprobs(self.model, hidden, query_start + scored.start - entry.start,
+                                       scored, entry.seq)
+            if entry.sample:
+                sample_rows.append(query_start + entry.num_tokens - 1)
+                requests.append(SampleRequest(entry.seq, entry.num_samples))
         if not requests:
             return {}
         logits = self.model.compute_logits(hidden[sample_rows])
         results = self.sampler(logits, requests)
         return {r.seq.seq_id: res for r, res in zip(requests, results)}
 
-    def _prepare(self, out: SchedulerOutput):
+    def _prepare(self, entries: list[ScheduledSequence]):
+        """Flat inputs of the step (one-token queries first, then longer chunks) and the
+        attention metadata; also each entry's first row in the flat layout."""
         bs, dev = self.block_size, self.device
+        singles = [e for e in entries if e.num_tokens == 1]
         tokens: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        sample_rows: list[int] = []
-        requests: list[SampleRequest] = []
         meta = PagedAttentionMetadata(slot_mapping=torch.empty(0))
-        if out.decodes:
-            seqs = [e.seq for e in out.decodes]
+        if singles:
+            seqs = [e.seq for e in singles]
             rows = self.block_tables.rows_for(seqs)
-            pos = torch.tensor([s.num_computed_tokens for s in seqs], device=dev)
-            tokens += [s.token_ids[s.num_computed_tokens] for s in seqs]
+            pos = torch.tensor([e.start for e in singles], device=dev)
+            tokens += [e.seq.token_ids[e.start] for e in singles]
             positions.append(pos)
             slots.append(self.block_tables.slots(rows, pos, bs))
             max_blocks = int(pos.max()) // bs + 1
             meta.num_decode_tokens = len(seqs)
             meta.decode_block_tables = self.block_tables.table[rows, :max_blocks]
             meta.decode_context_lens = pos + 1
-        for entry in out.prefills:
-            seq, n = entry.seq, entry.num_tokens
-            start = seq.num_computed_tokens
+        for entry in entries[len(singles):]:
+            seq, n, start = entry.seq, entry.num_tokens, entry.start
             row = self.block_tables.rows_for([seq])
             pos = torch.arange(start, start + n, device=dev)
             meta.prefills.append(PrefillChunk(
@@ -123,12 +131,14 @@ class ModelRunner:
             tokens += seq.token_ids[start:start + n]
             positions.append(pos)
             slots.append(self.block_tables.slots(row.expand(n), pos, bs))
-        offset = 0
-        for entry in out.decodes + out.prefills:
-            offset += entry.num_tokens
-            if entry.sample:
-                sample_rows.append(offset - 1)
-                requests.append(SampleRequest(entry.seq, entry.num_samples))
+        query_starts = list(itertools.accumulate((e.num_tokens for e in entries[:-1]), initial=0))
         meta.slot_mapping = torch.cat(slots)
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        return input_ids, torch.cat(positions), meta, sample_rows, requests
+        return input_ids, torch.cat(positions), meta, query_starts
+
+
+def _attention_order(entries: list[ScheduledSequence]) -> list[ScheduledSequence]:
+    """One-token queries first: attention reads all of them in one batched call (a layout
+    choice of the attention backend; what each row means comes from the entry)."""
+    return ([e for e in entries if e.num_tokens == 1]
+            + [e for e in entries if e.num_tokens != 1])

@@ -11,19 +11,17 @@ from kvslim.engine.sequence import Sequence, TokenLogprob
 ROWS_PER_SLICE = 256
 
 
-def record_prompt_logprobs(model, hidden: torch.Tensor, query_start: int, start: int,
-                           num_tokens: int, seq: Sequence) -> None:
-    """Extend `seq.prompt_logprobs` with what this prefill chunk scores. `hidden` holds the
-    step's final hidden states; the chunk's tokens (positions start.. start + num_tokens) are
-    rows query_start.. of it. Positions already scored (before a preemption) are skipped."""
-    first = len(seq.prompt_logprobs) - 1                 # position whose logits score token first+1
-    end = min(start + num_tokens, seq.num_prompt_tokens - 1)
-    if first < start:
-        raise RuntimeError("prompt logprobs: a prefill chunk skipped unscored positions")
+def record_prompt_logprobs(model, hidden: torch.Tensor, first_row: int, positions: range,
+                           seq: Sequence) -> None:
+    """Extend `seq.prompt_logprobs` with the scores of the logits at `positions` (each scores
+    the prompt token after it); their hidden states are rows first_row.. of `hidden`."""
+    if positions.start != len(seq.prompt_logprobs) - 1:
+        raise RuntimeError(f"prompt logprobs of request {seq.request_id!r}: position "
+                           f"{positions.start} scored out of order")
     k = seq.params.prompt_logprobs or 0
-    for lo in range(first, end, ROWS_PER_SLICE):
-        hi = min(lo + ROWS_PER_SLICE, end)
-        rows = hidden[query_start + lo - start:query_start + hi - start]
+    for lo in range(positions.start, positions.stop, ROWS_PER_SLICE):
+        hi = min(lo + ROWS_PER_SLICE, positions.stop)
+        rows = hidden[first_row + lo - positions.start:first_row + hi - positions.start]
         logprobs = torch.log_softmax(model.compute_logits(rows).float(), dim=-1)
         targets = seq.token_ids[lo + 1:hi + 1]
         index = torch.tensor(targets, device=logprobs.device)[:, None]

@@ -1,10 +1,15 @@
 """`Scheduler`: which sequences run this step and how many tokens each. Plain Python, no torch.
 
-Continuous batching: sequences join and leave at every step. Each step first gives every running
-decode its one token, then continues running prefills chunk by chunk, then admits waiting
-sequences first-come-first-served while blocks, `max_num_seqs` and the token budget allow.
-When blocks run out, the newest running sequence is preempted (its blocks freed, its tokens
-recomputed later; the prefix cache usually returns most of them)."""
+Uniform token scheduling, as in vLLM v1: a step gives each scheduled sequence a number of tokens
+to compute (its next prompt chunk, its one new token, or a recompute after preemption) and
+nothing else. Whether a query row samples or scores prompt tokens follows from the sequence's
+state and the positions the step covers, never from how many tokens it got.
+
+Each step first serves the running sequences (those with one token left to compute first: they
+are generating), then admits waiting sequences first-come-first-served while blocks,
+`max_num_seqs` and the token budget allow. When blocks run out, the newest running sequence is
+preempted: its blocks are freed, its place in this step (tokens and pending block copies) is
+undone, and its tokens are recomputed later (the prefix cache usually returns most of them)."""
 from __future__ import annotations
 
 import time
@@ -21,18 +26,28 @@ class ScheduledSequence:
     num_tokens: int                      # tokens whose K/V are computed this step
     sample: bool                         # the step reaches the sequence's last token
     num_samples: int = 1                 # an n > 1 parent draws all n first tokens at once
+    start: int = 0                       # position of the first of them
+    block_copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write, before
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions whose logits score the next prompt token, among those computed this step
+        (positions scored before a preemption are not scored again)."""
+        seq = self.seq
+        if seq.params.prompt_logprobs is None:
+            return range(0)
+        first = max(self.start, len(seq.prompt_logprobs) - 1)
+        return range(first, min(self.start + self.num_tokens, seq.num_prompt_tokens - 1))
 
 
 @dataclass
 class SchedulerOutput:
-    decodes: list[ScheduledSequence] = field(default_factory=list)
-    prefills: list[ScheduledSequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
     released_seq_ids: list[int] = field(default_factory=list)   # runner may drop their state
 
     @property
-    def scheduled(self) -> list[ScheduledSequence]:
-        return self.decodes + self.prefills
+    def block_copies(self) -> list[tuple[int, int]]:
+        return [copy for entry in self.scheduled for copy in entry.block_copies]
 
     @property
     def num_batched_tokens(self) -> int:
@@ -40,7 +55,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.scheduled
 
 
 class Scheduler:
@@ -94,44 +109,47 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
-        # Decodes first (one token each), then running prefills; both oldest first.
-        order = ([s for s in self.running if not s.is_prefill]
-                 + [s for s in self.running if s.is_prefill])
+        # Generating sequences (one token left to compute) first, then the rest; oldest first.
+        order = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)
         for seq in order:
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:     # preempted earlier in this loop
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve(seq, n, out):
+            entry = self._reserve(seq, n, out)
+            if entry is None:
                 continue
-            self._add_scheduled(out, seq, n)
-            budget -= n
+            out.scheduled.append(entry)
+            budget = self.max_num_batched_tokens - out.num_batched_tokens   # refunds included
         if self.num_preemptions == preemptions_before:   # no room was short: admit new work
-            budget = self._admit(out, budget)
+            self._admit(out, budget)
         out.released_seq_ids, self._released = self._released, []
         return out
 
-    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> ScheduledSequence | None:
         """Blocks for `n` more tokens of `seq`, preempting the newest sequences if needed.
-        False when `seq` itself had to be preempted."""
+        None when `seq` itself had to be preempted."""
         while not self.bm.can_append(seq, n):
             victim = self.running[-1]
             self._preempt(victim)
-            for group in (out.decodes, out.prefills):    # undo the victim's place this step
-                group[:] = [s for s in group if s.seq is not victim]
+            # Undo the victim's place this step: its tokens go back to the budget, and its
+            # pending copies are dropped (their destination blocks were just freed).
+            out.scheduled[:] = [e for e in out.scheduled if e.seq is not victim]
             if victim is seq:
-                return False
-        out.block_copies += self.bm.append_slots(seq, n)
-        return True
+                return None
+        copies = self.bm.append_slots(seq, n)
+        return self._entry(seq, n, copies)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            forks = seq.params.n if seq.fork_pending else 1
-            if len(self.running) + forks > self.max_num_seqs:
+            if self._num_seq_slots(self.running) + self._num_seq_slots([seq]) > self.max_num_seqs:
                 break
-            if not self.enable_chunked_prefill and seq.num_tokens > budget:
+            # Without chunked prefill a prompt runs whole; a recompute may still be chunked
+            # (it could outgrow the budget while generating, and must not wait forever).
+            if not self.enable_chunked_prefill and not seq.num_output_tokens \
+                    and seq.num_tokens > budget:
                 break
             if not self.bm.can_allocate(seq, keep_watermark=bool(self.running)):
                 break
@@ -142,16 +160,21 @@ class Scheduler:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            self._add_scheduled(out, seq, n)
+            out.scheduled.append(self._entry(seq, n, []))
             budget -= n
-        return budget
 
     @staticmethod
-    def _add_scheduled(out: SchedulerOutput, seq: Sequence, n: int) -> None:
-        # One query token attends like a decode, whatever it is (a 1-token prefill remainder too).
-        sample = seq.num_computed_tokens + n == seq.num_tokens
-        entry = ScheduledSequence(seq, n, sample, seq.params.n if sample and seq.fork_pending else 1)
-        (out.decodes if n == 1 else out.prefills).append(entry)
+    def _num_seq_slots(seqs: list[Sequence]) -> int:
+        """Batch rows the sequences take, counting the siblings an n > 1 parent forks into
+        once its prompt is done (possibly several chunked steps after admission)."""
+        return sum(s.params.n if s.fork_pending else 1 for s in seqs)
+
+    @staticmethod
+    def _entry(seq: Sequence, n: int, copies: list[tuple[int, int]]) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        sample = start + n == seq.num_tokens
+        num_samples = seq.params.n if sample and seq.fork_pending else 1
+        return ScheduledSequence(seq, n, sample, num_samples, start, copies)
 
     # ---- after the model ran -------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, list]) -> list[Sequence]:

@@ -39,7 +39,7 @@ class Sequence:
     num_computed_tokens: int = 0           # tokens whose K/V are in the cache
     num_cached_tokens: int = 0             # of those, taken from the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)   # chained hashes of full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained digests of full blocks
     num_registered_blocks: int = 0         # leading blocks already entered in the prefix cache
     # Lowest block-table index changed since the runner last copied the table (see runner).
     block_table_dirty_from: int = 0
@@ -87,11 +87,6 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_prefill(self) -> bool:
-        """More than the last sampled token is still to be computed (prompt or recompute)."""
-        return self.num_uncomputed_tokens > 1
 
     @property
     def needs_prompt_logprobs(self) -> bool:
