@@ -44,4 +44,5 @@ def test_bad_checkpoint_is_one_line(hf_checkpoints, tmp_path, how, message):
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert message in r.stderr
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    errors = [line for line in r.stderr.strip().splitlines() if "kvslim: loading" not in line]
+    assert "Traceback" not in r.stderr and len(errors) == 1

@@ -20,6 +20,11 @@ CASES = {
     "top_p_zero": (COMPLETIONS, {"prompt": "a", "top_p": 0}, 400, "top_p"),
     "top_p_above_one": (CHAT, {"messages": OK_MESSAGES, "top_p": 1.5}, 400, "top_p"),
     "n_zero": (COMPLETIONS, {"prompt": "a", "n": 0}, 400, "n"),
+    "n_above_max_num_seqs": (COMPLETIONS, {"prompt": "a", "n": 65}, 400, "n"),   # serve: 64
+    "best_of_above_max_num_seqs": (COMPLETIONS, {"prompt": "a", "n": 65, "best_of": 65}, 400,
+                                   "n"),
+    "seed_beyond_64_bits": (COMPLETIONS, {"prompt": "a", "seed": 2**70}, 400, "seed"),
+    "seed_below_64_bits": (CHAT, {"messages": OK_MESSAGES, "seed": -2**63 - 1}, 400, "seed"),
     "over_max_model_len": (COMPLETIONS, {"prompt": "a b c", "max_tokens": 510}, 400,
                            "max_tokens"),
     "prompt_too_long": (COMPLETIONS, {"prompt": LONG_PROMPT, "max_tokens": 1}, 400, "prompt"),

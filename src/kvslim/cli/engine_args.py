@@ -16,20 +16,57 @@ def add_engine_args(p, kv_cache_memory: str = "1GiB", max_num_seqs: int = 64) ->
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps without CUDA graphs")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: one per core). On cores that other busy "
+                        "processes share, fewer threads (often 1) decode faster")
 
 
 def llm_from_args(args):
+    """Check every flag first (a mistake costs a second, not a model load), then load."""
+    import sys
+
     import torch
 
     from kvslim.engine.llm import LLM
+    from kvslim.model.registry import resolve_model
+    check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    return LLM(args.model, dtype=args.dtype, device=args.device,
+    model_dir = resolve_model(args.model)
+    print(f"kvslim: loading {model_dir} ...", file=sys.stderr, flush=True)
+    return LLM(str(model_dir), dtype=args.dtype, device=args.device,
                kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                enforce_eager=args.enforce_eager)
+
+
+def check_args(args) -> None:
+    """What loading the model would reject later: sampling flags (when the command has them),
+    engine sizes, and that one KV-cache block fits kv_cache_memory (from the model's config,
+    read without its weights)."""
+    from kvslim.engine.config import num_kv_blocks
+    from kvslim.errors import KvslimError
+    from kvslim.model.device import resolve_device
+    from kvslim.model.loader import resolve_dtype
+    from kvslim.model.registry import model_config_of
+    if args.threads is not None and args.threads < 1:
+        raise KvslimError(f"--threads must be at least 1, got {args.threads}")
+    if hasattr(args, "max_tokens"):
+        sampling_from_args(args)
+    config = engine_config_from_args(args)
+    model_config = model_config_of(args.model)
+    dtype = resolve_dtype(args.dtype, model_config, resolve_device(args.device))
+    num_kv_blocks(config, config.block_size * model_config.kv_bytes_per_token(dtype))
+
+
+def engine_config_from_args(args):
+    from kvslim.engine.config import EngineConfig
+    return EngineConfig(
+        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager)
 
 
 def add_sampling_args(p, max_tokens: int = 256) -> None:
@@ -45,8 +82,14 @@ def add_sampling_args(p, max_tokens: int = 256) -> None:
 
 
 def sampling_from_args(args):
+    """SamplingParams from the flags; an error names the flag (--max-tokens), not the field."""
     from kvslim.engine.sampling_params import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed,
-                          stop=args.stop)
+    from kvslim.errors import InvalidRequestError, KvslimError
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed,
+                              stop=args.stop)
+    except InvalidRequestError as e:
+        flag = f"--{e.param.replace('_', '-')}: " if e.param else ""
+        raise KvslimError(f"{flag}{e}") from None

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# torch's OpenMP threads spin while they wait for work. When another process holds a core, a
+# spinning thread and the one it waits for take turns on it and a decode step slows several
+# times (benchmarks/shared_cores.py). PASSIVE waiters sleep instead. OpenMP reads this once,
+# when torch loads, so it must be set before any command imports torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from kvslim.errors import KvslimError
 

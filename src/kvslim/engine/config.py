@@ -42,3 +42,14 @@ class EngineConfig:
                 raise KvslimError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise KvslimError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+def num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+    """Blocks that kv_cache_memory holds; at least one must fit. Used both before a model loads
+    (the CLI, from config.json) and by the model runner."""
+    num_blocks = config.kv_cache_memory // bytes_per_block
+    if num_blocks < 1:
+        raise KvslimError(
+            f"kv_cache_memory={config.kv_cache_memory} bytes is too small for one block of "
+            f"{config.block_size} tokens ({bytes_per_block} bytes for this model)")
+    return num_blocks

@@ -10,6 +10,7 @@ from kvslim.engine.config import EngineConfig
 from kvslim.engine.llm_engine import LLMEngine
 from kvslim.engine.outputs import KVCacheStats, RequestOutput
 from kvslim.engine.sampling_params import SamplingParams
+from kvslim.errors import KvslimError
 
 Prompt = str | list[int]
 
@@ -66,6 +67,8 @@ class LLM:
             while True:
                 for out in self.engine.step():
                     if out.request_id == request_id:
+                        if out.error:
+                            raise KvslimError(out.error)
                         if out.outputs[0].delta_text:
                             yield out.outputs[0].delta_text
                         if out.finished:

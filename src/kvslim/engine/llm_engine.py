@@ -66,7 +66,8 @@ class LLMEngine:
 
     def _max_model_len(self) -> int:
         """The model's context, capped by what the KV cache can hold for one sequence (a user
-        who asks for more than the cache holds gets an error instead)."""
+        who asks for more than the cache holds gets an error instead), and without chunked
+        prefill by what one step computes (see `_check_schedulable`)."""
         from kvslim.engine.model_runner import kv_block_bytes
         dtype = next(self.model.parameters()).dtype
         capacity = (self.config.kv_cache_memory
@@ -79,6 +80,8 @@ class LLMEngine:
                     f"kv_cache_memory={self.config.kv_cache_memory} bytes holds ({capacity} "
                     f"tokens); raise kv_cache_memory or lower max_model_len")
             return self.config.max_model_len
+        if not self.config.enable_chunked_prefill:
+            capacity = min(capacity, self.config.max_num_batched_tokens)
         return max(1, min(self.model_config.max_position_embeddings, capacity))
 
     # ---- requests ------------------------------------------------------------------------
@@ -90,6 +93,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, ids = self._tokenize(prompt)
         params = self._check_lengths(ids, params)
+        self._check_schedulable(len(ids), params)
         self._check_token_ids(params)
         state = RequestState(request_id, text, ids, params)
         seq = Sequence(request_id=request_id, token_ids=list(ids), params=params,
@@ -139,6 +143,28 @@ class LLMEngine:
                 f"or lower max_tokens", "max_tokens")
         return params
 
+    def _check_schedulable(self, n_prompt: int, params: SamplingParams) -> None:
+        """Reject what the scheduler could never admit, even with the engine otherwise idle."""
+        cfg = self.config
+        if params.n > cfg.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={params.n} exceeds the engine's max_num_seqs ({cfg.max_num_seqs}): the n "
+                f"completions run as that many sequences at once", "n")
+        if cfg.enable_chunked_prefill:
+            return
+        # Without chunking a sequence's tokens are computed in one step, and a preempted
+        # sequence recomputes its prompt and its output so far: the whole of it must fit.
+        budget = cfg.max_num_batched_tokens
+        if n_prompt > budget:
+            raise InvalidRequestError(
+                f"prompt has {n_prompt} tokens, but without chunked prefill a step computes at "
+                f"most max_num_batched_tokens={budget}", "prompt")
+        if n_prompt + params.max_tokens > budget:
+            raise InvalidRequestError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_num_batched_tokens={budget}; without chunked prefill a preempted sequence "
+                f"must be recomputed in one step", "max_tokens")
+
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
         for name in ("logit_bias", "stop_token_ids"):
@@ -171,7 +197,7 @@ class LLMEngine:
         self.runner.release(out.released_seq_ids)
         if out.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
-                raise KvslimError("scheduler cannot admit the next request (KV cache too small)")
+                return [self._fail_unschedulable()]
             return []
         self.num_steps += 1
         self.peak_num_running = max(self.peak_num_running, len(out.scheduled))
@@ -192,6 +218,17 @@ class LLMEngine:
             touched[state.request_id] = state
         return [self._output(state) for state in touched.values()]
 
+    def _fail_unschedulable(self) -> RequestOutput:
+        """The engine is idle yet cannot admit the head of the queue. add_request's checks
+        should make this unreachable; if it happens anyway, end that one request with an error
+        instead of stopping the engine for everyone."""
+        seq = self.scheduler.waiting[0]
+        state = self.requests[seq.request_id]
+        self.abort_request(seq.request_id)
+        return self._output(state, error=(
+            f"request {seq.request_id!r} cannot be scheduled: even with the engine idle it needs "
+            f"more KV-cache blocks, sequences or batched tokens than the engine has; aborted"))
+
     def _detokenize(self, state: RequestState, seq: Sequence) -> None:
         detok = state.detokenizers[seq.index]
         if detok.stopped_by is None:
@@ -202,16 +239,17 @@ class LLMEngine:
         if seq.is_finished:
             self.runner.sampler.release(seq)
 
-    def _output(self, state: RequestState) -> RequestOutput:
+    def _output(self, state: RequestState, error: str | None = None) -> RequestOutput:
+        """With `error` the request is over (already aborted), whatever its sequences say."""
         completions = [self._completion(state, seq)
                        for seq in sorted(state.seqs, key=lambda s: s.index)]
-        finished = state.finished
+        finished = state.finished or error is not None
         if finished:
-            del self.requests[state.request_id]
+            self.requests.pop(state.request_id, None)
         prompt_logprobs = (state.seqs[0].prompt_logprobs
                            if state.params.prompt_logprobs is not None else None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, self._metrics(state), prompt_logprobs)
+                             finished, self._metrics(state), prompt_logprobs, error)
 
     @staticmethod
     def _completion(state: RequestState, seq: Sequence) -> CompletionOutput:

@@ -10,12 +10,11 @@ import torch
 from kvslim.attention import PagedAttention, PagedAttentionMetadata
 from kvslim.attention.paged import PrefillChunk
 from kvslim.engine.block_table import BlockTables
-from kvslim.engine.config import EngineConfig
+from kvslim.engine.config import EngineConfig, num_kv_blocks
 from kvslim.engine.decode_graphs import DecodeGraphs
 from kvslim.engine.prompt_logprobs import record_prompt_logprobs
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
-from kvslim.errors import KvslimError
 from kvslim.model.llama import LlamaForCausalLM
 
 
@@ -34,11 +33,7 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.block_size = config.block_size
         self.bytes_per_block = kv_block_bytes(mc, self.block_size, self.dtype)
-        self.num_blocks = config.kv_cache_memory // self.bytes_per_block
-        if self.num_blocks < 1:
-            raise KvslimError(
-                f"kv_cache_memory={config.kv_cache_memory} bytes is too small for one block of "
-                f"{self.block_size} tokens ({self.bytes_per_block} bytes for this model)")
+        self.num_blocks = num_kv_blocks(config, self.bytes_per_block)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self._allocate_cache(reserved_blocks=int(use_graphs))
         max_blocks_per_seq = -(-max_model_len // self.block_size)

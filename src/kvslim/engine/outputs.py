@@ -63,6 +63,9 @@ class RequestOutput:
     metrics: RequestMetrics
     # With params.prompt_logprobs: one entry per prompt token (None for the first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Set when the engine ended the request itself (its finish_reason is then "abort"); None
+    # for requests that ran normally or were aborted by the caller.
+    error: str | None = None
 
 
 @dataclass

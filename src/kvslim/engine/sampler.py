@@ -124,7 +124,7 @@ class Sampler:
         if bool(greedy.all()):
             return tokens
         params = [s.params for s, _ in samples]
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
                              device=self.device)[:, None]
         probs = filter_probs(logits / temps,
                              top_k=[p.top_k for p in params], top_p=[p.top_p for p in params],
@@ -166,7 +166,8 @@ def filter_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float], min
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device)[:, None]
+        # top_k beyond the vocabulary is "off"; clamping also keeps huge ints out of int64.
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=device)[:, None]
         ranks = torch.arange(vocab, device=device)[None, :]
         drop = ranks >= k
         probs_sorted = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)

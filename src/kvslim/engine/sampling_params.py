@@ -2,9 +2,14 @@
 field (`param`) so that the server can answer with an OpenAI-style 400."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvslim.errors import InvalidRequestError
+
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 
 
 @dataclass
@@ -12,7 +17,7 @@ class SamplingParams:
     n: int = 1
     max_tokens: int | None = 16          # None: up to the model's max length
     min_tokens: int = 0
-    temperature: float = 1.0             # 0 = greedy
+    temperature: float = 1.0             # 0 (or below 1e-5) = greedy
     top_k: int = 0                       # 0 or -1 = off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -51,21 +56,27 @@ class SamplingParams:
               f"min_tokens must be >= 0, got {self.min_tokens!r}")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
-              f"temperature must be >= 0, got {self.temperature!r}")
+        check(_is_finite(self.temperature) and self.temperature >= 0, "temperature",
+              f"temperature must be a finite number >= 0, got {self.temperature!r}")
         check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
               f"top_k must be -1, 0 (off) or positive, got {self.top_k!r}")
         check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p",
               f"top_p must be in (0, 1], got {self.top_p!r}")
         check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p",
               f"min_p must be in [0, 1], got {self.min_p!r}")
-        check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-              "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        # Logits are float32: outside this range the penalty rounds to 0 or inf and the row
+        # turns to NaN.
+        check(_is_num(self.repetition_penalty)
+              and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+              "repetition_penalty", f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+              f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             check(_is_num(value) and -2 <= value <= 2, name,
                   f"{name} must be in [-2, 2], got {value!r}")
-        check(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer")
+        # torch.Generator.manual_seed takes a signed or unsigned 64-bit integer, nothing wider.
+        check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
+              f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop",
               "stop must be a non-empty string or a list of non-empty strings")
         check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -82,7 +93,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, logits / temperature overflows float32 and the draw would be NaN; the
+        # distribution is a point mass on the argmax anyway.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:
@@ -96,3 +109,7 @@ def _is_int(x) -> bool:
 
 def _is_num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+def _is_finite(x) -> bool:
+    return _is_num(x) and math.isfinite(x)

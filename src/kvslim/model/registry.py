@@ -15,7 +15,9 @@ import tempfile
 from pathlib import Path
 
 from kvslim.errors import ConfigError
-from kvslim.model.gguf_import import import_gguf
+from kvslim.model.config import ModelConfig
+from kvslim.model.gguf_file import GGUFFile
+from kvslim.model.gguf_import import config_from_gguf, import_gguf
 from kvslim.paths import kvslim_home
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -48,6 +50,28 @@ def resolve_model(name_or_dir: str | Path | None, show_progress: bool = True) ->
                       f"a .gguf file, or {DEFAULT_MODEL_NAME!r})")
 
 
+def model_config_of(name_or_dir: str | Path | None) -> ModelConfig:
+    """The config of the model `resolve_model` would return, without importing a GGUF that is
+    not imported yet (its header holds the config) and without reading weights: cheap enough to
+    check flags against before a model loads."""
+    gguf = _gguf_to_import(name_or_dir)
+    if gguf is not None:
+        return config_from_gguf(GGUFFile.open(gguf))
+    return ModelConfig.from_dir(resolve_model(name_or_dir, show_progress=False))
+
+
+def _gguf_to_import(name_or_dir: str | Path | None) -> Path | None:
+    """The GGUF file resolve_model would import first; None when there is nothing to import."""
+    path = Path(name_or_dir).expanduser() if name_or_dir is not None else None
+    if path is not None and path.is_dir():
+        return None
+    if name_or_dir is None or str(name_or_dir) in DEFAULT_MODEL_ALIASES:
+        return None if (models_dir() / DEFAULT_MODEL_NAME).is_dir() else default_model_gguf()
+    if path.is_file() and path.suffix.lower() == ".gguf" and not _gguf_target(path).is_dir():
+        return path
+    return None
+
+
 def default_model_dir(show_progress: bool = True) -> Path:
     target = models_dir() / DEFAULT_MODEL_NAME
     if target.is_dir():
@@ -71,10 +95,14 @@ def default_model_gguf() -> Path:
 
 
 def imported_gguf_dir(gguf_path: Path, show_progress: bool = True) -> Path:
-    target = models_dir() / "gguf" / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}"
+    target = _gguf_target(gguf_path)
     if target.is_dir():
         return target
     return import_once(gguf_path, target, show_progress)
+
+
+def _gguf_target(gguf_path: Path) -> Path:
+    return models_dir() / "gguf" / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}"
 
 
 def gguf_fingerprint(path: Path) -> str:
