@@ -63,6 +63,7 @@ class RequestOutput:
     metrics: RequestMetrics
     # With params.prompt_logprobs: one entry per prompt token (None for the first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None
 
 
 @dataclass
