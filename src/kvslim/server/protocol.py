@@ -182,7 +182,7 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Request):
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
