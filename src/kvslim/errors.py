@@ -20,3 +20,9 @@ class InvalidRequestError(KvslimError, ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class EngineFailedError(RuntimeError):
+    """The model step for a whole batch failed: the KV cache and the scheduler's state can no
+    longer be trusted, so no request can be served until the engine is rebuilt. Not a
+    `KvslimError`: no input of the user caused it."""

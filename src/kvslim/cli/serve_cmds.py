@@ -39,7 +39,13 @@ def run_serve(args) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     if name == "default":
         name = DEFAULT_MODEL_NAME
-    app = build_app(llm.engine, name, args.api_key)
+    server, crashed = None, []
+
+    def engine_crashed() -> None:                # every open request has its error already
+        crashed.append(True)
+        server.should_exit = True
+
+    app = build_app(llm.engine, name, args.api_key, on_engine_crash=engine_crashed)
     stats = llm.engine.kv_cache_stats()
     print(f"kvslim serve: {name} on http://{args.host}:{args.port} "
           f"({stats.num_blocks} KV blocks of {stats.block_size} tokens, "
@@ -65,4 +71,6 @@ def run_serve(args) -> int:
     # Exit promptly after the drain: the interpreter's last garbage collections would walk every
     # object torch, pydantic and FastAPI made (seconds); frozen objects are skipped.
     gc.freeze()
-    return 0 if server.started else 1
+    # Non-zero when the engine died: a supervisor restarts the server instead of keeping a
+    # process that answers 503 forever.
+    return 0 if server.started and not crashed else 1

@@ -3,6 +3,7 @@ are all the server needs; `LLM` (offline API) drives the same loop."""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -14,12 +15,14 @@ from kvslim.engine.outputs import CompletionOutput, KVCacheStats, RequestMetrics
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.engine.scheduler import Scheduler
 from kvslim.engine.sequence import Sequence
-from kvslim.errors import InvalidRequestError, KvslimError
+from kvslim.errors import EngineFailedError, InvalidRequestError, KvslimError
 from kvslim.model.device import resolve_device
 from kvslim.model.cpu_linear import pack_linears_for_cpu
 from kvslim.model.fused import fuse_for_inference
 from kvslim.model.loader import load_model
 from kvslim.model.tokenizer import Tokenizer
+
+logger = logging.getLogger("kvslim.engine")
 
 
 @dataclass
@@ -202,21 +205,55 @@ class LLMEngine:
         self.num_steps += 1
         self.peak_num_running = max(self.peak_num_running, len(out.scheduled))
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
-        sampled = self.runner.execute(out)
-        updated = self.scheduler.postprocess(out, sampled)
+        try:                         # one forward pass for the whole batch: no single culprit
+            sampled = self.runner.execute(out)
+            updated = self.scheduler.postprocess(out, sampled)
+        except Exception as e:
+            raise EngineFailedError(f"the model step failed: {type(e).__name__}: {e}") from e
         self.num_generated_tokens += len(updated)
         touched: dict[str, RequestState] = {}
+        failed: list[RequestOutput] = []
         for seq in updated:
             state = self.requests.get(seq.request_id)
-            if state is None:
+            if state is None:                               # aborted, or failed in this loop
                 continue
-            if seq not in state.seqs:                       # a new sibling of an n > 1 request
-                state.seqs.append(seq)
-                state.detokenizers[seq.index] = self._detokenizer(state.prompt_token_ids,
-                                                                  state.params)
-            self._detokenize(state, seq)
+            try:
+                self._advance(state, seq)
+            except Exception as e:
+                touched.pop(state.request_id, None)
+                failed.append(self._fail(state, e))
+                continue
             touched[state.request_id] = state
-        return [self._output(state) for state in touched.values()]
+        return [self._output_or_fail(state) for state in touched.values()] + failed
+
+    def _advance(self, state: RequestState, seq: Sequence) -> None:
+        if seq not in state.seqs:                           # a new sibling of an n > 1 request
+            state.seqs.append(seq)
+            state.detokenizers[seq.index] = self._detokenizer(state.prompt_token_ids,
+                                                              state.params)
+        self._detokenize(state, seq)
+
+    def _output_or_fail(self, state: RequestState) -> RequestOutput:
+        try:
+            return self._output(state)
+        except Exception as e:
+            return self._fail(state, e)
+
+    def _fail(self, state: RequestState, error: Exception) -> RequestOutput:
+        """Contain a fault in one request's own work (detokenizing, stop strings, its output):
+        that request ends with `error` and frees its blocks; the batch goes on without it."""
+        logger.exception("request %s failed", state.request_id)
+        self.requests.pop(state.request_id, None)
+        for seq in state.seqs:
+            self.scheduler.finish(seq, "abort")
+            self.runner.sampler.release(seq)
+        completions = [CompletionOutput(index=seq.index, text="", token_ids=[],
+                                        finish_reason="abort")
+                       for seq in sorted(state.seqs, key=lambda s: s.index)]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                             True, RequestMetrics(state.seqs[0].arrival_time,
+                                                  num_prompt_tokens=len(state.prompt_token_ids)),
+                             error=f"{type(error).__name__}: {error}")
 
     def _fail_unschedulable(self) -> RequestOutput:
         """The engine is idle yet cannot admit the head of the queue. add_request's checks

@@ -3,6 +3,7 @@ lives in completions.py and chat.py; this file only wires."""
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
@@ -10,11 +11,12 @@ from fastapi.responses import JSONResponse
 
 from kvslim.engine.llm_engine import LLMEngine
 from kvslim.errors import InvalidRequestError
-from kvslim.server.async_engine import AsyncEngine, EngineDeadError
+from kvslim.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvslim.server.chat import create_chat_completion, render_prompt
 from kvslim.server.completions import create_completion
 from kvslim.server.context import ServerContext
-from kvslim.server.errors import OpenAIError, engine_dead, install_error_handlers
+from kvslim.server.errors import (OpenAIError, engine_dead, install_error_handlers,
+                                  request_failed)
 from kvslim.server.metrics import HTTPMetricsMiddleware, ServerMetrics
 from kvslim.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
@@ -22,12 +24,14 @@ from kvslim.server.protocol import (ChatCompletionRequest, CompletionRequest,
 from kvslim.server.streaming import cancel_on_disconnect
 
 
-def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
+              on_engine_crash: Callable[[], None] | None = None) -> FastAPI:
     """An app serving `engine` under `model_name`. The engine thread starts with the app's
-    lifespan and stops after the HTTP server has drained in-flight requests."""
+    lifespan and stops after the HTTP server has drained in-flight requests. If the engine
+    thread dies of an error, every open request fails at once and `on_engine_crash` runs."""
     metrics = ServerMetrics(model_name)
-    ctx = ServerContext(AsyncEngine(engine, metrics), engine.tokenizer, model_name,
-                        engine.max_model_len, metrics, api_key)
+    ctx = ServerContext(AsyncEngine(engine, metrics, on_engine_crash), engine.tokenizer,
+                        model_name, engine.max_model_len, metrics, api_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -41,6 +45,10 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) ->
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, e: EngineDeadError):
         return engine_dead().response()
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(request: Request, e: RequestFailedError):
+        return request_failed(str(e)).response()
 
     open_routes, api_routes = _open_routes(ctx), _api_routes(ctx)
     app.include_router(open_routes)

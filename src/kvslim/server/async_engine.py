@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from kvslim.engine.llm_engine import LLMEngine
@@ -31,6 +31,11 @@ Prompt = str | list[int]
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped (crashed or shut down); no request can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine ended this request because of an internal fault in its own processing (the
+    engine serves the others); the message is `RequestOutput.error`."""
 
 
 class RequestStream:
@@ -51,6 +56,8 @@ class RequestStream:
             if isinstance(item, BaseException):
                 raise item
             index, output = item
+            if output.error is not None:
+                raise RequestFailedError(output.error)
             if output.finished:
                 self._num_unfinished -= 1
             yield index, output
@@ -84,9 +91,13 @@ class _Tracked:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics):
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics,
+                 on_crash: Callable[[], None] | None = None):
+        """`on_crash` runs on the event loop once the engine thread has died of an error (not
+        on a normal stop): `kvslim serve` uses it to exit so that a supervisor restarts it."""
         self.engine = engine
         self.metrics = metrics
+        self.on_crash = on_crash
         self._commands: queue.Queue = queue.Queue()
         self._tracked: dict[str, _Tracked] = {}        # engine thread only
         self._lock = threading.Lock()                   # orders "is it dead?" against commands
@@ -154,6 +165,8 @@ class AsyncEngine:
         except BaseException as e:                       # noqa: BLE001 - logged, and /health
             logger.exception("engine loop crashed")
             self._shut(EngineDeadError(f"the engine loop crashed: {type(e).__name__}: {e}"))
+            if self.on_crash is not None:
+                self._call_in_loop(self.on_crash)
         finally:
             self.metrics.engine_alive.set(0)
 
@@ -230,11 +243,12 @@ class AsyncEngine:
         self.metrics.observe_engine(e.num_running, e.num_waiting, e.kv_cache_stats(), batch_size)
 
     def _shut(self, error: EngineDeadError) -> None:
-        """Fail every open stream and every queued submit; later `add` calls fail at once."""
+        """Fail every open stream and every queued submit; later `add` calls fail at once.
+        The waiting clients are answered before anything touches the engine, whose state may be
+        what broke: aborting is only to free blocks, and each abort is on its own."""
         with self._lock:
             self._dead = error
-        for request_id in list(self._tracked):
-            self.engine.abort_request(request_id)
+        request_ids = list(self._tracked)
         streams = {id(t.stream): t.stream for t in self._tracked.values()}
         self._tracked.clear()
         self._call_in_loop(_deliver, [(s, error) for s in streams.values()])
@@ -245,6 +259,11 @@ class AsyncEngine:
                 break
             if isinstance(command, _Submit):
                 self._call_in_loop(_resolve, command.done, error)
+        for request_id in request_ids:
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:                            # noqa: BLE001 - best effort only
+                logger.exception("abort of %s failed while shutting down", request_id)
         try:
             self._observe()
         except Exception:                                # noqa: BLE001 - best effort only

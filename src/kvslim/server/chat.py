@@ -12,10 +12,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvslim.engine.outputs import CompletionOutput, RequestOutput
 from kvslim.errors import InvalidRequestError, KvslimError
-from kvslim.server.async_engine import EngineDeadError, RequestStream
+from kvslim.server.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from kvslim.server.completions import usage_of
 from kvslim.server.context import ServerContext
-from kvslim.server.errors import engine_dead
+from kvslim.server.errors import engine_dead, request_failed
 from kvslim.server.logprobs import chat_logprobs
 from kvslim.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse,
@@ -111,6 +111,9 @@ async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:
         yield DONE
     except EngineDeadError:
         yield sse(engine_dead().body())
+        yield DONE
+    except RequestFailedError as e:
+        yield sse(request_failed(str(e)).body())
         yield DONE
     finally:
         job.abort_unfinished()

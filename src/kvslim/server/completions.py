@@ -11,9 +11,9 @@ from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvslim.engine.outputs import CompletionOutput, RequestOutput
-from kvslim.server.async_engine import EngineDeadError, RequestStream
+from kvslim.server.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from kvslim.server.context import ServerContext
-from kvslim.server.errors import engine_dead
+from kvslim.server.errors import engine_dead, request_failed
 from kvslim.server.logprobs import completion_logprobs, echo_logprobs, join_logprobs
 from kvslim.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
                                     Usage, random_id)
@@ -125,6 +125,9 @@ async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:
         yield DONE
     except EngineDeadError:
         yield sse(engine_dead().body())
+        yield DONE
+    except RequestFailedError as e:
+        yield sse(request_failed(str(e)).body())
         yield DONE
     finally:
         job.abort_unfinished()

@@ -52,6 +52,12 @@ def engine_dead() -> OpenAIError:
     return OpenAIError(503, "the engine loop is not running", code="engine_dead")
 
 
+def request_failed(error: str) -> OpenAIError:
+    """The engine ended the request on an internal fault of its own (the server goes on)."""
+    return OpenAIError(500, f"the request failed inside the engine: {error}",
+                       code="request_failed")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai(request: Request, e: OpenAIError):

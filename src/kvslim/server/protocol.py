@@ -68,6 +68,15 @@ class _SamplingFields(_Request):
             raise ValueError("logit_bias keys must be token ids (strings of digits)")
         return value
 
+    @field_validator("seed")
+    @classmethod
+    def _seed_fits_a_generator(cls, value):
+        # torch.Generator.manual_seed takes a signed or unsigned 64-bit integer; a larger seed
+        # fails inside the batch's sampling step, where it takes the whole engine down.
+        if value is not None and not -2**63 <= value < 2**64:
+            raise ValueError("seed must fit in 64 bits")
+        return value
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -182,7 +191,7 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Request):
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
