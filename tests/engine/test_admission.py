@@ -36,18 +36,20 @@ def test_without_chunked_prefill_a_prompt_over_the_step_budget_is_refused(hf_che
     assert err.param == "prompt"
     assert str(err) == ("prompt has 50 tokens, but without chunked prefill a step computes at "
                         "most max_num_batched_tokens=32")
-    # A preempted sequence is recomputed in one step, so its output counts too.
-    err = refused(eng, PROMPT, SamplingParams(max_tokens=13))
-    assert err.param == "max_tokens" and "exceeds max_num_batched_tokens=32" in str(err)
-    assert len(run(eng, [PROMPT], SamplingParams(max_tokens=12, **GREEDY))[0]
-               .outputs[0].token_ids) == 12
 
 
-def test_without_chunked_prefill_the_default_length_fits_one_step(hf_checkpoints):
-    eng = engine(hf_checkpoints["gqa"], enable_chunked_prefill=False, max_num_batched_tokens=32)
-    assert eng.max_model_len == 32
-    out = run(eng, [PROMPT], SamplingParams(max_tokens=None, **GREEDY))[0]
-    assert len(out.outputs[0].token_ids) == 12
+def test_without_chunked_prefill_a_preempted_sequence_longer_than_the_budget_completes(
+        hf_checkpoints):
+    """Its recompute (prompt + output so far) outgrows the step budget: it is chunked rather
+    than left waiting forever."""
+    path = hf_checkpoints["gqa"]
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    prompts = [list(range(10, 30)), list(range(40, 60))]
+    alone = [tokens(run(engine(path), [p], params))[0] for p in prompts]
+    eng = engine(path, enable_chunked_prefill=False, max_num_batched_tokens=24, block_size=4,
+                 kv_cache_memory="16KiB")                  # 64 tokens: the two cannot both fit
+    assert tokens(run(eng, prompts, params)) == alone
+    assert eng.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("seed", [2**70, 2**64, -2**63 - 1])

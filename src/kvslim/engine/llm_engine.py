@@ -69,8 +69,7 @@ class LLMEngine:
 
     def _max_model_len(self) -> int:
         """The model's context, capped by what the KV cache can hold for one sequence (a user
-        who asks for more than the cache holds gets an error instead), and without chunked
-        prefill by what one step computes (see `_check_schedulable`)."""
+        who asks for more than the cache holds gets an error instead)."""
         from kvslim.engine.model_runner import kv_block_bytes
         dtype = next(self.model.parameters()).dtype
         capacity = (self.config.kv_cache_memory
@@ -83,8 +82,6 @@ class LLMEngine:
                     f"kv_cache_memory={self.config.kv_cache_memory} bytes holds ({capacity} "
                     f"tokens); raise kv_cache_memory or lower max_model_len")
             return self.config.max_model_len
-        if not self.config.enable_chunked_prefill:
-            capacity = min(capacity, self.config.max_num_batched_tokens)
         return max(1, min(self.model_config.max_position_embeddings, capacity))
 
     # ---- requests ------------------------------------------------------------------------
@@ -155,18 +152,13 @@ class LLMEngine:
                 f"completions run as that many sequences at once", "n")
         if cfg.enable_chunked_prefill:
             return
-        # Without chunking a sequence's tokens are computed in one step, and a preempted
-        # sequence recomputes its prompt and its output so far: the whole of it must fit.
+        # Without chunking a prompt is computed in one step (a preempted sequence's recompute
+        # may still be chunked, see Scheduler._admit).
         budget = cfg.max_num_batched_tokens
         if n_prompt > budget:
             raise InvalidRequestError(
                 f"prompt has {n_prompt} tokens, but without chunked prefill a step computes at "
                 f"most max_num_batched_tokens={budget}", "prompt")
-        if n_prompt + params.max_tokens > budget:
-            raise InvalidRequestError(
-                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_num_batched_tokens={budget}; without chunked prefill a preempted sequence "
-                f"must be recomputed in one step", "max_tokens")
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
@@ -220,8 +212,9 @@ class LLMEngine:
             try:
                 self._advance(state, seq)
             except Exception as e:
+                logger.exception("request %s failed", state.request_id)
                 touched.pop(state.request_id, None)
-                failed.append(self._fail(state, e))
+                failed.append(self._fail(state, f"{type(e).__name__}: {e}"))
                 continue
             touched[state.request_id] = state
         return [self._output_or_fail(state) for state in touched.values()] + failed
@@ -237,12 +230,12 @@ class LLMEngine:
         try:
             return self._output(state)
         except Exception as e:
-            return self._fail(state, e)
+            logger.exception("request %s failed", state.request_id)
+            return self._fail(state, f"{type(e).__name__}: {e}")
 
-    def _fail(self, state: RequestState, error: Exception) -> RequestOutput:
-        """Contain a fault in one request's own work (detokenizing, stop strings, its output):
-        that request ends with `error` and frees its blocks; the batch goes on without it."""
-        logger.exception("request %s failed", state.request_id)
+    def _fail(self, state: RequestState, error: str) -> RequestOutput:
+        """End one request with `error` and free its blocks; the batch goes on without it.
+        For faults in a request's own work (detokenizing, stop strings, its output)."""
         self.requests.pop(state.request_id, None)
         for seq in state.seqs:
             self.scheduler.finish(seq, "abort")
@@ -253,16 +246,15 @@ class LLMEngine:
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
                              True, RequestMetrics(state.seqs[0].arrival_time,
                                                   num_prompt_tokens=len(state.prompt_token_ids)),
-                             error=f"{type(error).__name__}: {error}")
+                             error=error)
 
     def _fail_unschedulable(self) -> RequestOutput:
         """The engine is idle yet cannot admit the head of the queue. add_request's checks
         should make this unreachable; if it happens anyway, end that one request with an error
         instead of stopping the engine for everyone."""
         seq = self.scheduler.waiting[0]
-        state = self.requests[seq.request_id]
-        self.abort_request(seq.request_id)
-        return self._output(state, error=(
+        logger.error("request %s cannot be scheduled", seq.request_id)
+        return self._fail(self.requests[seq.request_id], (
             f"request {seq.request_id!r} cannot be scheduled: even with the engine idle it needs "
             f"more KV-cache blocks, sequences or batched tokens than the engine has; aborted"))
 
@@ -276,17 +268,16 @@ class LLMEngine:
         if seq.is_finished:
             self.runner.sampler.release(seq)
 
-    def _output(self, state: RequestState, error: str | None = None) -> RequestOutput:
-        """With `error` the request is over (already aborted), whatever its sequences say."""
+    def _output(self, state: RequestState) -> RequestOutput:
         completions = [self._completion(state, seq)
                        for seq in sorted(state.seqs, key=lambda s: s.index)]
-        finished = state.finished or error is not None
+        finished = state.finished
         if finished:
-            self.requests.pop(state.request_id, None)
+            del self.requests[state.request_id]
         prompt_logprobs = (state.seqs[0].prompt_logprobs
                            if state.params.prompt_logprobs is not None else None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, self._metrics(state), prompt_logprobs, error)
+                             finished, self._metrics(state), prompt_logprobs)
 
     @staticmethod
     def _completion(state: RequestState, seq: Sequence) -> CompletionOutput:
