@@ -52,7 +52,7 @@ def check_args(args) -> None:
     from kvslim.model.registry import model_config_of
     if args.threads is not None and args.threads < 1:
         raise KvslimError(f"--threads must be at least 1, got {args.threads}")
-    if hasattr(args, "max_tokens"):
+    if hasattr(args, "max_tokens"):              # demo has --max-tokens alone
         sampling_from_args(args)
     config = engine_config_from_args(args)
     model_config = model_config_of(args.model)
@@ -85,11 +85,11 @@ def sampling_from_args(args):
     """SamplingParams from the flags; an error names the flag (--max-tokens), not the field."""
     from kvslim.engine.sampling_params import SamplingParams
     from kvslim.errors import InvalidRequestError, KvslimError
+    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+             "seed", "stop")
     try:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              repetition_penalty=args.repetition_penalty, seed=args.seed,
-                              stop=args.stop)
+        return SamplingParams(**{name: getattr(args, name) for name in names
+                                 if hasattr(args, name)})
     except InvalidRequestError as e:
         flag = f"--{e.param.replace('_', '-')}: " if e.param else ""
         raise KvslimError(f"{flag}{e}") from None
