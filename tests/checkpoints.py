@@ -61,7 +61,7 @@ def make_hf_model(variant: str, seed: int = 0):
 
 def write_tokenizer(path: Path) -> None:
     """A small byte-level BPE trained by the project's own trainer (ids < VOCAB)."""
-    from kvslim.surgery.tokenizer_train import train_tokenizer
+    from kvslim.train.tokenizer_train import train_tokenizer
     text = path / "tokenizer_text.txt"
     path.mkdir(parents=True, exist_ok=True)
     text.write_text(TOKENIZER_TEXT)

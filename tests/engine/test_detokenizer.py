@@ -3,7 +3,7 @@ import pytest
 
 from checkpoints import write_tokenizer
 from kvslim.engine.detokenizer import IncrementalDetokenizer
-from kvslim.model.tokenizer import Tokenizer
+from kvslim.tokenizer.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import math
 import torch
 
 from checkpoints import VOCAB
-from kvslim.model.loader import load_model
-from kvslim.model.writer import copy_tokenizer_files, save_model
+from kvslim.formats.loader import load_model
+from kvslim.formats.writer import copy_tokenizer_files, save_model
 from kvslim.surgery.align import rotate_pairs
 from kvslim.surgery.convert import convert_to_gqa
 

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from checkpoints import VOCAB
 from kvslim.errors import ConfigError, KvslimError
-from kvslim.model.config import ModelConfig
-from kvslim.model.loader import load_model
+from kvslim.models.config import ModelConfig
+from kvslim.formats.loader import load_model
 from kvslim.surgery.convert import convert_to_gqa, pool_heads
 
 IDS = torch.randint(0, VOCAB, (2, 19), generator=torch.Generator().manual_seed(3))

@@ -13,7 +13,7 @@ from kvslim.bench.runners import kvslim_llm
 from kvslim.bench.workload import Workload, special_ids
 from kvslim.engine.config import parse_bytes
 from kvslim.engine.sampling_params import SamplingParams
-from kvslim.model.config import ModelConfig
+from kvslim.models.config import ModelConfig
 
 
 @dataclass

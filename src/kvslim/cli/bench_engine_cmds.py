@@ -66,7 +66,7 @@ def register_engine_benchmarks(kinds) -> None:
 
 
 def _setup(args):
-    from kvslim.model.registry import resolve_model
+    from kvslim.models.registry import resolve_model
     if args.threads:
         torch.set_num_threads(args.threads)
     return resolve_model(getattr(args, "model", None))
@@ -115,7 +115,7 @@ def run_capacity_cmd(args) -> int:
     from pathlib import Path
 
     from kvslim.bench.capacity import conversions, format_capacity, run_capacity
-    from kvslim.model.config import ModelConfig
+    from kvslim.models.config import ModelConfig
     model = _setup(args)
     h = ModelConfig.from_dir(model).num_key_value_heads
     ks = [int(k) for k in args.kv_heads.split(",")] if args.kv_heads else sorted({h // 4, 1},

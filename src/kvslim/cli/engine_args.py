@@ -28,7 +28,7 @@ def llm_from_args(args):
     import torch
 
     from kvslim.engine.llm import LLM
-    from kvslim.model.registry import resolve_model
+    from kvslim.models.registry import resolve_model
     check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -47,9 +47,9 @@ def check_args(args) -> None:
     read without its weights)."""
     from kvslim.engine.config import num_kv_blocks
     from kvslim.errors import KvslimError
-    from kvslim.model.device import resolve_device
-    from kvslim.model.loader import resolve_dtype
-    from kvslim.model.registry import model_config_of
+    from kvslim.device import resolve_device
+    from kvslim.formats.loader import resolve_dtype
+    from kvslim.models.registry import model_config_of
     if args.threads is not None and args.threads < 1:
         raise KvslimError(f"--threads must be at least 1, got {args.threads}")
     if hasattr(args, "max_tokens"):              # demo has --max-tokens alone

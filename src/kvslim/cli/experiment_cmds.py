@@ -35,8 +35,8 @@ def register(sub) -> None:
 def run_gqa(args) -> int:
     import torch
 
-    from kvslim.surgery.experiment import Experiment, ExperimentConfig
-    from kvslim.surgery.experiment_report import goal_checks, write_report
+    from kvslim.experiments.gqa import Experiment, ExperimentConfig
+    from kvslim.experiments.gqa_report import goal_checks, write_report
     if args.threads:
         torch.set_num_threads(args.threads)
     shard = _parse_shard(args.shard)

@@ -26,7 +26,7 @@ def register(sub) -> None:
 
 
 def run_memory(args) -> int:
-    from kvslim.bench.memory import markdown_table, plan_memory, plot_kv, resolve_spec
+    from kvslim.plan.memory import markdown_table, plan_memory, plot_kv, resolve_spec
     from kvslim.engine.config import parse_bytes
     if args.list:
         print(format_builtin_list())
@@ -50,7 +50,7 @@ def run_memory(args) -> int:
 
 
 def format_builtin_list() -> str:
-    from kvslim.bench.model_table import builtin_names, builtin_spec, parameter_counts
+    from kvslim.plan.published import builtin_names, builtin_spec, parameter_counts
     rows = [("name", "source config.json", "layers", "heads/KV", "attention", "parameters")]
     for name in builtin_names():
         s = builtin_spec(name)
@@ -65,7 +65,7 @@ def format_builtin_list() -> str:
 
 
 def format_plan(plan) -> str:
-    from kvslim.bench.memory import both_units
+    from kvslim.plan.memory import both_units
     s = plan.model
     heads = f"{s.num_attention_heads} query heads"
     if s.mla:
@@ -107,7 +107,7 @@ def format_plan(plan) -> str:
 
 def layouts_table(plan) -> str:
     """The model's KV layout beside its MHA and MQA equivalents, as a markdown table."""
-    from kvslim.bench.memory import both_units
+    from kvslim.plan.memory import both_units
     head = ["KV layout", "bytes/token", f"{plan.context:,} tokens x {plan.batch}"]
     if plan.memory_bytes is not None:
         head += ["tokens that fit", f"sequences of {plan.context:,} that fit"]

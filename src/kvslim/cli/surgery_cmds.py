@@ -60,8 +60,8 @@ def uptrain_steps(args) -> int:
 
 
 def run_uptrain(args) -> int:
-    from kvslim.surgery.train_config import TrainConfig
-    from kvslim.surgery.trainer import train
+    from kvslim.train.train_config import TrainConfig
+    from kvslim.train.trainer import train
     steps = uptrain_steps(args)
     kwargs = loop_kwargs(args)
     kwargs.update(steps=steps,
@@ -76,8 +76,8 @@ def run_uptrain(args) -> int:
 
 
 def run_ppl(args) -> int:
-    from kvslim.model.registry import resolve_model
-    from kvslim.surgery.perplexity import file_perplexity
+    from kvslim.models.registry import resolve_model
+    from kvslim.eval.perplexity import file_perplexity
     result = file_perplexity(resolve_model(args.model), args.data, args.context, args.stride,
                              args.max_tokens, args.dtype, args.device, show_progress=not args.json)
     if args.json:

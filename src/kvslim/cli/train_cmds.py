@@ -6,7 +6,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from kvslim.surgery.train_config import ModelShape, PRESETS, TrainConfig, shape_from_preset
+from kvslim.train.train_config import ModelShape, PRESETS, TrainConfig, shape_from_preset
 
 
 def register(sub) -> None:
@@ -66,14 +66,14 @@ def loop_kwargs(args) -> dict:
 
 
 def run_train_tokenizer(args) -> int:
-    from kvslim.surgery.tokenizer_train import train_tokenizer
+    from kvslim.train.tokenizer_train import train_tokenizer
     tok = train_tokenizer(args.data, args.vocab_size, args.out)
     print(f"wrote {Path(args.out) / 'tokenizer.json'} ({tok.get_vocab_size()} tokens)")
     return 0
 
 
 def run_train(args) -> int:
-    from kvslim.surgery.trainer import train
+    from kvslim.train.trainer import train
     shape, seq_len = shape_from_preset(args.preset) if args.preset else (ModelShape(), 256)
     overrides = {"num_hidden_layers": args.layers, "hidden_size": args.hidden,
                  "num_attention_heads": args.heads, "intermediate_size": args.intermediate,

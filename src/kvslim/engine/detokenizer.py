@@ -7,7 +7,7 @@ streaming, the last len(longest stop) - 1 characters are held back, since they m
 be the start of a stop string."""
 from __future__ import annotations
 
-from kvslim.model.tokenizer import Tokenizer
+from kvslim.tokenizer.tokenizer import Tokenizer
 
 # Tokens of the prompt decoded together with the first output tokens, so that tokenizers whose
 # decoding depends on the previous token (leading spaces) produce the right first characters.

@@ -16,11 +16,11 @@ from kvslim.engine.sampling_params import SamplingParams
 from kvslim.engine.scheduler import Scheduler
 from kvslim.engine.sequence import Sequence
 from kvslim.errors import EngineFailedError, InvalidRequestError, KvslimError
-from kvslim.model.device import resolve_device
-from kvslim.model.cpu_linear import pack_linears_for_cpu
-from kvslim.model.fused import fuse_for_inference
-from kvslim.model.loader import load_model
-from kvslim.model.tokenizer import Tokenizer
+from kvslim.device import resolve_device
+from kvslim.layers.cpu_linear import pack_linears_for_cpu
+from kvslim.layers.fused import fuse_for_inference
+from kvslim.formats.loader import load_model
+from kvslim.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvslim.engine")
 

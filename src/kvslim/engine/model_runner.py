@@ -15,7 +15,7 @@ from kvslim.engine.decode_graphs import DecodeGraphs
 from kvslim.engine.prompt_logprobs import record_prompt_logprobs
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
-from kvslim.model.llama import LlamaForCausalLM
+from kvslim.models.llama import LlamaForCausalLM
 
 
 def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype) -> int:

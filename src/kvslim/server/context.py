@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvslim.model.tokenizer import Tokenizer
+from kvslim.tokenizer.tokenizer import Tokenizer
 from kvslim.server.async_engine import AsyncEngine
 from kvslim.server.errors import model_not_found
 from kvslim.server.metrics import ServerMetrics

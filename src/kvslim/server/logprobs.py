@@ -3,7 +3,7 @@ and the chat one (a list of objects with bytes and top alternatives)."""
 from __future__ import annotations
 
 from kvslim.engine.sequence import TokenLogprob
-from kvslim.model.tokenizer import Tokenizer
+from kvslim.tokenizer.tokenizer import Tokenizer
 from kvslim.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 

@@ -22,8 +22,8 @@ import math
 import torch
 from tqdm import tqdm
 
-from kvslim.model.llama import LlamaForCausalLM
-from kvslim.model.tokenizer import Tokenizer
+from kvslim.models.llama import LlamaForCausalLM
+from kvslim.tokenizer.tokenizer import Tokenizer
 from kvslim.surgery.calibrate import attention_inputs
 
 PROCRUSTES_ITERS = 4

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvslim.model.llama import LlamaForCausalLM
-from kvslim.model.tokenizer import Tokenizer
-from kvslim.surgery.data import eval_windows, tokenize_file
+from kvslim.models.llama import LlamaForCausalLM
+from kvslim.tokenizer.tokenizer import Tokenizer
+from kvslim.train.data import eval_windows, tokenize_file
 
 
 @torch.no_grad()

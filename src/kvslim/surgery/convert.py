@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from kvslim.errors import KvslimError
-from kvslim.model.config import ModelConfig
-from kvslim.model.loader import load_model
-from kvslim.model.writer import save_model
+from kvslim.models.config import ModelConfig
+from kvslim.formats.loader import load_model
+from kvslim.formats.writer import save_model
 
 METHODS = ("mean", "first", "random", "align")
 
@@ -79,7 +79,7 @@ def convert_to_gqa(src: str | Path, dst: str | Path, kv_heads: int, method: str 
     if method == "align":
         if calib is None:
             raise KvslimError("--method align needs calibration text: --calib FILE")
-        from kvslim.model.tokenizer import Tokenizer
+        from kvslim.tokenizer.tokenizer import Tokenizer
         from kvslim.surgery.align import align_state_dict
         state = align_state_dict(model, Tokenizer.from_dir(src), kv_heads, calib, calib_samples,
                                  calib_seq_len, show_progress)

@@ -1,0 +1,266 @@
+"""`kvslim experiment gqa`: the GQA paper's uptraining experiment at small scale, one command.
+
+On the reference MHA model: every target KV-head count x conversion method x uptraining fraction
+alpha (of the original training steps), plus the fair control (the MHA model trained for the same
+extra steps), scored by test-set perplexity. Then the real pretrained model, SmolLM2-135M
+(9 query / 3 KV heads), converted to MQA by mean pooling and by `align`, before and after a short
+uptraining. Every finished run is recorded in RESULTS so that an interrupted experiment resumes
+where it stopped; the report (docs/gqa-uptraining.md + plots) is written from those records."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvslim.errors import KvslimError
+from kvslim.models.config import ModelConfig
+from kvslim.surgery.convert import convert_to_gqa
+from kvslim.eval.perplexity import file_perplexity
+from kvslim.train.train_config import TrainConfig
+from kvslim.train.trainer import train
+
+RESULTS = "results.json"
+
+
+@dataclass
+class ExperimentConfig:
+    model: str                           # the reference MHA model directory
+    train: str
+    valid: str
+    test: str
+    work_dir: str = "runs/gqa"
+    report: str = "docs/gqa-uptraining.md"
+    original_steps: int | None = None    # default: the last step in MODEL/train_log.jsonl
+    kv_heads: list[int] | None = None    # default: H/2, H/4, 1
+    methods: list[str] = field(default_factory=lambda: ["mean", "first", "random", "align"])
+    alphas: list[float] = field(default_factory=lambda: [0.0, 0.05])    # every method
+    extra_alphas: list[float] = field(default_factory=lambda: [0.10])   # extra_methods only
+    extra_methods: list[str] = field(default_factory=lambda: ["mean", "align"])
+    batch_size: int = 16
+    seq_len: int = 256
+    uptrain_lr: float = 2e-4             # where pretraining ended: a higher peak undoes it
+    calib_samples: int = 32
+    ppl_context: int = 256
+    ppl_stride: int = 128
+    ppl_max_tokens: int | None = None
+    seed: int = 0
+    smollm2: bool = True
+    smollm2_steps: int = 30
+    smollm2_batch_size: int = 4
+    smollm2_lr: float = 1e-4
+    smollm2_ppl_max_tokens: int | None = 12_000
+    shard: tuple[int, int] = (0, 1)      # (i, n): this process runs jobs i, i+n, i+2n, ...
+
+
+@dataclass
+class RunResult:
+    name: str
+    model: str                           # "ref" or "smollm2"
+    kv_heads: int
+    method: str                          # "mha" for the unconverted model / control
+    alpha: float
+    uptrain_steps: int
+    test_ppl: float
+    kv_bytes_per_token_fp32: int
+    kv_bytes_per_token_bf16: int
+    seconds: float
+
+
+class Experiment:
+    def __init__(self, cfg: ExperimentConfig, show_progress: bool = True):
+        self.cfg = cfg
+        self.work = Path(cfg.work_dir)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.show_progress = show_progress
+        self.results: dict[str, RunResult] = self._load()
+        self.config = ModelConfig.from_dir(cfg.model)
+        if self.config.num_key_value_heads != self.config.num_attention_heads:
+            raise KvslimError(f"{cfg.model} is not multi-head (it has "
+                              f"{self.config.num_key_value_heads} KV heads)")
+        self.original_steps = cfg.original_steps or _last_step(Path(cfg.model))
+
+    def reload(self) -> None:
+        self.results = self._load()
+
+    def _load(self) -> dict[str, RunResult]:
+        path = self.work / RESULTS
+        if not path.is_file():
+            return {}
+        return {k: RunResult(**v) for k, v in json.loads(path.read_text()).items()}
+
+    def _save(self, result: RunResult) -> None:
+        # Shards of one experiment share RESULTS: merge under a lock, never overwrite.
+        with self._locked():
+            self.results = self._load()
+            self.results[result.name] = result
+            data = {k: asdict(v) for k, v in self.results.items()}
+            tmp = self.work / f"{RESULTS}.tmp"
+            tmp.write_text(json.dumps(data, indent=2) + "\n")
+            tmp.replace(self.work / RESULTS)
+        if self.show_progress:
+            print(f"[experiment] {result.name}: test ppl {result.test_ppl:.3f} "
+                  f"({result.seconds:.0f} s)", flush=True)
+
+    # ---- the plan ------------------------------------------------------------------------
+    def plan(self) -> list[tuple[int, str, float]]:
+        """Reference-model runs, cheapest and most informative first: every conversion at
+        alpha = 0, then every alpha in `alphas`, then the extra alphas (K = H/4 first), so that
+        a time-boxed run still answers the main questions."""
+        h = self.config.num_attention_heads
+        ks = self.cfg.kv_heads or sorted({h // 2, h // 4, 1}, reverse=True)
+        runs = [(h, "mha", a) for a in self.all_alphas]
+        for k in ks:
+            for method in self.cfg.methods:
+                extra = self.cfg.extra_alphas if method in self.cfg.extra_methods else []
+                runs += [(k, method, a) for a in self.cfg.alphas + extra]
+        extra = self._only_extra_alphas
+        return sorted(runs, key=lambda r: (r[2] in extra, r[2], r[0] not in (h, h // 4)))
+
+    def smollm2_plan(self) -> list[tuple[str, int, int]]:
+        return [("mha", 3, 0)] + [(m, 1, s) for s in (0, self.cfg.smollm2_steps)
+                                   for m in ("mean", "align")]
+
+    def jobs(self) -> list[tuple]:
+        """All runs in order; SmolLM2 goes before the extra alphas."""
+        ref = [("ref",) + r for r in self.plan()]
+        extra = self._only_extra_alphas
+        main = [j for j in ref if j[3] not in extra]
+        small = [("smollm2",) + r for r in self.smollm2_plan()] if self.cfg.smollm2 else []
+        return main + small + [j for j in ref if j[3] in extra]
+
+    def missing(self) -> list[str]:
+        """Names of planned runs without a result (for the report)."""
+        return [n for n in (self._name(j) for j in self.jobs()) if n not in self.results]
+
+    @property
+    def _only_extra_alphas(self) -> set[float]:
+        return set(self.cfg.extra_alphas) - set(self.cfg.alphas)
+
+    @property
+    def all_alphas(self) -> list[float]:
+        return sorted(set(self.cfg.alphas + self.cfg.extra_alphas))
+
+    @staticmethod
+    def _name(job: tuple) -> str:
+        if job[0] == "ref":
+            _, k, method, alpha = job
+            return f"ref-k{k}-{method}-a{alpha:g}"
+        _, method, k, steps = job
+        return f"smollm2-k{k}-{method if method != 'mha' else 'orig'}-s{steps}"
+
+    def run(self) -> None:
+        """Run this shard's jobs in order. Processes started with the same shard share them as a
+        queue: each job is claimed before it runs, so no two run it and none sits idle."""
+        i, n = self.cfg.shard
+        for job in self.jobs()[i::n]:
+            name = self._name(job)
+            if not self._claim(name):                # done, or another process runs it
+                continue
+            try:
+                if job[0] == "ref":
+                    self._run_ref(name, *job[1:])
+                else:
+                    self._run_smollm2(name, *job[1:])
+            finally:
+                (self.work / f"{name}.claim").unlink(missing_ok=True)
+
+    def _claim(self, name: str) -> bool:
+        """True if this process may run `name`: nobody alive claimed it and it has no result."""
+        with self._locked():
+            path = self.work / f"{name}.claim"
+            if path.is_file() and _alive(int(path.read_text() or 0)):
+                return False
+            if name in self._load():
+                return False
+            path.write_text(str(os.getpid()))
+            return True
+
+    @contextlib.contextmanager
+    def _locked(self, what: str = RESULTS):
+        with open(self.work / f"{what}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    # ---- one run -------------------------------------------------------------------------
+    def _run_ref(self, name: str, k: int, method: str, alpha: float) -> None:
+        start = time.time()
+        converted = self._converted(self.cfg.model, "ref", k, method)
+        steps = round(alpha * self.original_steps)
+        model_dir = converted
+        if steps:
+            model_dir = self._uptrain(converted, self.work / name, steps, self.cfg.batch_size,
+                                      self.cfg.uptrain_lr)
+        ppl = self._ppl(model_dir, self.cfg.ppl_max_tokens)
+        self._save(self._result(name, "ref", model_dir, method, alpha, steps, ppl, start))
+
+    def _converted(self, src: str, tag: str, k: int, method: str) -> Path:
+        if method == "mha":
+            return Path(src)
+        out = self.work / f"{tag}-k{k}-{method}"
+        with self._locked(out.name):             # another process may be converting it
+            if not (out / "config.json").is_file():
+                convert_to_gqa(src, out, k, method, calib=self.cfg.train,
+                               calib_samples=self.cfg.calib_samples,
+                               calib_seq_len=self.cfg.seq_len, seed=self.cfg.seed,
+                               show_progress=self.show_progress)
+        return out
+
+    def _uptrain(self, src: Path, out: Path, steps: int, batch: int, lr: float) -> Path:
+        if out.exists():
+            shutil.rmtree(out)                  # a half-finished run restarts cleanly
+        cfg = TrainConfig(data=self.cfg.train, valid=self.cfg.valid, out=str(out),
+                          init_from=str(src), seq_len=self.cfg.seq_len, steps=steps,
+                          batch_size=batch, lr=lr, warmup_steps=max(1, steps // 10),
+                          eval_every=steps, save_every=steps, seed=self.cfg.seed + 1)
+        train(cfg, show_progress=self.show_progress)
+        (out / "trainer_state.pt").unlink(missing_ok=True)   # optimizer state: not needed
+        return out
+
+    def _ppl(self, model_dir: Path, max_tokens: int | None) -> float:
+        return file_perplexity(model_dir, self.cfg.test, self.cfg.ppl_context,
+                               self.cfg.ppl_stride, max_tokens,
+                               show_progress=self.show_progress).perplexity
+
+    def _result(self, name, tag, model_dir, method, alpha, steps, ppl, start) -> RunResult:
+        mc = ModelConfig.from_dir(model_dir)
+        return RunResult(name, tag, mc.num_key_value_heads, method, alpha, steps, ppl,
+                         mc.kv_bytes_per_token("float32"), mc.kv_bytes_per_token("bfloat16"),
+                         round(time.time() - start, 1))
+
+    # ---- SmolLM2 -------------------------------------------------------------------------
+    def _run_smollm2(self, name: str, method: str, k: int, steps: int) -> None:
+        from kvslim.models.registry import default_model_dir
+        src = str(default_model_dir(self.show_progress))
+        start = time.time()
+        model_dir = self._converted(src, "smollm2", k, method) if method != "mha" else Path(src)
+        if steps:
+            model_dir = self._uptrain(model_dir, self.work / name, steps,
+                                      self.cfg.smollm2_batch_size, self.cfg.smollm2_lr)
+        ppl = self._ppl(model_dir, self.cfg.smollm2_ppl_max_tokens)
+        self._save(self._result(name, "smollm2", model_dir,
+                                method if method != "mha" else "original", 0.0, steps, ppl, start))
+
+
+def _last_step(model_dir: Path) -> int:
+    log = model_dir / "train_log.jsonl"
+    if not log.is_file():
+        raise KvslimError(f"no train_log.jsonl in {model_dir}; pass --original-steps")
+    lines = [json.loads(l) for l in log.read_text().splitlines() if l.strip()]
+    return max(l["step"] for l in lines)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,171 @@
+"""Import a llama-architecture GGUF file as an HF-format model directory (float32 weights,
+config.json, a rebuilt tokenizer) that kvslim and transformers both load.
+
+Everything is read and checked before anything is written, so a file kvslim cannot use leaves no
+output behind."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvslim.errors import ConfigError
+from kvslim.models.config import ModelConfig
+from kvslim.formats.gguf_file import GGUFFile, dequantize_tensor
+from kvslim.formats.gguf_tokenizer import tokenizer_files, write_tokenizer_files
+from kvslim.formats.writer import save_model
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+
+GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
+
+
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool = True) -> Path:
+    gguf = GGUFFile.open(gguf_path)
+    config = config_from_gguf(gguf)
+    tok_files = tokenizer_files(gguf)
+    names = {t.name: hf_tensor_name(t.name) for t in gguf.tensors}
+    state = {}
+    for tensor in tqdm(gguf.tensors, desc=f"importing {gguf.path.name}", unit="tensor",
+                       disable=not show_progress):
+        weight = dequantize_tensor(tensor)
+        state[names[tensor.name]] = unpermute_qk(tensor.name, weight, config)
+    out = save_model(state, config, out_dir, dtype=torch.float32)
+    write_tokenizer_files(tok_files, out)
+    return out
+
+
+# ---- config ------------------------------------------------------------------------------
+def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
+    arch = gguf.architecture
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ConfigError(f"{gguf.path.name}: GGUF architecture {arch!r} is not supported; "
+                          f"kvslim imports {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} GGUF files")
+
+    def key(name: str):
+        return gguf.require(f"{arch}.{name}")
+
+    def optional(name: str, default):
+        return gguf.get(f"{arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    kv_heads = _single_value(gguf, f"{arch}.attention.head_count_kv", heads)
+    head_dim = int(optional("attention.key_length", hidden // max(heads, 1)))
+    _check_head_dims(gguf, arch, head_dim)
+    names = gguf.tensor_names
+    tokens = gguf.get("tokenizer.ggml.tokens") or []
+    vocab = optional("vocab_size", None) or len(tokens) or _embedding_rows(gguf)
+    eos = gguf.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(optional("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(optional("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(gguf, arch),
+        max_position_embeddings=int(optional("context_length", 2048)),
+        # llama.cpp writes no `output` tensor when the LM head is the embedding matrix.
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_gate.bias" in names,
+        bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+    )
+
+
+def _single_value(gguf: GGUFFile, key: str, default: int) -> int:
+    """Some files store a per-layer list (e.g. of KV heads); kvslim needs one value for all."""
+    value = gguf.get(key, default)
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ConfigError(f"{gguf.path.name}: {key} differs between layers ({sorted(set(value))}); "
+                              "kvslim needs the same value in every layer")
+        value = value[0]
+    return int(value)
+
+
+def _check_head_dims(gguf: GGUFFile, arch: str, head_dim: int) -> None:
+    value_dim = gguf.get(f"{arch}.attention.value_length")
+    if value_dim is not None and int(value_dim) != head_dim:
+        raise ConfigError(f"{gguf.path.name}: key length {head_dim} != value length {value_dim}; "
+                          "kvslim needs equal K and V head sizes")
+    rope_dim = gguf.get(f"{arch}.rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise ConfigError(f"{gguf.path.name}: RoPE covers {rope_dim} of {head_dim} head dimensions; "
+                          "partial rotary embeddings are not supported")
+
+
+def _rope_scaling(gguf: GGUFFile, arch: str) -> dict | None:
+    if "rope_freqs.weight" in gguf.tensor_names:
+        # Llama 3.1-style files carry per-frequency factors instead of the rope_scaling
+        # parameters they were computed from; using the plain frequencies would be silently wrong.
+        raise ConfigError(f"{gguf.path.name}: per-frequency RoPE factors (rope_freqs, as in "
+                          "Llama 3.1) are not supported by the GGUF importer")
+    kind = gguf.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(gguf.require(f"{arch}.rope.scaling.factor"))}
+    raise ConfigError(f"{gguf.path.name}: RoPE scaling {kind!r} is not supported "
+                      "(supported: none, linear)")
+
+
+def _embedding_rows(gguf: GGUFFile) -> int:
+    for t in gguf.tensors:
+        if t.name == "token_embd.weight":
+            return int(t.shape[-1])
+    raise ConfigError(f"{gguf.path.name}: no token_embd.weight tensor")
+
+
+# ---- tensors -----------------------------------------------------------------------------
+def hf_tensor_name(gguf_name: str) -> str:
+    if m := _LAYER_NAME.fullmatch(gguf_name):
+        layer, part, kind = m.groups()
+        if part in LAYER_TENSORS:
+            return f"model.layers.{layer}.{LAYER_TENSORS[part]}.{kind}"
+    elif (m := _GLOBAL_NAME.fullmatch(gguf_name)) and m.group(1) in GLOBAL_TENSORS:
+        return f"{GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
+    raise ConfigError(f"unexpected GGUF tensor {gguf_name!r} for a llama model")
+
+
+def unpermute_qk(gguf_name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Undo the row permutation llama.cpp's converter applies to Q and K.
+
+    llama.cpp rotates adjacent pairs (x0, x1), (x2, x3)... of each head while HF rotates the two
+    halves (x_i, x_{i + d/2}); the converter reordered each head's rows to turn one into the
+    other. Reading a head's rows as [d/2, 2] and transposing to [2, d/2] puts them back."""
+    if ".attn_q." in gguf_name:
+        heads = config.num_attention_heads
+    elif ".attn_k." in gguf_name:
+        heads = config.num_key_value_heads
+    else:
+        return weight
+    rows = weight.shape[0]
+    return (weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape).contiguous())

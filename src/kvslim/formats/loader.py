@@ -1,0 +1,104 @@
+"""Load an HF-format model directory: config.json + safetensors (single file or sharded).
+
+The model is built on the meta device and each tensor is read from the memory-mapped safetensors
+file straight into its final dtype and device, so no second full copy of the weights exists."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvslim.errors import WeightsError
+from kvslim.models.config import ModelConfig, parse_dtype
+from kvslim.models.llama import LlamaForCausalLM
+from kvslim.layers.rope import RotaryEmbedding
+
+# Buffers some older checkpoints saved that are recomputed from the config instead.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig, device: torch.device
+                  ) -> torch.dtype:
+    """'auto' (or None): float32 on CPU, where reduced-precision matmuls are slower, and the
+    checkpoint's dtype (bfloat16 when it was float32) on accelerators."""
+    if dtype not in (None, "auto"):
+        return parse_dtype(dtype)
+    if device.type == "cpu":
+        return torch.float32
+    stored = parse_dtype(config.torch_dtype)
+    return torch.bfloat16 if stored == torch.float32 else stored
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise WeightsError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto",
+               device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, config, device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {name: p.shape for name, p in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    state = {}
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings
+                                                       and name == "lm_head.weight"):
+                    continue
+                if name not in expected:
+                    raise WeightsError(f"{path.name}: unexpected weight {name!r} for "
+                                       f"{config.architecture}")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(expected[name]):
+                    raise WeightsError(f"{path.name}: weight {name!r} has shape {list(shape)}, "
+                                       f"expected {list(expected[name])} from config.json")
+                state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise WeightsError(f"missing weight {missing[0]!r}{more} in {model_dir}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary = RotaryEmbedding(config.head_dim, config.rope_theta,
+                                         config.rope_scaling).to(device)
+    return model.eval()
+
+
+def init_model(config: ModelConfig, seed: int = 0, std: float = 0.02,
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+               ) -> LlamaForCausalLM:
+    """A freshly initialised model (normal(0, std) linears and embeddings, unit norms)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model.to(device=device, dtype=dtype)

@@ -1,0 +1,82 @@
+"""What a model directory holds, in numbers: shape, attention layout and KV-cache cost per token,
+read from config.json and the safetensors headers without loading any weights."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from kvslim.models.config import ModelConfig, dtype_name, parse_dtype
+from kvslim.formats.loader import IGNORED_SUFFIXES, weight_files
+
+
+@dataclass
+class ModelInfo:
+    model_dir: str
+    architecture: str
+    model_type: str
+    num_parameters: int
+    num_hidden_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    group_size: int
+    attention_kind: str
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    weights_dtype: str
+    kv_cache_dtype: str
+    kv_bytes_per_token: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def model_info(model_dir: str | Path, kv_dtype: str | torch.dtype | None = None) -> ModelInfo:
+    """`kv_dtype` defaults to the dtype the weights are stored in."""
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    kv_dtype = parse_dtype(kv_dtype or config.torch_dtype)
+    return ModelInfo(
+        model_dir=str(model_dir),
+        architecture=config.architecture,
+        model_type=config.model_type,
+        num_parameters=count_parameters(model_dir, config),
+        num_hidden_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        group_size=config.group_size,
+        attention_kind=config.attention_kind,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta,
+        rope_scaling=config.rope_scaling,
+        tie_word_embeddings=config.tie_word_embeddings,
+        weights_dtype=config.torch_dtype,
+        kv_cache_dtype=dtype_name(kv_dtype),
+        kv_bytes_per_token=config.kv_bytes_per_token(kv_dtype),
+    )
+
+
+def count_parameters(model_dir: str | Path, config: ModelConfig) -> int:
+    """Elements of every stored weight. A tied LM head shares the embedding matrix, so it is not
+    counted again even when a checkpoint stores a copy."""
+    skip = ("lm_head.weight",) if config.tie_word_embeddings else ()
+    total = 0
+    for path in weight_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys()
+                         if name not in skip and not name.endswith(IGNORED_SUFFIXES))
+    return total

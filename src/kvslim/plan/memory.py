@@ -1,0 +1,310 @@
+"""The memory planner: weight bytes, KV-cache bytes per token and for a context x batch, the same
+model's MHA- and MQA-equivalent cache, and what fits in a device budget.
+
+Every figure is an exact integer count of bytes computed from the model's shapes; rounding happens
+only when a number is shown. Capacity is counted the way the engine allocates it (whole blocks of
+`block_size` tokens from the bytes left after the weights), so for a model the engine loads the
+planner's bytes per token and blocks are exactly the engine's (tests/bench/test_memory.py).
+
+Not counted: activations, the framework's workspace and allocator slack, and the scales that
+quantized formats (fp8/int8/int4) store beside their elements."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvslim.plan.published import ModelSpec, builtin_names, builtin_spec, parameter_counts, \
+    spec_from_file
+from kvslim.errors import KvslimError
+
+# Bits per stored element. int4 packs two elements per byte.
+STORAGE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
+DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16",
+                 "bfloat16": "bf16", "float8": "fp8", "float8_e4m3fn": "fp8",
+                 "float8_e5m2": "fp8"}
+DEFAULT_CONTEXT = 4096
+DEFAULT_BLOCK_SIZE = 16                # the engine's default (EngineConfig.block_size)
+
+
+def parse_storage_dtype(name: str, flag: str = "--dtype") -> str:
+    key = str(name).lower().removeprefix("torch.")
+    key = DTYPE_ALIASES.get(key, key)
+    if key not in STORAGE_BITS:
+        raise KvslimError(f"{flag}: unknown dtype {name!r}; choose one of "
+                          + ", ".join(STORAGE_BITS))
+    return key
+
+
+def storage_bytes(num_elements: int, dtype: str) -> int:
+    """Bytes for `num_elements` of `dtype`, rounded up to a whole byte (int4)."""
+    return -(-num_elements * STORAGE_BITS[dtype] // 8)
+
+
+# ---- KV arithmetic -----------------------------------------------------------------------------
+@dataclass
+class KVLayout:
+    """One way to cache K and V for a model: `elements_per_token` over all layers."""
+    name: str                          # "MHA", "GQA", "MQA" or "MLA"
+    label: str                         # e.g. "GQA, 8 KV heads (this model)"
+    elements_per_token: int
+    is_model: bool = False             # the layout the model really uses
+
+
+def kv_elements_per_token(spec: ModelSpec, kv_heads: int | None = None) -> int:
+    """Elements of K and V cached per token, all layers. For K/V heads: layers * kv_heads *
+    (key dim + value dim), i.e. 2 * layers * kv_heads * head_dim when they are equal. For MLA: one
+    latent of kv_lora_rank plus one shared RoPE key per layer, whatever the head count."""
+    if spec.mla and kv_heads is None:
+        return spec.num_hidden_layers * (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim)
+    heads = spec.num_key_value_heads if kv_heads is None else kv_heads
+    return spec.num_hidden_layers * heads * (spec.head_dim + spec.v_head_dim)
+
+
+def kv_layouts(spec: ModelSpec) -> list[KVLayout]:
+    """The model's own layout between its MHA equivalent (one KV head per query head) and its MQA
+    equivalent (one KV head), widest first."""
+    heads = spec.num_attention_heads
+    kind = spec.attention_kind
+    own_label = (f"MLA, latent {spec.mla.kv_lora_rank} + RoPE key {spec.mla.qk_rope_head_dim}"
+                 if spec.mla else f"{kind}, {spec.num_key_value_heads} KV heads")
+    layouts = [KVLayout(kind, own_label + " (this model)", kv_elements_per_token(spec), True)]
+    if kind != "MHA":
+        layouts.insert(0, KVLayout("MHA", f"MHA equivalent, {heads} KV heads",
+                                   kv_elements_per_token(spec, heads)))
+    if kind != "MQA":
+        layouts.append(KVLayout("MQA", "MQA equivalent, 1 KV head", kv_elements_per_token(spec, 1)))
+    return layouts
+
+
+@dataclass
+class Capacity:
+    """What a KV budget holds, in the engine's whole blocks."""
+    kv_budget_bytes: int
+    bytes_per_block: int
+    num_blocks: int
+    max_tokens: int
+    max_sequences: int                 # of `context` tokens each
+
+
+def kv_capacity(kv_budget_bytes: int, bytes_per_token: int, block_size: int, context: int
+                ) -> Capacity:
+    """The engine's own sizing: num_blocks = budget // bytes_per_block (ModelRunner); a sequence
+    of `context` tokens holds ceil(context / block_size) blocks."""
+    bytes_per_block = block_size * bytes_per_token
+    num_blocks = max(0, kv_budget_bytes) // bytes_per_block
+    blocks_per_seq = -(-context // block_size)
+    return Capacity(max(0, kv_budget_bytes), bytes_per_block, num_blocks,
+                    num_blocks * block_size, num_blocks // blocks_per_seq)
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+@dataclass
+class LayoutPlan:
+    name: str
+    label: str
+    is_model: bool
+    kv_elements_per_token: int
+    kv_bytes_per_token: int
+    kv_bytes: int                      # for context x batch
+    capacity: Capacity | None = None
+
+
+@dataclass
+class MemoryPlan:
+    model: ModelSpec
+    num_parameters: int
+    num_active_parameters: int
+    weights_dtype: str
+    kv_dtype: str
+    context: int
+    batch: int
+    block_size: int
+    weight_bytes: int
+    kv_bytes_per_token: int            # this model's layout
+    kv_bytes: int                      # this model's layout, context x batch
+    layouts: list[LayoutPlan]
+    memory_bytes: int | None = None    # the device budget, if given
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def free_bytes(self) -> int | None:
+        """Budget left for the KV cache once the weights are in."""
+        return None if self.memory_bytes is None else self.memory_bytes - self.weight_bytes
+
+    def layout(self, name: str) -> LayoutPlan:
+        return next(lp for lp in self.layouts if lp.name == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["free_bytes"] = self.free_bytes
+        data["model"]["attention_kind"] = self.model.attention_kind
+        return data
+
+
+def plan_memory(spec: ModelSpec, context: int = DEFAULT_CONTEXT, batch: int = 1,
+                dtype: str | None = None, kv_dtype: str | None = None,
+                memory_bytes: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE
+                ) -> MemoryPlan:
+    """`dtype` (weights) defaults to the checkpoint's dtype; `kv_dtype` to the weights' dtype when
+    that is a float type, else fp16 (quantized-weight runtimes keep a 16-bit cache)."""
+    for flag, value in (("--context", context), ("--batch", batch), ("--block-size", block_size)):
+        if not isinstance(value, int) or value <= 0:
+            raise KvslimError(f"{flag} must be a positive integer, got {value}")
+    if memory_bytes is not None and memory_bytes <= 0:
+        raise KvslimError(f"--memory must be positive, got {memory_bytes} bytes")
+    dtype = parse_storage_dtype(dtype or spec.torch_dtype, "--dtype")
+    default_kv = dtype if dtype in ("fp32", "fp16", "bf16") else "fp16"
+    kv_dtype = parse_storage_dtype(kv_dtype or default_kv, "--kv-dtype")
+    total, active = parameter_counts(spec)
+    weight_bytes = storage_bytes(total, dtype)
+    layouts = []
+    for layout in kv_layouts(spec):
+        per_token = storage_bytes(layout.elements_per_token, kv_dtype)
+        capacity = None if memory_bytes is None else \
+            kv_capacity(memory_bytes - weight_bytes, per_token, block_size, context)
+        layouts.append(LayoutPlan(layout.name, layout.label, layout.is_model,
+                                  layout.elements_per_token, per_token,
+                                  per_token * context * batch, capacity))
+    own = next(lp for lp in layouts if lp.is_model)
+    plan = MemoryPlan(spec, total, active, dtype, kv_dtype, context, batch, block_size,
+                      weight_bytes, own.kv_bytes_per_token, own.kv_bytes, layouts, memory_bytes)
+    plan.notes = _notes(plan)
+    return plan
+
+
+def _notes(plan: MemoryPlan) -> list[str]:
+    spec, notes = plan.model, []
+    if plan.context > spec.max_position_embeddings:
+        notes.append(f"context {plan.context:,} is beyond the model's "
+                     f"{spec.max_position_embeddings:,} positions")
+    window = spec.sliding_window
+    if window and window < min(plan.context, spec.max_position_embeddings):
+        notes.append(f"sliding window {window:,}: a rolling-buffer cache would hold at most "
+                     f"{window:,} tokens per sequence; these figures (and kvslim's engine) keep "
+                     "every token")
+    if plan.free_bytes is not None and plan.free_bytes <= 0:
+        notes.append("the weights alone exceed --memory: nothing is left for the KV cache")
+    if spec.moe:
+        notes.append(f"MoE: all {spec.moe.num_experts} experts are resident (weight bytes); "
+                     f"{spec.moe.num_experts_per_tok} run per token "
+                     f"({plan.num_active_parameters:,} active parameters)")
+    if plan.kv_dtype in ("fp8", "int8", "int4"):
+        notes.append(f"{plan.kv_dtype} KV counts elements only, not the scales stored beside them")
+    return notes
+
+
+def kv_curve(plan: MemoryPlan, contexts: list[int]) -> dict[str, list[int]]:
+    """KV bytes (for `plan.batch` sequences) at each context, per layout name."""
+    return {lp.name: [lp.kv_bytes_per_token * c * plan.batch for c in contexts]
+            for lp in plan.layouts}
+
+
+# ---- which model -------------------------------------------------------------------------------
+def resolve_spec(model: str | None) -> ModelSpec:
+    """A model directory, a config.json, a .gguf file, a built-in name, or None (the embedded
+    default model). An existing path wins over a built-in name it happens to match."""
+    from kvslim.models.registry import DEFAULT_MODEL_ALIASES, resolve_model
+    if model is None or model in DEFAULT_MODEL_ALIASES:
+        return _spec_from_dir(resolve_model(model))
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return _spec_from_dir(path)
+    if path.is_file() and path.suffix.lower() == ".json":
+        return spec_from_file(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _spec_from_dir(resolve_model(path))
+    spec = builtin_spec(model)
+    if spec is None:
+        raise KvslimError(f"unknown model {model!r}: not a model directory, config.json, .gguf "
+                          f"file or built-in name ({', '.join(builtin_names())})")
+    return spec
+
+
+def _spec_from_dir(model_dir: Path) -> ModelSpec:
+    config = model_dir / "config.json"
+    if not config.is_file():
+        raise KvslimError(f"no config.json in {model_dir}")
+    return spec_from_file(config, name=model_dir.name)
+
+
+# ---- showing it --------------------------------------------------------------------------------
+def format_bytes(n: int, binary: bool = False) -> str:
+    """3 significant digits in decimal (kB, MB, GB = 10^3, 10^6, 10^9) or binary (KiB, MiB, GiB =
+    2^10, 2^20, 2^30) units; the two differ by 7.4% at GB scale, which is why both are shown."""
+    base, units = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if binary else \
+        (1000, ("B", "kB", "MB", "GB", "TB"))
+    value, unit = float(n), units[0]
+    for unit in units:
+        if abs(value) < base - 0.5 or unit == units[-1]:
+            break
+        value /= base
+    if unit == "B":
+        return f"{n:,} B"
+    decimals = 0 if value >= 99.95 else 1 if value >= 9.995 else 2   # 3 significant digits
+    return f"{value:.{decimals}f} {unit}"
+
+
+def both_units(n: int) -> str:
+    return f"{format_bytes(n)} ({format_bytes(n, binary=True)})"
+
+
+def table_contexts(plan: MemoryPlan) -> list[int]:
+    """Powers of two from 1K up to the model's context length, that length itself, and the
+    requested context."""
+    top = plan.model.max_position_embeddings
+    contexts = {c for c in (2 ** k for k in range(10, 21)) if c <= top}
+    return sorted(contexts | {top, plan.context})
+
+
+def markdown_table(plan: MemoryPlan) -> str:
+    """KV bytes vs context for each layout, as a markdown table (GB = 10^9 bytes)."""
+    contexts = table_contexts(plan)
+    curve = kv_curve(plan, contexts)
+    names = [lp.name + (" (this model)" if lp.is_model else " equivalent") for lp in plan.layouts]
+    lines = [f"| context | " + " | ".join(names) + " |",
+             "|---:|" + "---:|" * len(names)]
+    for i, c in enumerate(contexts):
+        cells = [format_bytes(curve[lp.name][i]) for lp in plan.layouts]
+        lines.append(f"| {c:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_kv(plan: MemoryPlan, path: str | Path) -> Path:
+    """PNG of KV bytes vs context: the model as MHA / its own layout / MQA, and DeepSeek-V2's MLA
+    for comparison; the budget left after the weights as a line when --memory is given."""
+    import matplotlib
+    matplotlib.use("Agg")                  # no display needed; writes files only
+    import matplotlib.pyplot as plt
+
+    top = max(plan.model.max_position_embeddings, plan.context)
+    contexts = [round(top * i / 200) for i in range(1, 201)]
+    fig, ax = plt.subplots(figsize=(8, 6), dpi=120)
+    for name, values in kv_curve(plan, contexts).items():
+        lp = plan.layout(name)
+        ax.plot(contexts, [v / 1e9 for v in values], lw=2.5 if lp.is_model else 1.5,
+                label=f"{lp.label}: {format_bytes(lp.kv_bytes_per_token)}/token")
+    if not plan.model.mla:
+        mla = plan_memory(builtin_spec("DeepSeek-V2"), plan.context, plan.batch,
+                          kv_dtype=plan.kv_dtype)
+        ax.plot(contexts, [mla.kv_bytes_per_token * c * plan.batch / 1e9 for c in contexts],
+                ls="--", label=f"DeepSeek-V2 MLA (another model, for scale): "
+                               f"{format_bytes(mla.kv_bytes_per_token)}/token")
+    if plan.free_bytes is not None and plan.free_bytes > 0:
+        ax.axhline(plan.free_bytes / 1e9, color="black", ls=":",
+                   label=f"--memory minus weights: {format_bytes(plan.free_bytes)}")
+    ax.axvline(plan.context, color="grey", lw=0.8)
+    ax.set_xlabel("context (tokens per sequence)")
+    ax.set_ylabel(f"KV cache, GB (10^9 bytes), batch {plan.batch}")
+    ax.set_title(f"{plan.model.name}: KV cache in {plan.kv_dtype}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1, frameon=False)
+    fig.tight_layout()
+    path = Path(path)
+    try:
+        fig.savefig(path, format="png")
+    except OSError as e:
+        raise KvslimError(f"cannot write plot {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+    return path
