@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvslim.layers.self_attention import Attention
-from kvslim.layers.norm_mlp import SwiGLUMLP
+from kvslim.layers.mlp import SwiGLUMLP
 from kvslim.models.llama import LlamaForCausalLM
 from kvslim.layers.rope import apply_rope
 

@@ -8,7 +8,8 @@ from torch import nn
 from kvslim.attention import DenseAttention
 from kvslim.layers.self_attention import Attention
 from kvslim.models.config import ModelConfig
-from kvslim.layers.norm_mlp import RMSNorm, SwiGLUMLP
+from kvslim.layers.mlp import SwiGLUMLP
+from kvslim.layers.norm import RMSNorm
 from kvslim.layers.rope import RotaryEmbedding
 
 

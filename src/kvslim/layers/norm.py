@@ -1,4 +1,4 @@
-"""The small building blocks of a Llama-family decoder layer."""
+"""RMSNorm, as Llama-family models compute it."""
 from __future__ import annotations
 
 import torch
@@ -20,14 +20,3 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
-
-
-class SwiGLUMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
