@@ -2,7 +2,7 @@
 decoded beside others (the masked, padded path)."""
 import torch
 
-from kvslim.attention import PagedAttention, PagedAttentionMetadata
+from kvslim.attention import PagedAttention, PagedStepLayout, build_paged_metadata
 
 BLOCK, KVH, H, D = 4, 2, 6, 8
 
@@ -10,8 +10,9 @@ BLOCK, KVH, H, D = 4, 2, 6, 8
 def _step(kv, tables, lens, q, k, v):
     slots = torch.stack([tables[i, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
                          for i, n in enumerate(lens.tolist())])
-    meta = PagedAttentionMetadata(slot_mapping=slots, num_decode_tokens=len(lens),
-                                  decode_block_tables=tables, decode_context_lens=lens)
+    layout = PagedStepLayout(slot_mapping=slots, num_decode_tokens=len(lens),
+                             decode_block_tables=tables, decode_context_lens=lens)
+    meta = build_paged_metadata(layout, BLOCK)
     return PagedAttention([kv], meta).attend(0, q, k, v, D ** -0.5)
 
 

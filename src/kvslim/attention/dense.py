@@ -1,5 +1,8 @@
 """Causal attention over a [batch, time] block with optional key padding: training, perplexity and
-reference forward passes. No KV cache."""
+reference forward passes. No KV cache.
+
+Like the paged backend, the mask is built once per forward pass (`build_dense_mask`) and the
+layers only read it."""
 from __future__ import annotations
 
 import torch
@@ -7,19 +10,26 @@ import torch
 from kvslim.attention.grouped import MaskCache, causal_mask, grouped_sdpa
 
 
+def build_dense_mask(seq_len: int, device: torch.device, padding_mask: torch.Tensor | None = None,
+                     sliding_window: int | None = None) -> torch.Tensor | None:
+    """[B or 1, T, T] bool (True = may attend), or None for plain causal attention.
+    padding_mask [B, T] bool, True for real tokens (left or right padding both work)."""
+    if padding_mask is None and sliding_window is None:
+        return None
+    allowed = causal_mask(seq_len, seq_len, device, sliding_window).unsqueeze(0)
+    if padding_mask is not None:
+        allowed = allowed & padding_mask[:, None, :].bool()
+        # A padded query row would see no key at all and give NaN; let it see itself.
+        allowed = allowed | torch.eye(seq_len, dtype=torch.bool, device=device)
+    return allowed
+
+
 class DenseAttention:
     def __init__(self, seq_len: int, device: torch.device, padding_mask: torch.Tensor | None = None,
                  sliding_window: int | None = None):
         """padding_mask [B, T] bool, True for real tokens (left or right padding both work)."""
-        self.allowed = None
+        self.allowed = build_dense_mask(seq_len, device, padding_mask, sliding_window)
         self.masks = MaskCache()
-        if padding_mask is not None or sliding_window is not None:
-            allowed = causal_mask(seq_len, seq_len, device, sliding_window).unsqueeze(0)
-            if padding_mask is not None:
-                allowed = allowed & padding_mask[:, None, :].bool()
-                # A padded query row would see no key at all and give NaN; let it see itself.
-                allowed = allowed | torch.eye(seq_len, dtype=torch.bool, device=device)
-            self.allowed = allowed
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvslim.attention import PagedAttention, PagedAttentionMetadata
+from kvslim.attention import PagedAttention, PagedStepLayout, build_paged_metadata
 
 MAX_GRAPHS = 64         # captured (batch, width) shapes; beyond that, new shapes run eagerly
 
@@ -36,6 +36,7 @@ class DecodeGraphs:
         self.use_graphs = use_graphs
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
         self.max_blocks = max_blocks_per_seq
+        self.block_size = kv_caches[0][0].shape[1]
         self.scratch_slot = scratch_slot
         dev = kv_caches[0][0].device
         n = self.batch_sizes[-1]
@@ -55,14 +56,14 @@ class DecodeGraphs:
         return batch, min(_next_power_of_two(num_blocks), self.max_blocks)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: PagedAttentionMetadata) -> torch.Tensor | None:
+            layout: PagedStepLayout) -> torch.Tensor | None:
         """Hidden states [n, hidden] of a pure decode step, or None if it must run eagerly."""
-        n, width = input_ids.shape[0], meta.decode_block_tables.shape[1]
+        n, width = input_ids.shape[0], layout.decode_block_tables.shape[1]
         shape = self.shape_for(n, width)
         if shape is None or (shape not in self.graphs and len(self.graphs) >= MAX_GRAPHS):
             return None
         batch, _ = shape
-        self._fill(n, batch, input_ids, positions, meta)
+        self._fill(n, batch, input_ids, positions, layout)
         if not self.use_graphs:
             return self._forward(*shape)[:n]
         if shape not in self.graphs:
@@ -71,13 +72,13 @@ class DecodeGraphs:
         graph.replay()
         return hidden[:n]
 
-    def _fill(self, n: int, batch: int, input_ids, positions, meta) -> None:
-        width = meta.decode_block_tables.shape[1]
+    def _fill(self, n: int, batch: int, input_ids, positions, layout: PagedStepLayout) -> None:
+        width = layout.decode_block_tables.shape[1]
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
-        self.slot_mapping[:n] = meta.slot_mapping
-        self.context_lens[:n] = meta.decode_context_lens
-        self.block_tables[:n, :width] = meta.decode_block_tables
+        self.slot_mapping[:n] = layout.slot_mapping
+        self.context_lens[:n] = layout.decode_context_lens
+        self.block_tables[:n, :width] = layout.decode_block_tables
         # Padding rows: position 0, one key, K/V written into the scratch block.
         self.input_ids[n:batch] = 0
         self.positions[n:batch] = 0
@@ -85,11 +86,12 @@ class DecodeGraphs:
         self.context_lens[n:batch] = 1
 
     def _forward(self, batch: int, width: int) -> torch.Tensor:
-        meta = PagedAttentionMetadata(
+        layout = PagedStepLayout(
             slot_mapping=self.slot_mapping[:batch], num_decode_tokens=batch,
             decode_block_tables=self.block_tables[:batch, :width],
             decode_context_lens=self.context_lens[:batch])
-        attn = PagedAttention(self.kv_caches, meta, self.sliding_window, graph_safe=True)
+        meta = build_paged_metadata(layout, self.block_size, self.sliding_window, graph_safe=True)
+        attn = PagedAttention(self.kv_caches, meta)
         return self.model(self.input_ids[:batch], self.positions[:batch], attn=attn)
 
     def _capture(self, batch: int, width: int):

@@ -7,8 +7,7 @@ import itertools
 
 import torch
 
-from kvslim.attention import PagedAttention, PagedAttentionMetadata
-from kvslim.attention.paged import PrefillChunk
+from kvslim.attention import PagedAttention, PagedStepLayout, PrefillChunk, build_paged_metadata
 from kvslim.engine.block_table import BlockTables
 from kvslim.engine.config import EngineConfig, num_kv_blocks
 from kvslim.engine.decode_graphs import DecodeGraphs
@@ -74,13 +73,13 @@ class ModelRunner:
             src, dst = zip(*copies)
             self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
         entries = _attention_order(out.scheduled)
-        input_ids, positions, meta, query_starts = self._prepare(entries)
+        input_ids, positions, layout, query_starts = self._prepare(entries)
         hidden = None
-        if self.decode_graphs is not None and not meta.prefills:
-            hidden = self.decode_graphs.run(input_ids, positions, meta)
+        if self.decode_graphs is not None and not layout.prefills:
+            hidden = self.decode_graphs.run(input_ids, positions, layout)
         if hidden is None:
-            attn = PagedAttention(self.kv_caches, meta, self.model.config.sliding_window)
-            hidden = self.model(input_ids, positions, attn=attn)
+            meta = build_paged_metadata(layout, self.block_size, self.model.config.sliding_window)
+            hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_caches, meta))
         sample_rows, requests = [], []
         for entry, query_start in zip(entries, query_starts):
             scored = entry.prompt_logprob_positions
@@ -97,14 +96,14 @@ class ModelRunner:
         return {r.seq.seq_id: res for r, res in zip(requests, results)}
 
     def _prepare(self, entries: list[ScheduledSequence]):
-        """Flat inputs of the step (one-token queries first, then longer chunks) and the
-        attention metadata; also each entry's first row in the flat layout."""
+        """Flat inputs of the step (one-token queries first, then longer chunks) and their
+        layout for attention; also each entry's first row in the flat layout."""
         bs, dev = self.block_size, self.device
         singles = [e for e in entries if e.num_tokens == 1]
         tokens: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        meta = PagedAttentionMetadata(slot_mapping=torch.empty(0))
+        layout = PagedStepLayout(slot_mapping=torch.empty(0))
         if singles:
             seqs = [e.seq for e in singles]
             rows = self.block_tables.rows_for(seqs)
@@ -113,23 +112,23 @@ class ModelRunner:
             positions.append(pos)
             slots.append(self.block_tables.slots(rows, pos, bs))
             max_blocks = int(pos.max()) // bs + 1
-            meta.num_decode_tokens = len(seqs)
-            meta.decode_block_tables = self.block_tables.table[rows, :max_blocks]
-            meta.decode_context_lens = pos + 1
+            layout.num_decode_tokens = len(seqs)
+            layout.decode_block_tables = self.block_tables.table[rows, :max_blocks]
+            layout.decode_context_lens = pos + 1
         for entry in entries[len(singles):]:
             seq, n, start = entry.seq, entry.num_tokens, entry.start
             row = self.block_tables.rows_for([seq])
             pos = torch.arange(start, start + n, device=dev)
-            meta.prefills.append(PrefillChunk(
+            layout.prefills.append(PrefillChunk(
                 query_start=len(tokens), query_len=n, context_len=start + n,
                 block_table=self.block_tables.table[row[0], :-(-(start + n) // bs)]))
             tokens += seq.token_ids[start:start + n]
             positions.append(pos)
             slots.append(self.block_tables.slots(row.expand(n), pos, bs))
         query_starts = list(itertools.accumulate((e.num_tokens for e in entries[:-1]), initial=0))
-        meta.slot_mapping = torch.cat(slots)
+        layout.slot_mapping = torch.cat(slots)
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        return input_ids, torch.cat(positions), meta, query_starts
+        return input_ids, torch.cat(positions), layout, query_starts
 
 
 def _attention_order(entries: list[ScheduledSequence]) -> list[ScheduledSequence]:

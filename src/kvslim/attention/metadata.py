@@ -1,0 +1,89 @@
+"""What paged attention reads for one engine step, and the one place that builds it.
+
+The model runner lays out the step (`PagedStepLayout`: where each new token's K/V goes, which
+blocks each decode reads, the prefill chunks); `build_paged_metadata` turns that layout into
+`PagedAttentionMetadata` once per step: the layout plus everything derived from it (the decode
+mask or the lone-decode length, each chunk's causal mask). `PagedAttention` only reads it, so
+every layer of the step shares one copy and the special cases are decided here, not per layer.
+
+The layout is split from the metadata because the CUDA-graph decode path needs only the layout
+(it copies it into static buffers and builds its own graph-safe metadata from those): deriving
+masks for it, or reading a length back to the host, would be wasted work on the hot path."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvslim.attention.grouped import causal_mask
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int          # offset of the chunk in the step's flat tokens
+    query_len: int            # tokens computed this step
+    context_len: int          # cached prefix + query_len
+    block_table: torch.Tensor  # [num_blocks] block ids covering the context
+
+
+@dataclass
+class PagedStepLayout:
+    """The step's flat tokens: first the decodes (one token each), then the prefill chunks."""
+    slot_mapping: torch.Tensor                 # [num_tokens] cache slot of each new token
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with 0
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PagedAttentionMetadata:
+    layout: PagedStepLayout
+    # Set for a lone decode: it attends to exactly this many keys, without a mask.
+    single_decode_len: int | None
+    decode_allowed: torch.Tensor | None        # [num_decodes, 1, max_len] bool, or None
+    prefill_allowed: list[torch.Tensor | None]  # per chunk [1, query_len, context_len], or None
+
+
+def build_paged_metadata(layout: PagedStepLayout, block_size: int,
+                         sliding_window: int | None = None, graph_safe: bool = False,
+                         ) -> PagedAttentionMetadata:
+    """graph_safe: no host synchronisation (the decode path a CUDA graph records)."""
+    single_decode_len = _single_decode_len(layout, sliding_window, graph_safe)
+    decode_allowed = None
+    if layout.num_decode_tokens and single_decode_len is None:
+        decode_allowed = _decode_allowed(layout, block_size, sliding_window)
+    return PagedAttentionMetadata(
+        layout=layout, single_decode_len=single_decode_len, decode_allowed=decode_allowed,
+        prefill_allowed=[_prefill_allowed(p, layout.slot_mapping.device, sliding_window)
+                         for p in layout.prefills])
+
+
+def _single_decode_len(layout: PagedStepLayout, sliding_window: int | None,
+                       graph_safe: bool) -> int | None:
+    # A lone decode (batch-1 generation) reads exactly its context: no mask, and SDPA's
+    # unmasked path, instead of masking the padding of its last block.
+    if layout.num_decode_tokens == 1 and sliding_window is None and not graph_safe:
+        return int(layout.decode_context_lens[0])
+    return None
+
+
+def _decode_allowed(layout: PagedStepLayout, block_size: int,
+                    sliding_window: int | None) -> torch.Tensor:
+    """Each decode sees the keys before its length (and inside its window), out of the padded
+    width of the block tables."""
+    max_len = layout.decode_block_tables.shape[1] * block_size
+    key_pos = torch.arange(max_len, device=layout.slot_mapping.device)[None, :]
+    lens = layout.decode_context_lens[:, None]
+    allowed = key_pos < lens
+    if sliding_window is not None:
+        allowed &= key_pos >= lens - sliding_window
+    return allowed[:, None, :]       # [B, Tq=1, Tk]
+
+
+def _prefill_allowed(chunk: PrefillChunk, device: torch.device,
+                     sliding_window: int | None) -> torch.Tensor | None:
+    # A chunk with nothing cached before it and no window is plain causal attention: no mask.
+    if chunk.query_len == chunk.context_len and sliding_window is None:
+        return None
+    return causal_mask(chunk.query_len, chunk.context_len, device, sliding_window)[None]
