@@ -152,25 +152,18 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 def render(machine, thr: ThroughputResult, lat: LatencyResult, cap: CapacityResult, images,
            root: Path, command: str, minutes: float, prof: ProfileResult | None = None) -> str:
-    w = thr.workload
-    thr_rows = [[e.label, f"{e.seconds:.1f}", f"{e.requests_per_s:.2f}",
-                 f"{e.output_tokens_per_s:.1f}", f"{e.total_tokens_per_s:.1f}",
-                 "1.00x" if e.engine == "kvslim" else f"{thr.ratio(e.engine):.2f}x"]
-                for e in thr.results]
-    lat_rows = [[e.label, e.batch, f"{e.ttft_s * 1e3:.0f}", f"{e.tpot_s * 1e3:.1f}",
-                 _range_ms(e.tpot_runs_s),
-                 f"{e.decode_tokens_per_s:.1f}", f"{e.achieved_gb_s:.1f}",
-                 f"{e.fraction_of_bandwidth:.0%}",
-                 "—" if e.engine == "kvslim" else f"{lat.ratio(e.engine, e.batch):.2f}x"]
-                for e in lat.results]
-    base = cap.entries[0]
-    cap_rows = [[e.model, e.kv_heads, f"{e.kv_bytes_per_token:,}", e.num_blocks, e.max_sequences,
-                 f"{e.max_sequences / base.max_sequences:.2f}x", e.peak_running,
-                 f"{e.output_tokens_per_s:.1f}", e.preemptions] for e in cap.entries]
+    img = [p.relative_to(root) for p in images]
     skipped = "\n".join(f"- skipped {s}" for s in thr.skipped + lat.skipped) or ""
+    return (_intro_section(machine, thr, lat, cap, command, minutes)
+            + _throughput_section(thr, img[0]) + _latency_section(lat, img[1])
+            + profile_section(prof) + _capacity_section(cap, img[2]) + f"{skipped}\n")
+
+
+def _intro_section(machine, thr: ThroughputResult, lat: LatencyResult, cap: CapacityResult,
+                   command: str, minutes: float) -> str:
+    """The command, the machine, the goals and where the time goes."""
     goals = "\n".join(f"- {'—' if ok is None else 'PASS' if ok else 'FAIL'}: {text}: {detail}"
                       for text, ok, detail in goal_checks(thr, lat, cap))
-    img = [p.relative_to(root) for p in images]
     return f"""# Benchmarks
 
 Every number on this page was measured by one command, in one run of {minutes:.0f} minutes:
@@ -198,14 +191,33 @@ from the roofline. {roofline_text(lat)} kvslim's lead comes from batching: conti
 serves every request in the same steps, and a GQA model's smaller cache lets more of them run at
 once.
 
-## Offline throughput — {w['num_prompts']} prompts, {w['input_len']} tokens in, {w['output_len']} out
+"""
+
+
+def _throughput_section(thr: ThroughputResult, image: Path) -> str:
+    w = thr.workload
+    thr_rows = [[e.label, f"{e.seconds:.1f}", f"{e.requests_per_s:.2f}",
+                 f"{e.output_tokens_per_s:.1f}", f"{e.total_tokens_per_s:.1f}",
+                 "1.00x" if e.engine == "kvslim" else f"{thr.ratio(e.engine):.2f}x"]
+                for e in thr.results]
+    return f"""## Offline throughput — {w['num_prompts']} prompts, {w['input_len']} tokens in, {w['output_len']} out
 
 {_table(["engine", "seconds", "requests/s", "output tokens/s", "total tokens/s", "kvslim is"],
         thr_rows)}
 
-![throughput]({img[0]})
+![throughput]({image})
 
-## Decode latency — {lat.input_len}-token prompts, {lat.output_len} generated
+"""
+
+
+def _latency_section(lat: LatencyResult, image: Path) -> str:
+    lat_rows = [[e.label, e.batch, f"{e.ttft_s * 1e3:.0f}", f"{e.tpot_s * 1e3:.1f}",
+                 _range_ms(e.tpot_runs_s),
+                 f"{e.decode_tokens_per_s:.1f}", f"{e.achieved_gb_s:.1f}",
+                 f"{e.fraction_of_bandwidth:.0%}",
+                 "—" if e.engine == "kvslim" else f"{lat.ratio(e.engine, e.batch):.2f}x"]
+                for e in lat.results]
+    return f"""## Decode latency — {lat.input_len}-token prompts, {lat.output_len} generated
 
 Each engine ran {lat.repeats} times, the engines taking turns in every round; the table shows
 medians (the TPOT range is the fastest and slowest run).
@@ -216,8 +228,16 @@ TPOT, as a fraction of the measured read bandwidth (the roofline of a memory-bou
 {_table(["engine", "batch", "TTFT ms", "TPOT ms", "TPOT range", "decode tokens/s", "GB/s",
          "of BW", "kvslim is"], lat_rows)}
 
-![latency]({img[1]})
-{profile_section(prof)}
+![latency]({image})
+"""
+
+
+def _capacity_section(cap: CapacityResult, image: Path) -> str:
+    base = cap.entries[0]
+    cap_rows = [[e.model, e.kv_heads, f"{e.kv_bytes_per_token:,}", e.num_blocks, e.max_sequences,
+                 f"{e.max_sequences / base.max_sequences:.2f}x", e.peak_running,
+                 f"{e.output_tokens_per_s:.1f}", e.preemptions] for e in cap.entries]
+    return f"""
 ## Capacity — one KV-cache budget ({cap.kv_cache_memory / 2**20:.0f} MiB), MHA vs its GQA/MQA conversions
 
 Sequences of {cap.context} tokens ({cap.context - max(4, cap.context // 16)} prompt +
@@ -228,9 +248,8 @@ is the most sequences the engine ran in one step.
 {_table(["model", "KV heads", "KV bytes/token", "blocks", "fit", "vs MHA", "peak running",
          "output tokens/s", "preemptions"], cap_rows)}
 
-![capacity]({img[2]})
+![capacity]({image})
 
-{skipped}
 """
 
 

