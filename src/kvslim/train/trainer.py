@@ -85,14 +85,36 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     device = resolve_device(cfg.device)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    state_path = out / STATE_FILE
-    if cfg.resume and not state_path.is_file():
+    if cfg.resume and not (out / STATE_FILE).is_file():
         raise KvslimError(f"--resume: no {STATE_FILE} in {out}")
     tokenizer = prepare_tokenizer(cfg, out)
     train_tokens = tokenize_file(cfg.data, tokenizer, show_progress)
     valid = (eval_windows(tokenize_file(cfg.valid, tokenizer, show_progress), cfg.seq_len,
                           cfg.eval_windows).to(device) if cfg.valid else None)
     torch.manual_seed(cfg.seed)
+    model, optimizer, start = _model_and_optimizer(cfg, tokenizer, out, device)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
+                if cfg.dtype == "bfloat16" else contextlib.nullcontext())
+    progress = _Progress(cfg, out, start, show_progress)
+    metrics: dict = {}
+    for step in range(start, cfg.steps):
+        lr = cfg.lr_at(step)
+        loss_sum, grad_norm = _train_step(model, optimizer, cfg, train_tokens, step, lr,
+                                          device, autocast)
+        done = step + 1
+        metrics = {"step": done, "loss": round(loss_sum, 5), "lr": lr,
+                   "grad_norm": round(grad_norm, 4)}
+        progress.record(metrics, loss_sum, model, valid)
+        if done % cfg.save_every == 0 or done == cfg.steps:
+            save_checkpoint(model, optimizer, cfg, done, out)
+    progress.close()
+    return metrics
+
+
+def _model_and_optimizer(cfg: TrainConfig, tokenizer: Tokenizer, out: Path, device: torch.device
+                         ) -> tuple[LlamaForCausalLM, torch.optim.AdamW, int]:
+    """The model on `device` in training mode, its optimizer, and the first step to run (from
+    the checkpoint in OUT with --resume)."""
     if cfg.resume:
         model = load_model(out, dtype=torch.float32)
     else:
@@ -104,58 +126,72 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     optimizer = make_optimizer(model, cfg)
     start = 0
     if cfg.resume:
-        state = torch.load(state_path, weights_only=False)
-        model.to(device)
+        state = torch.load(out / STATE_FILE, weights_only=False)
+        model.to(device)      # before loading: the optimizer state follows its parameters
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
-    else:
-        (out / LOG_FILE).write_text("")
-    log = (out / LOG_FILE).open("a")
     model.to(device)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
-                if cfg.dtype == "bfloat16" else contextlib.nullcontext())
-    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not show_progress)
-    metrics: dict = {}
-    t_last, tokens_since = time.perf_counter(), 0
-    speed = "…"                                  # tokens/s, refreshed every log_every steps
-    for step in range(start, cfg.steps):
-        lr = cfg.lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = 0.0
-        for micro in range(cfg.grad_accum):
-            batch = random_windows(train_tokens, cfg.batch_size, cfg.seq_len, cfg.seed,
-                                   step * cfg.grad_accum + micro).to(device)
-            with autocast:
-                loss = lm_loss(model, batch) / cfg.grad_accum
-            loss.backward()
-            loss_sum += loss.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        tokens_since += cfg.tokens_per_step
-        done = step + 1
-        metrics = {"step": done, "loss": round(loss_sum, 5), "lr": lr,
-                   "grad_norm": round(grad_norm, 4)}
+    return model, optimizer, start
+
+
+def _train_step(model: LlamaForCausalLM, optimizer, cfg: TrainConfig, train_tokens, step: int,
+                lr: float, device: torch.device, autocast) -> tuple[float, float]:
+    """One optimizer step over `grad_accum` micro-batches; returns (loss, gradient norm)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = 0.0
+    for micro in range(cfg.grad_accum):
+        batch = random_windows(train_tokens, cfg.batch_size, cfg.seq_len, cfg.seed,
+                               step * cfg.grad_accum + micro).to(device)
+        with autocast:
+            loss = lm_loss(model, batch) / cfg.grad_accum
+        loss.backward()
+        loss_sum += loss.item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+
+class _Progress:
+    """The log file (train_log.jsonl), the progress bar and the tokens/s clock of a run."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, start: int, show_progress: bool):
+        self.cfg = cfg
+        if not cfg.resume:
+            (out / LOG_FILE).write_text("")
+        self.log = (out / LOG_FILE).open("a")
+        self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step",
+                        disable=not show_progress)
+        self.t_last, self.tokens_since = time.perf_counter(), 0
+        self.speed = "…"                         # tokens/s, refreshed every log_every steps
+
+    def record(self, metrics: dict, loss: float, model: LlamaForCausalLM,
+               valid: torch.Tensor | None) -> None:
+        """Add throughput and validation loss to a step's `metrics` when due; log them and show
+        them (with the unrounded `loss`)."""
+        cfg, done = self.cfg, metrics["step"]
+        self.tokens_since += cfg.tokens_per_step
         if done % cfg.log_every == 0 or done == cfg.steps:
             now = time.perf_counter()
-            metrics["tokens_per_s"] = round(tokens_since / (now - t_last), 1)
-            t_last, tokens_since = now, 0
+            metrics["tokens_per_s"] = round(self.tokens_since / (now - self.t_last), 1)
+            self.t_last, self.tokens_since = now, 0
         if valid is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
             metrics["val_loss"] = round(evaluate(model, valid), 5)
         if len(metrics) > 4 or done == cfg.steps:
-            log.write(json.dumps(metrics) + "\n")
-            log.flush()
+            self.log.write(json.dumps(metrics) + "\n")
+            self.log.flush()
         if "tokens_per_s" in metrics:
-            speed = f"{metrics['tokens_per_s']:,.0f}"
-        bar.set_postfix(loss=f"{loss_sum:.3f}", lr=f"{lr:.2e}", tok_s=speed,
-                        **({"val": f"{metrics['val_loss']:.3f}"} if "val_loss" in metrics else {}))
-        bar.update(1)
-        if done % cfg.save_every == 0 or done == cfg.steps:
-            save_checkpoint(model, optimizer, cfg, done, out)
-    bar.close()
-    log.close()
-    return metrics
+            self.speed = f"{metrics['tokens_per_s']:,.0f}"
+        self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{metrics['lr']:.2e}",
+                             tok_s=self.speed,
+                             **({"val": f"{metrics['val_loss']:.3f}"} if "val_loss" in metrics
+                                else {}))
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.log.close()
 
 
 def save_checkpoint(model: LlamaForCausalLM, optimizer, cfg: TrainConfig, step: int, out: Path
