@@ -14,7 +14,7 @@ from kvslim.engine.config import EngineConfig
 from kvslim.engine.llm_engine import LLMEngine
 from kvslim.errors import KvslimError
 from kvslim.models.config import ModelConfig
-from kvslim.models.info import count_parameters
+from kvslim.formats.info import count_parameters
 
 # Totals as published with each checkpoint (safetensors metadata / model card), not from kvslim.
 PUBLISHED_PARAMETERS = {

@@ -204,7 +204,7 @@ def kv_curve(plan: MemoryPlan, contexts: list[int]) -> dict[str, list[int]]:
 def resolve_spec(model: str | None) -> ModelSpec:
     """A model directory, a config.json, a .gguf file, a built-in name, or None (the embedded
     default model). An existing path wins over a built-in name it happens to match."""
-    from kvslim.models.registry import DEFAULT_MODEL_ALIASES, resolve_model
+    from kvslim.formats.registry import DEFAULT_MODEL_ALIASES, resolve_model
     if model is None or model in DEFAULT_MODEL_ALIASES:
         return _spec_from_dir(resolve_model(model))
     path = Path(model).expanduser()
