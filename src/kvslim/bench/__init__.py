@@ -1,1 +1,1 @@
-"""Benchmarks: the memory planner, throughput / latency / serving load, and their reports."""
+"""Benchmarks: throughput, latency, capacity and serving load against peers, and their report."""

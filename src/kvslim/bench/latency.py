@@ -14,7 +14,7 @@ from kvslim.bench.machine import Bandwidth, memory_bandwidth
 from kvslim.bench.runners import kvslim_llm, peers
 from kvslim.bench.workload import Workload, special_ids
 from kvslim.engine.sampling_params import SamplingParams
-from kvslim.models.info import count_parameters
+from kvslim.formats.info import count_parameters
 
 
 @dataclass

@@ -66,7 +66,7 @@ def register_engine_benchmarks(kinds) -> None:
 
 
 def _setup(args):
-    from kvslim.models.registry import resolve_model
+    from kvslim.formats.registry import resolve_model
     if args.threads:
         torch.set_num_threads(args.threads)
     return resolve_model(getattr(args, "model", None))

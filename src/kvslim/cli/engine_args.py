@@ -28,7 +28,7 @@ def llm_from_args(args):
     import torch
 
     from kvslim.engine.llm import LLM
-    from kvslim.models.registry import resolve_model
+    from kvslim.formats.registry import resolve_model
     check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -49,7 +49,7 @@ def check_args(args) -> None:
     from kvslim.errors import KvslimError
     from kvslim.device import resolve_device
     from kvslim.formats.loader import resolve_dtype
-    from kvslim.models.registry import model_config_of
+    from kvslim.formats.registry import model_config_of
     if args.threads is not None and args.threads < 1:
         raise KvslimError(f"--threads must be at least 1, got {args.threads}")
     if hasattr(args, "max_tokens"):              # demo has --max-tokens alone

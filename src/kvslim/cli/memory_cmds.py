@@ -3,6 +3,7 @@ or a built-in published config, at a context, batch, dtype and device budget."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 
 def register(sub) -> None:
@@ -26,14 +27,14 @@ def register(sub) -> None:
 
 
 def run_memory(args) -> int:
-    from kvslim.plan.memory import markdown_table, plan_memory, plot_kv, resolve_spec
+    from kvslim.plan.memory import markdown_table, plan_memory, plot_kv
     from kvslim.engine.config import parse_bytes
     if args.list:
         print(format_builtin_list())
         return 0
     memory = None if args.memory is None else parse_bytes(args.memory)
-    spec = resolve_spec(args.model)
-    plan = plan_memory(spec, args.context, args.batch, args.dtype, args.kv_dtype, memory,
+    config = resolve_model_config(args.model)
+    plan = plan_memory(config, args.context, args.batch, args.dtype, args.kv_dtype, memory,
                        args.block_size)
     if args.plot:
         plot_kv(plan, args.plot)
@@ -49,11 +50,36 @@ def run_memory(args) -> int:
     return 0
 
 
+def resolve_model_config(model: str | None):
+    """A model directory, a config.json, a .gguf file, a built-in name, or None (the embedded
+    default model). An existing path wins over a built-in name it happens to match. Configs are
+    read for their shapes only: the planner also sizes architectures the engine does not run."""
+    from kvslim.errors import KvslimError
+    from kvslim.formats.registry import DEFAULT_MODEL_ALIASES, resolve_model
+    from kvslim.models.config import ModelConfig
+    from kvslim.plan.published import builtin_config, builtin_names
+    if model is None or model in DEFAULT_MODEL_ALIASES:
+        return ModelConfig.from_dir(resolve_model(model), runnable=False)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return ModelConfig.from_dir(path, runnable=False)
+    if path.is_file() and path.suffix.lower() == ".json":
+        return ModelConfig.from_file(path, runnable=False)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ModelConfig.from_dir(resolve_model(path), runnable=False)
+    config = builtin_config(model)
+    if config is None:
+        raise KvslimError(f"unknown model {model!r}: not a model directory, config.json, .gguf "
+                          f"file or built-in name ({', '.join(builtin_names())})")
+    return config
+
+
 def format_builtin_list() -> str:
-    from kvslim.plan.published import builtin_names, builtin_spec, parameter_counts
+    from kvslim.plan.parameters import parameter_counts
+    from kvslim.plan.published import builtin_config, builtin_names
     rows = [("name", "source config.json", "layers", "heads/KV", "attention", "parameters")]
     for name in builtin_names():
-        s = builtin_spec(name)
+        s = builtin_config(name)
         total, active = parameter_counts(s)
         params = f"{total / 1e9:.2f}B" + (f" ({active / 1e9:.1f}B active)" if active != total
                                           else "")

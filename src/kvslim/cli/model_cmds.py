@@ -31,7 +31,7 @@ def register(sub) -> None:
 
 def run_import_gguf(args) -> int:
     from kvslim.formats.gguf_import import import_gguf
-    from kvslim.models.info import model_info
+    from kvslim.formats.info import model_info
     out = import_gguf(args.gguf, args.out, show_progress=not args.quiet)
     info = model_info(out)
     print(f"wrote {out} ({info.architecture}, {info.num_parameters:,} parameters, float32)")
@@ -41,7 +41,7 @@ def run_import_gguf(args) -> int:
 def run_export_gguf(args) -> int:
     import os
     from kvslim.formats.gguf_export import export_gguf
-    from kvslim.models.registry import resolve_model
+    from kvslim.formats.registry import resolve_model
     out = export_gguf(resolve_model(args.model), args.out, args.dtype.lower(),
                       show_progress=not args.quiet)
     print(f"wrote {out} (llama GGUF, {args.dtype.lower()}, {os.path.getsize(out):,} bytes)")
@@ -49,8 +49,8 @@ def run_export_gguf(args) -> int:
 
 
 def run_info(args) -> int:
-    from kvslim.models.info import model_info
-    from kvslim.models.registry import resolve_model
+    from kvslim.formats.info import model_info
+    from kvslim.formats.registry import resolve_model
     info = model_info(resolve_model(args.model), args.dtype)
     if args.json:
         print(json.dumps(info.to_dict(), indent=2))

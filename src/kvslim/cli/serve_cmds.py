@@ -32,7 +32,7 @@ def register(sub) -> None:
 def run_serve(args) -> int:
     import uvicorn
 
-    from kvslim.models.registry import DEFAULT_MODEL_NAME
+    from kvslim.formats.registry import DEFAULT_MODEL_NAME
     from kvslim.server.app import build_app
 
     llm = llm_from_args(args)                    # bad model or flags: one-line error, exit 2

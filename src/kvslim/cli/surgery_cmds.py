@@ -76,7 +76,7 @@ def run_uptrain(args) -> int:
 
 
 def run_ppl(args) -> int:
-    from kvslim.models.registry import resolve_model
+    from kvslim.formats.registry import resolve_model
     from kvslim.eval.perplexity import file_perplexity
     result = file_perplexity(resolve_model(args.model), args.data, args.context, args.stride,
                              args.max_tokens, args.dtype, args.device, show_progress=not args.json)

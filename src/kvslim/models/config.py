@@ -11,11 +11,19 @@ import torch
 
 from kvslim.errors import ConfigError
 
+# Architectures a model in models/ implements: the engine runs them.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
+# Architectures read for their shapes only (`from_hf_dict(..., runnable=False)`), so that the
+# memory planner sizes them from the same parser; nothing in kvslim runs them.
+SHAPE_ONLY_ARCHITECTURES = {
+    "MixtralForCausalLM": "mixtral",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+}
+ARCHITECTURES = {**SUPPORTED_ARCHITECTURES, **SHAPE_ONLY_ARCHITECTURES}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 DTYPES = {
@@ -38,11 +46,39 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (Mixtral, DeepSeek): every expert is resident, a few run per token."""
+    num_experts: int
+    num_experts_per_tok: int
+    expert_intermediate_size: int
+    num_shared_experts: int = 0
+    first_dense_layers: int = 0        # leading layers that keep a dense MLP (DeepSeek)
+    layer_freq: int = 1                # every layer_freq-th layer after those is MoE
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention. Its cache is not K/V heads: one compressed latent
+    of `kv_lora_rank` plus one shared RoPE key of `qk_rope_head_dim` per token and layer."""
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None
+
+    def cache_elements_per_token(self, num_layers: int) -> int:
+        """The latent layout, whatever the head count."""
+        return num_layers * (self.kv_lora_rank + self.qk_rope_head_dim)
+
+
 @dataclass
 class ModelConfig:
     """Everything the model and the engine need, read from (and written back to) HF config.json.
 
-    `raw` keeps the original dict so that writers preserve fields kvslim does not interpret."""
+    `raw` keeps the original dict so that writers preserve fields kvslim does not interpret.
+    `moe` and `mla` are set only for shape-only architectures (the memory planner's). `name` and
+    `source` say where the config came from (for display); they take no part in equality."""
 
     architecture: str
     vocab_size: int
@@ -65,6 +101,10 @@ class ModelConfig:
     sliding_window: int | None = None
     torch_dtype: str = "float32"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
+    name: str = field(default="", compare=False)
+    source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -72,7 +112,17 @@ class ModelConfig:
     # ---- derived -------------------------------------------------------------------------
     @property
     def model_type(self) -> str:
-        return SUPPORTED_ARCHITECTURES[self.architecture]
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def runnable(self) -> bool:
+        """Whether a model in models/ implements this architecture."""
+        return self.architecture in SUPPORTED_ARCHITECTURES and not (self.moe or self.mla)
+
+    @property
+    def v_head_dim(self) -> int:
+        """Size of a value head: head_dim, except in MLA, where K heads are nope + rope wide."""
+        return self.mla.v_head_dim if self.mla else self.head_dim
 
     @property
     def group_size(self) -> int:
@@ -81,21 +131,31 @@ class ModelConfig:
 
     @property
     def attention_kind(self) -> str:
+        if self.mla:
+            return "MLA"
         if self.num_key_value_heads == self.num_attention_heads:
             return "MHA"
         return "MQA" if self.num_key_value_heads == 1 else "GQA"
 
+    def kv_elements_per_token(self, num_kv_heads: int | None = None) -> int:
+        """Elements of K and V cached for one token, all layers: layers * kv_heads * (K + V head
+        size), i.e. 2 * layers * kv_heads * head_dim for every model the engine runs. This is the
+        one place the formula is written: the engine's allocator, `kvslim info` and the memory
+        planner all come here. `num_kv_heads` prices the same model with another KV head count
+        (its MHA or MQA equivalent). An MLA model's own cache is its latent layout instead."""
+        if self.mla is not None and num_kv_heads is None:
+            return self.mla.cache_elements_per_token(self.num_hidden_layers)
+        heads = self.num_key_value_heads if num_kv_heads is None else num_kv_heads
+        return self.num_hidden_layers * heads * (self.head_dim + self.v_head_dim)
+
     def kv_bytes_per_token(self, dtype: torch.dtype | str = torch.float16) -> int:
-        """K and V of every layer for one token: 2 * layers * kv_heads * head_dim * element size."""
-        itemsize = parse_dtype(dtype).itemsize
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+        """Bytes of K and V for one token, all layers, cached in `dtype`."""
+        return self.kv_elements_per_token() * parse_dtype(dtype).itemsize
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"unsupported architecture {self.architecture!r}; kvslim supports "
-                + ", ".join(SUPPORTED_ARCHITECTURES))
+        if self.architecture not in ARCHITECTURES:
+            self.require_runnable()
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             value = getattr(self, name)
@@ -107,18 +167,27 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2 != 0:
             raise ConfigError(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
-        if self.rope_scaling is not None:
+        if self.rope_scaling is not None and self.runnable:     # RoPE matters only to a run
             rope_type = self.rope_scaling.get("rope_type", "default")
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ConfigError(f"config.json: unsupported rope_scaling type {rope_type!r}; "
                                   f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         parse_dtype(self.torch_dtype)
 
+    def require_runnable(self) -> None:
+        if not self.runnable:
+            raise ConfigError(
+                f"unsupported architecture {self.architecture!r}; kvslim supports "
+                + ", ".join(SUPPORTED_ARCHITECTURES))
+
     # ---- HF config.json ------------------------------------------------------------------
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any], *, runnable: bool = True, name: str = "",
+                     source: str = "") -> "ModelConfig":
+        """`runnable=False` also accepts SHAPE_ONLY_ARCHITECTURES (for the memory planner)."""
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else _architecture_from_model_type(cfg.get("model_type"))
+        arch = archs[0] if archs else _architecture_from_model_type(cfg.get("model_type"),
+                                                                     runnable)
         hidden_act = cfg.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ConfigError(f"config.json: hidden_act {hidden_act!r} is not supported (only silu)")
@@ -130,7 +199,8 @@ class ModelConfig:
             eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
             is_qwen2 = arch == "Qwen2ForCausalLM"
             use_sw = cfg.get("use_sliding_window", not is_qwen2)
-            return cls(
+            mla = _mla_from_hf(cfg) if arch == "DeepseekV2ForCausalLM" else None
+            config = cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -138,7 +208,8 @@ class ModelConfig:
                 num_hidden_layers=int(cfg["num_hidden_layers"]),
                 num_attention_heads=heads,
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                head_dim=(mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla
+                          else int(cfg.get("head_dim") or hidden // heads)),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
@@ -152,25 +223,43 @@ class ModelConfig:
                 sliding_window=cfg.get("sliding_window") if use_sw else None,
                 torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
                 raw=copy.deepcopy(cfg),
+                moe=_moe_from_hf(cfg, arch),
+                mla=mla,
+                name=name,
+                source=source,
             )
         except KeyError as e:
             raise ConfigError(f"config.json: missing required field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise ConfigError(f"config.json: invalid value ({e})") from None
+        if runnable:
+            config.require_runnable()
+        return config
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path, *, runnable: bool = True) -> "ModelConfig":
         path = Path(model_dir)
         if not path.is_dir():
             raise ConfigError(f"model directory not found: {path}")
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise ConfigError(f"no config.json in {path}")
+        return cls.from_file(cfg_path, runnable=runnable)
+
+    @classmethod
+    def from_file(cls, config_json: str | Path, *, runnable: bool = True) -> "ModelConfig":
+        """A config.json by path; named after its directory."""
+        path = Path(config_json)
         try:
-            cfg = json.loads(cfg_path.read_text())
+            cfg = json.loads(path.read_text())
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(cfg)
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{path} is not a config.json (expected a JSON object)")
+        return cls.from_hf_dict(cfg, runnable=runnable, name=path.parent.name,
+                                source=str(path))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that both transformers and kvslim read back to this config."""
@@ -214,8 +303,8 @@ class ModelConfig:
         return ModelConfig(**fields)
 
 
-def _architecture_from_model_type(model_type: str | None) -> str:
-    for arch, mt in SUPPORTED_ARCHITECTURES.items():
+def _architecture_from_model_type(model_type: str | None, runnable: bool = True) -> str:
+    for arch, mt in (SUPPORTED_ARCHITECTURES if runnable else ARCHITECTURES).items():
         if mt == model_type:
             return arch
     raise ConfigError(f"config.json: no supported architecture (architectures missing, "
@@ -234,3 +323,26 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if merged.get("rope_type", "default") == "default":
         return theta, None
     return theta, merged
+
+
+def _moe_from_hf(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(num_experts=int(cfg["num_local_experts"]),
+                         num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                         expert_intermediate_size=int(cfg["intermediate_size"]))
+    if arch == "DeepseekV2ForCausalLM" and cfg.get("n_routed_experts"):
+        return MoEConfig(num_experts=int(cfg["n_routed_experts"]),
+                         num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                         expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+                         num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+                         first_dense_layers=int(cfg.get("first_k_dense_replace", 0)),
+                         layer_freq=int(cfg.get("moe_layer_freq", 1)))
+    return None
+
+
+def _mla_from_hf(cfg: dict[str, Any]) -> MLAConfig:
+    return MLAConfig(kv_lora_rank=int(cfg["kv_lora_rank"]),
+                     qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+                     qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+                     v_head_dim=int(cfg["v_head_dim"]),
+                     q_lora_rank=cfg.get("q_lora_rank"))

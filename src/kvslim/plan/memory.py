@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvslim.plan.published import ModelSpec, builtin_names, builtin_spec, parameter_counts, \
-    spec_from_file
 from kvslim.errors import KvslimError
+from kvslim.models.config import ModelConfig
+from kvslim.plan.parameters import parameter_counts
+from kvslim.plan.published import builtin_config
 
 # Bits per stored element. int4 packs two elements per byte.
 STORAGE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
@@ -51,29 +52,21 @@ class KVLayout:
     is_model: bool = False             # the layout the model really uses
 
 
-def kv_elements_per_token(spec: ModelSpec, kv_heads: int | None = None) -> int:
-    """Elements of K and V cached per token, all layers. For K/V heads: layers * kv_heads *
-    (key dim + value dim), i.e. 2 * layers * kv_heads * head_dim when they are equal. For MLA: one
-    latent of kv_lora_rank plus one shared RoPE key per layer, whatever the head count."""
-    if spec.mla and kv_heads is None:
-        return spec.num_hidden_layers * (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim)
-    heads = spec.num_key_value_heads if kv_heads is None else kv_heads
-    return spec.num_hidden_layers * heads * (spec.head_dim + spec.v_head_dim)
-
-
-def kv_layouts(spec: ModelSpec) -> list[KVLayout]:
+def kv_layouts(config: ModelConfig) -> list[KVLayout]:
     """The model's own layout between its MHA equivalent (one KV head per query head) and its MQA
-    equivalent (one KV head), widest first."""
-    heads = spec.num_attention_heads
-    kind = spec.attention_kind
-    own_label = (f"MLA, latent {spec.mla.kv_lora_rank} + RoPE key {spec.mla.qk_rope_head_dim}"
-                 if spec.mla else f"{kind}, {spec.num_key_value_heads} KV heads")
-    layouts = [KVLayout(kind, own_label + " (this model)", kv_elements_per_token(spec), True)]
+    equivalent (one KV head), widest first. Elements come from `ModelConfig.kv_elements_per_token`,
+    the formula the engine allocates its cache with."""
+    heads = config.num_attention_heads
+    kind = config.attention_kind
+    own_label = (f"MLA, latent {config.mla.kv_lora_rank} + RoPE key {config.mla.qk_rope_head_dim}"
+                 if config.mla else f"{kind}, {config.num_key_value_heads} KV heads")
+    layouts = [KVLayout(kind, own_label + " (this model)", config.kv_elements_per_token(), True)]
     if kind != "MHA":
         layouts.insert(0, KVLayout("MHA", f"MHA equivalent, {heads} KV heads",
-                                   kv_elements_per_token(spec, heads)))
+                                   config.kv_elements_per_token(heads)))
     if kind != "MQA":
-        layouts.append(KVLayout("MQA", "MQA equivalent, 1 KV head", kv_elements_per_token(spec, 1)))
+        layouts.append(KVLayout("MQA", "MQA equivalent, 1 KV head",
+                                config.kv_elements_per_token(1)))
     return layouts
 
 
@@ -112,7 +105,7 @@ class LayoutPlan:
 
 @dataclass
 class MemoryPlan:
-    model: ModelSpec
+    model: ModelConfig
     num_parameters: int
     num_active_parameters: int
     weights_dtype: str
@@ -137,12 +130,28 @@ class MemoryPlan:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["model"] = model_dict(self.model)
         data["free_bytes"] = self.free_bytes
-        data["model"]["attention_kind"] = self.model.attention_kind
         return data
 
 
-def plan_memory(spec: ModelSpec, context: int = DEFAULT_CONTEXT, batch: int = 1,
+# What `kvslim memory --json` shows of the model: its name, where the shapes come from, and the
+# fields that decide its bytes.
+MODEL_FIELDS = ("name", "source", "architecture", "num_hidden_layers", "hidden_size",
+                "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size", "max_position_embeddings", "tie_word_embeddings", "torch_dtype",
+                "qkv_bias", "o_bias", "mlp_bias", "sliding_window")
+
+
+def model_dict(config: ModelConfig) -> dict[str, Any]:
+    data = {name: getattr(config, name) for name in MODEL_FIELDS}
+    data["moe"] = asdict(config.moe) if config.moe else None
+    data["mla"] = asdict(config.mla) if config.mla else None
+    data["attention_kind"] = config.attention_kind
+    return data
+
+
+def plan_memory(config: ModelConfig, context: int = DEFAULT_CONTEXT, batch: int = 1,
                 dtype: str | None = None, kv_dtype: str | None = None,
                 memory_bytes: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE
                 ) -> MemoryPlan:
@@ -153,13 +162,13 @@ def plan_memory(spec: ModelSpec, context: int = DEFAULT_CONTEXT, batch: int = 1,
             raise KvslimError(f"{flag} must be a positive integer, got {value}")
     if memory_bytes is not None and memory_bytes <= 0:
         raise KvslimError(f"--memory must be positive, got {memory_bytes} bytes")
-    dtype = parse_storage_dtype(dtype or spec.torch_dtype, "--dtype")
+    dtype = parse_storage_dtype(dtype or config.torch_dtype, "--dtype")
     default_kv = dtype if dtype in ("fp32", "fp16", "bf16") else "fp16"
     kv_dtype = parse_storage_dtype(kv_dtype or default_kv, "--kv-dtype")
-    total, active = parameter_counts(spec)
+    total, active = parameter_counts(config)
     weight_bytes = storage_bytes(total, dtype)
     layouts = []
-    for layout in kv_layouts(spec):
+    for layout in kv_layouts(config):
         per_token = storage_bytes(layout.elements_per_token, kv_dtype)
         capacity = None if memory_bytes is None else \
             kv_capacity(memory_bytes - weight_bytes, per_token, block_size, context)
@@ -167,27 +176,27 @@ def plan_memory(spec: ModelSpec, context: int = DEFAULT_CONTEXT, batch: int = 1,
                                   layout.elements_per_token, per_token,
                                   per_token * context * batch, capacity))
     own = next(lp for lp in layouts if lp.is_model)
-    plan = MemoryPlan(spec, total, active, dtype, kv_dtype, context, batch, block_size,
+    plan = MemoryPlan(config, total, active, dtype, kv_dtype, context, batch, block_size,
                       weight_bytes, own.kv_bytes_per_token, own.kv_bytes, layouts, memory_bytes)
     plan.notes = _notes(plan)
     return plan
 
 
 def _notes(plan: MemoryPlan) -> list[str]:
-    spec, notes = plan.model, []
-    if plan.context > spec.max_position_embeddings:
+    config, notes = plan.model, []
+    if plan.context > config.max_position_embeddings:
         notes.append(f"context {plan.context:,} is beyond the model's "
-                     f"{spec.max_position_embeddings:,} positions")
-    window = spec.sliding_window
-    if window and window < min(plan.context, spec.max_position_embeddings):
+                     f"{config.max_position_embeddings:,} positions")
+    window = config.sliding_window
+    if window and window < min(plan.context, config.max_position_embeddings):
         notes.append(f"sliding window {window:,}: a rolling-buffer cache would hold at most "
                      f"{window:,} tokens per sequence; these figures (and kvslim's engine) keep "
                      "every token")
     if plan.free_bytes is not None and plan.free_bytes <= 0:
         notes.append("the weights alone exceed --memory: nothing is left for the KV cache")
-    if spec.moe:
-        notes.append(f"MoE: all {spec.moe.num_experts} experts are resident (weight bytes); "
-                     f"{spec.moe.num_experts_per_tok} run per token "
+    if config.moe:
+        notes.append(f"MoE: all {config.moe.num_experts} experts are resident (weight bytes); "
+                     f"{config.moe.num_experts_per_tok} run per token "
                      f"({plan.num_active_parameters:,} active parameters)")
     if plan.kv_dtype in ("fp8", "int8", "int4"):
         notes.append(f"{plan.kv_dtype} KV counts elements only, not the scales stored beside them")
@@ -198,34 +207,6 @@ def kv_curve(plan: MemoryPlan, contexts: list[int]) -> dict[str, list[int]]:
     """KV bytes (for `plan.batch` sequences) at each context, per layout name."""
     return {lp.name: [lp.kv_bytes_per_token * c * plan.batch for c in contexts]
             for lp in plan.layouts}
-
-
-# ---- which model -------------------------------------------------------------------------------
-def resolve_spec(model: str | None) -> ModelSpec:
-    """A model directory, a config.json, a .gguf file, a built-in name, or None (the embedded
-    default model). An existing path wins over a built-in name it happens to match."""
-    from kvslim.models.registry import DEFAULT_MODEL_ALIASES, resolve_model
-    if model is None or model in DEFAULT_MODEL_ALIASES:
-        return _spec_from_dir(resolve_model(model))
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return _spec_from_dir(path)
-    if path.is_file() and path.suffix.lower() == ".json":
-        return spec_from_file(path)
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return _spec_from_dir(resolve_model(path))
-    spec = builtin_spec(model)
-    if spec is None:
-        raise KvslimError(f"unknown model {model!r}: not a model directory, config.json, .gguf "
-                          f"file or built-in name ({', '.join(builtin_names())})")
-    return spec
-
-
-def _spec_from_dir(model_dir: Path) -> ModelSpec:
-    config = model_dir / "config.json"
-    if not config.is_file():
-        raise KvslimError(f"no config.json in {model_dir}")
-    return spec_from_file(config, name=model_dir.name)
 
 
 # ---- showing it --------------------------------------------------------------------------------
@@ -285,7 +266,7 @@ def plot_kv(plan: MemoryPlan, path: str | Path) -> Path:
         ax.plot(contexts, [v / 1e9 for v in values], lw=2.5 if lp.is_model else 1.5,
                 label=f"{lp.label}: {format_bytes(lp.kv_bytes_per_token)}/token")
     if not plan.model.mla:
-        mla = plan_memory(builtin_spec("DeepSeek-V2"), plan.context, plan.batch,
+        mla = plan_memory(builtin_config("DeepSeek-V2"), plan.context, plan.batch,
                           kv_dtype=plan.kv_dtype)
         ax.plot(contexts, [mla.kv_bytes_per_token * c * plan.batch / 1e9 for c in contexts],
                 ls="--", label=f"DeepSeek-V2 MLA (another model, for scale): "

@@ -1,1 +1,1 @@
-"""Model surgery: training, MHA -> GQA/MQA conversion, uptraining, evaluation."""
+"""Model surgery: MHA -> GQA/MQA conversion, its calibration and alignment."""

