@@ -13,8 +13,9 @@ MAX_LINES = 400
 
 # Folder (or top-level module) -> the folders and modules it may import. Lower layers first:
 # base (errors, paths, device) <- tokenizer, layers, attention <- models <- formats <- engine
-# <- server; surgery/train/eval use models/formats/tokenizer; experiments use surgery/train/eval;
-# plan uses models; bench uses engine/formats/plan/models; cli, demo and the package's
+# <- server; surgery/train/eval use models/formats/tokenizer (and train's corpus streams);
+# experiments use surgery/train/eval; plan uses models; bench uses engine/formats/plan/models
+# (and surgery's conversions); cli, demo and the package's
 # __init__ (the public `from kvslim import LLM, SamplingParams`) use anything.
 BASE = {"errors", "paths", "device"}
 KERNELS = BASE | {"tokenizer", "layers", "attention"}
@@ -29,12 +30,14 @@ ALLOWED = {
     "formats": KERNELS | {"models"},
     "engine": KERNELS | {"models", "formats"},
     "server": KERNELS | {"models", "formats", "engine"},
-    "surgery": KERNELS | {"models", "formats"},
+    # Corpus streams (tokenized windows) live in train/: calibration and perplexity read them.
+    "surgery": KERNELS | {"models", "formats", "train"},
     "train": KERNELS | {"models", "formats"},
-    "eval": KERNELS | {"models", "formats"},
+    "eval": KERNELS | {"models", "formats", "train"},
     "experiments": KERNELS | {"models", "formats", "surgery", "train", "eval"},
     "plan": BASE | {"models"},
-    "bench": KERNELS | {"models", "formats", "engine", "plan"},
+    # The capacity benchmark converts the reference model to GQA/MQA to compare what fits.
+    "bench": KERNELS | {"models", "formats", "engine", "plan", "surgery"},
 }
 ANYTHING = {"cli", "demo", "__init__"}
 
@@ -43,10 +46,6 @@ ANYTHING = {"cli", "demo", "__init__"}
 PENDING = {
     ("layers/self_attention.py", "kvslim.models.config"),   # the layer takes a ModelConfig
     ("layers/fused.py", "kvslim.models.llama"),             # the fused module swap, being removed
-    ("models/registry.py", "kvslim.formats.registry"),      # forwarder for the old import path
-    ("bench/capacity.py", "kvslim.surgery.convert"),        # the GQA conversions it benchmarks
-    ("eval/perplexity.py", "kvslim.train.data"),            # tokenized corpus windows
-    ("surgery/calibrate.py", "kvslim.train.data"),          # tokenized corpus windows
 }
 
 

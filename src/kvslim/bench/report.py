@@ -17,7 +17,7 @@ from kvslim.bench.profile import CATEGORIES, DecodeProfile, ProfileResult, profi
 from kvslim.bench.throughput import (EngineThroughput, ThroughputResult, format_throughput,
                                      run_throughput)
 from kvslim.bench.workload import Workload
-from kvslim.models.registry import default_model_dir
+from kvslim.formats.registry import default_model_dir
 
 FULL = dict(workload=Workload(64, 128, 128), latency=(128, 64), repeats=5,
             capacity=("64MiB", 256))

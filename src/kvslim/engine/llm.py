@@ -22,7 +22,7 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, seed: int = 0,
                  enforce_eager: bool = False):
-        from kvslim.models.registry import resolve_model
+        from kvslim.formats.registry import resolve_model
         self.model_dir = resolve_model(model)
         config = EngineConfig(
             kv_cache_memory=kv_cache_memory, block_size=block_size, max_num_seqs=max_num_seqs,

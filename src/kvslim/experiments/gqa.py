@@ -234,7 +234,7 @@ class Experiment:
 
     # ---- SmolLM2 -------------------------------------------------------------------------
     def _run_smollm2(self, name: str, method: str, k: int, steps: int) -> None:
-        from kvslim.models.registry import default_model_dir
+        from kvslim.formats.registry import default_model_dir
         src = str(default_model_dir(self.show_progress))
         start = time.time()
         model_dir = self._converted(src, "smollm2", k, method) if method != "mha" else Path(src)
