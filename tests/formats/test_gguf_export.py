@@ -56,7 +56,7 @@ def gguf_layout(name: str, hf: torch.Tensor, cfg: ModelConfig) -> np.ndarray:
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0"])
 def test_read_back_reproduces_weights(hf_checkpoints, exported, dtype):
     cfg = ModelConfig.from_dir(hf_checkpoints["gqa"])
-    state = load_model(hf_checkpoints["gqa"], dtype=torch.float32).state_dict()
+    state = load_model(hf_checkpoints["gqa"], dtype=torch.float32).hf_state_dict()
     tensors = read_back(exported("gqa", dtype))
     hf_names = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
                 "output_norm.weight": "model.norm.weight"}
@@ -139,7 +139,7 @@ def test_transformers_gguf_loader_reads_the_export(hf_checkpoints, exported):
 
 def test_qwen2_biases_and_llama3_rope_factors(hf_checkpoints, exported):
     cfg = ModelConfig.from_dir(hf_checkpoints["qwen2_bias"])
-    state = load_model(hf_checkpoints["qwen2_bias"], dtype=torch.float32).state_dict()
+    state = load_model(hf_checkpoints["qwen2_bias"], dtype=torch.float32).hf_state_dict()
     tensors = read_back(exported("qwen2_bias", "f16"))
     q_bias = state["model.layers.1.self_attn.q_proj.bias"]
     assert tensors["blk.1.attn_q.bias"][0] == Q.F32

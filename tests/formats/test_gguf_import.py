@@ -94,7 +94,7 @@ def test_tiny_gguf_imports_exact_weights(tmp_path, qtype, tied):
     cfg = model.config
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (HEADS, KV_HEADS)
     assert cfg.tie_word_embeddings == tied
-    state = model.state_dict()
+    state = model.hf_state_dict()
     for name, value in expected.items():
         assert torch.equal(state[name], torch.from_numpy(value)), name
     if tied:

@@ -30,8 +30,8 @@ def edit_config(path, **changes):
 def test_saved_model_loads_in_transformers_with_same_logits(hf_checkpoints, tmp_path, variant,
                                                             shards):
     model = load_model(hf_checkpoints[variant], dtype=torch.float32)
-    total = sum(p.numel() * 4 for p in model.state_dict().values())
-    out = save_model(model.state_dict(), model.config, tmp_path / "out",
+    total = sum(p.numel() * 4 for p in model.hf_state_dict().values())
+    out = save_model(model.hf_state_dict(), model.config, tmp_path / "out",
                      max_shard_bytes=total // shards + 1)
     num_files = len(list(out.glob("*.safetensors")))
     assert (num_files >= shards) and (num_files > 1) == (shards > 1)
@@ -112,3 +112,23 @@ def test_config_reads_legacy_rope_fields():
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert cfg.num_key_value_heads == 2 and cfg.head_dim == 4
     assert cfg.kv_bytes_per_token("float16") == 2 * 1 * 2 * 4 * 2
+
+
+@pytest.mark.parametrize("tied,bias,checksum,squares", [
+    (True, False, 2518682.967512, 167.43120156),
+    (False, True, 2574068.956127, 168.651350197),
+])
+def test_init_model_draws_the_same_weights_as_the_unfused_layout(tied, bias, checksum, squares):
+    """Values computed with the model of separate q/k/v and gate/up projections (commit
+    686b849): normal draws per HF-named tensor in checkpoint order, so fusing changed nothing."""
+    from kvslim.formats.loader import init_model
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=32,
+                         intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied,
+                         qkv_bias=bias, o_bias=bias, mlp_bias=bias)
+    state = init_model(config, seed=3).hf_state_dict()
+    flat = torch.cat([t.double().flatten() for n, t in state.items()
+                      if not (tied and n == "lm_head.weight")])
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+    assert (flat * weights).sum().item() == pytest.approx(checksum, rel=1e-10)
+    assert flat.square().sum().item() == pytest.approx(squares, rel=1e-10)

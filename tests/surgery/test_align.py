@@ -24,7 +24,7 @@ def hidden_gqa_as_mha(gqa_dir, out_dir, seed=0):
     h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(h, generator=g).tolist()            # new head i = old query head perm[i]
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v.clone() for k, v in model.hf_state_dict().items()}
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}.self_attn."
         q = state[p + "q_proj.weight"].reshape(h, d, -1)

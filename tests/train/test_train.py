@@ -56,7 +56,7 @@ def test_resume_continues_exactly(tmp_path, calib_file):
           show_progress=False)
     train(tiny_train_config(calib_file, part, steps=10, save_every=5, eval_every=10,
                             resume=True), show_progress=False)
-    a, b = load_model(full).state_dict(), load_model(part).state_dict()
+    a, b = load_model(full).hf_state_dict(), load_model(part).hf_state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 

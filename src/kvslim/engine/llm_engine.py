@@ -17,8 +17,6 @@ from kvslim.engine.scheduler import Scheduler
 from kvslim.engine.sequence import Sequence
 from kvslim.errors import EngineFailedError, InvalidRequestError, KvslimError
 from kvslim.device import resolve_device
-from kvslim.layers.cpu_linear import pack_linears_for_cpu
-from kvslim.layers.fused import fuse_for_inference
 from kvslim.formats.loader import load_model
 from kvslim.tokenizer.tokenizer import Tokenizer
 
@@ -44,9 +42,8 @@ class LLMEngine:
     def __init__(self, model_dir, config: EngineConfig | None = None, tokenizer: Tokenizer | None = None):
         self.config = config or EngineConfig()
         device = resolve_device(self.config.device)
-        self.model = fuse_for_inference(load_model(model_dir, dtype=self.config.dtype,
-                                                   device=device))
-        pack_linears_for_cpu(self.model)
+        self.model = load_model(model_dir, dtype=self.config.dtype, device=device)
+        self.model.prepare_for_inference()
         self.model_config = self.model.config
         self.tokenizer = tokenizer or Tokenizer.from_dir(model_dir)
         eos = list(dict.fromkeys(self.tokenizer.eos_token_ids + self.model_config.eos_token_ids))

@@ -49,7 +49,7 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "f16",
     config = ModelConfig.from_dir(model_dir)
     vocab = gguf_vocab(model_dir, config)
     model = load_model(model_dir, dtype=parse_dtype(config.torch_dtype))
-    tensors = tensor_plan(model.state_dict(), config, dtype)
+    tensors = tensor_plan(model.hf_state_dict(), config, dtype)
     tmp = out_path.with_name(f".{out_path.name}.partial")
     writer = gguf.GGUFWriter(str(tmp), "llama")
     try:

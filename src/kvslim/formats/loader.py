@@ -1,10 +1,12 @@
 """Load an HF-format model directory: config.json + safetensors (single file or sharded).
 
-The model is built on the meta device and each tensor is read from the memory-mapped safetensors
-file straight into its final dtype and device, so no second full copy of the weights exists."""
+The model is built on the meta device, its parameters are then allocated once in their final
+dtype and device, and each tensor read from the safetensors file is copied into its place
+(`LlamaForCausalLM.load_weights`), so no second full copy of the weights exists."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -57,10 +59,28 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto",
     dtype = resolve_dtype(dtype, config, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    expected = {name: p.shape for name, p in model.state_dict().items()}
+    # Allocated once, uninitialised, in the final dtype and device; each checkpoint tensor is
+    # then copied into its place (a row block of a fused parameter or a whole one).
+    model.to(dtype=dtype).to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    expected = {name: t.shape for name, t in model.hf_state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    state = {}
+    loaded = model.load_weights(_checked_weights(model_dir, config, expected))
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise WeightsError(f"missing weight {missing[0]!r}{more} in {model_dir}")
+    model.model.rotary = RotaryEmbedding(config.head_dim, config.rope_theta,
+                                         config.rope_scaling).to(device)
+    return model.eval()
+
+
+def _checked_weights(model_dir: Path, config: ModelConfig, expected: dict[str, torch.Size]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every checkpoint weight the model takes, each checked by name and
+    shape against `expected` before it is read."""
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -74,27 +94,21 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto",
                 if shape != tuple(expected[name]):
                     raise WeightsError(f"{path.name}: weight {name!r} has shape {list(shape)}, "
                                        f"expected {list(expected[name])} from config.json")
-                state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise WeightsError(f"missing weight {missing[0]!r}{more} in {model_dir}")
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary = RotaryEmbedding(config.head_dim, config.rope_theta,
-                                         config.rope_scaling).to(device)
-    return model.eval()
+                yield name, f.get_tensor(name)
 
 
 def init_model(config: ModelConfig, seed: int = 0, std: float = 0.02,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
                ) -> LlamaForCausalLM:
-    """A freshly initialised model (normal(0, std) linears and embeddings, unit norms)."""
+    """A freshly initialised model (normal(0, std) linears and embeddings, unit norms). Values
+    are drawn per HF-named tensor in checkpoint order, so a fused parameter gets the same
+    values its separate checkpoint matrices would."""
     gen = torch.Generator().manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in model.hf_state_dict().items():
+            if config.tie_word_embeddings and name == "lm_head.weight":
+                continue                     # the embedding matrix, drawn already
             if name.endswith("layernorm.weight") or name == "model.norm.weight":
                 p.fill_(1.0)
             elif name.endswith(".bias"):

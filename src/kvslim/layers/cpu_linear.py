@@ -1,4 +1,4 @@
-"""CPU inference: linear layers on oneDNN with weights prepacked once.
+"""CPU inference: the linear kernel on oneDNN with weights prepacked once.
 
 torch's default CPU linear goes through the BLAS library, whose small-batch GEMMs are slow on
 some CPUs (on the AMD EPYC of our benchmarks a batch-8 decode step took twice its batch-1 time).
@@ -12,13 +12,14 @@ packed kernel wins by 20-30%. So each layer keeps both forms, twice the weight m
 the model's weights take at most a quarter of this machine's memory; a larger model keeps the
 packed form only.
 
-Float32 only; on any other device or dtype, or where the op is missing, the model is left as
-it is."""
+Float32 only; on any other device or dtype, or where the op is missing, layers keep F.linear.
+`kvslim.layers.linear.Linear` chooses its kernel with the rules here once its weights are loaded."""
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 BATCH_HINT = 64          # the reorder is tuned for this many rows; any number of rows works
@@ -31,19 +32,19 @@ def packed_linear_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, gemv_copy: bool = True):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
-        self.register_buffer("packed_weight", packed, persistent=False)
-        self.register_buffer("weight_in_out", linear.weight.detach().t().contiguous()
-                             if gemv_copy else None, persistent=False)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(),
-                             persistent=False)
+class PackedCpuKernel:
+    """y = x W^T + b from the oneDNN-packed weight, or from the input-major copy for one row.
+    The packed tensor is opaque (it cannot be read back), so it holds the weights for good."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv_copy: bool = True):
+        self.out_features, self.in_features = weight.shape
+        with torch.no_grad():
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
+                                                                         BATCH_HINT)
+        self.weight_in_out = weight.detach().t().contiguous() if gemv_copy else None
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] == 1 and self.weight_in_out is not None:
@@ -55,14 +56,6 @@ class PackedLinear(nn.Module):
         return out.view(*lead, self.out_features)
 
 
-def _swap(module: nn.Module, gemv_copy: bool) -> None:
-    for name, child in module.named_children():
-        if type(child) is nn.Linear:
-            setattr(module, name, PackedLinear(child, gemv_copy))
-        else:
-            _swap(child, gemv_copy)
-
-
 def _physical_memory() -> int:
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -71,19 +64,20 @@ def _physical_memory() -> int:
 
 
 @torch.no_grad()
-def pack_linears_for_cpu(model: nn.Module) -> bool:
-    """Swap every nn.Linear of a float32 CPU model for a PackedLinear, after checking on a
-    random input that the packed kernel computes the same thing. Returns whether it swapped."""
+def packed_kernel_usable(model: nn.Module) -> bool:
+    """Whether `model` (float32, on the CPU) can run the packed kernel: the op exists and,
+    checked on a random input, computes the same thing as F.linear."""
     param = next(model.parameters())
     if param.device.type != "cpu" or param.dtype != torch.float32 or not packed_linear_available():
         return False
-    probe = nn.Linear(64, 48)
-    x = torch.randn(3, 64)
+    weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(3, 64)
     try:
-        if not torch.allclose(PackedLinear(probe)(x), probe(x), atol=1e-4, rtol=1e-4):
-            return False
+        return torch.allclose(PackedCpuKernel(weight, bias)(x), F.linear(x, weight, bias),
+                              atol=1e-4, rtol=1e-4)
     except RuntimeError:
         return False
+
+
+def gemv_copy_fits(model: nn.Module) -> bool:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    _swap(model, weight_bytes <= GEMV_COPY_MAX_SHARE * _physical_memory())
-    return True
+    return weight_bytes <= GEMV_COPY_MAX_SHARE * _physical_memory()

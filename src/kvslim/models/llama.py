@@ -1,14 +1,19 @@
 """One GQA-native decoder for the Llama family (Llama, Mistral, Qwen2). Parameter names follow
-HF transformers, so state dicts load and save without a mapping."""
+HF transformers except for the fused projections, q/k/v (`qkv_proj`) and gate/up
+(`gate_up_proj`); `packed_modules_mapping` is the weight-name rule between the two, used by
+`load_weights` (checkpoint in) and `hf_state_dict` (checkpoint out)."""
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from kvslim.attention import DenseAttention
+from kvslim.layers.linear import Linear, ShardedLinear, prepare_linears_for_inference
+from kvslim.layers.mlp import SwiGLUMLP
 from kvslim.layers.self_attention import Attention
 from kvslim.models.config import ModelConfig
-from kvslim.layers.mlp import SwiGLUMLP
 from kvslim.layers.norm import RMSNorm
 from kvslim.layers.rope import RotaryEmbedding
 
@@ -43,11 +48,20 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # checkpoint module name -> (this model's module name, shard id in it)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -68,6 +82,61 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Convenience for training and evaluation: [B, T] ids -> [B, T, vocab] logits."""
         return self.compute_logits(self(input_ids, padding_mask=padding_mask))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into their (possibly fused) parameters; returns the
+        names loaded. Names and shapes are the caller's to check (see `hf_state_dict`)."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            target, shard_id = name, None
+            for hf_part, (part, shard) in self.packed_modules_mapping.items():
+                if f".{hf_part}." in name:
+                    target, shard_id = name.replace(f".{hf_part}.", f".{part}."), shard
+                    break
+            module = self.get_submodule(target.rpartition(".")[0])
+            if isinstance(module, Linear):
+                module.weight_loader(params[target], tensor, shard_id)
+            else:
+                with torch.no_grad():
+                    params[target].copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The state dict under HF checkpoint names, in HF's order: a fused parameter appears as
+        one view per shard (sharing its memory), each shard's weight before its bias."""
+        hf_name = {(part, self._shard_key(part, shard)): hf_part
+                   for hf_part, (part, shard) in self.packed_modules_mapping.items()}
+        state = self.state_dict()
+        out = {}
+        for name, tensor in state.items():
+            module_name, _, leaf = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            if not isinstance(module, ShardedLinear):
+                out[name] = tensor
+                continue
+            if leaf != "weight":
+                continue                     # emitted with the weight's shards below
+            parent, _, part = module_name.rpartition(".")
+            bias = state.get(f"{module_name}.bias")
+            weights = module.shard_views(tensor)
+            biases = module.shard_views(bias) if bias is not None else {}
+            for key, view in weights.items():
+                prefix = f"{parent}.{hf_name[part, key]}"
+                out[f"{prefix}.weight"] = view
+                if key in biases:
+                    out[f"{prefix}.bias"] = biases[key]
+        return out
+
+    def _shard_key(self, part: str, shard_id):
+        module = next(m for n, m in self.named_modules() if n.endswith(f".{part}"))
+        return module.shard_key(shard_id)
+
+    def prepare_for_inference(self) -> bool:
+        """Once the weights are loaded: choose each linear layer's kernel (see
+        `prepare_linears_for_inference`). The model is for inference only afterwards."""
+        return prepare_linears_for_inference(self)
 
 
 def default_positions(input_ids: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:

@@ -35,7 +35,7 @@ def align_state_dict(model: LlamaForCausalLM, tokenizer: Tokenizer, kv_heads: in
                      ) -> dict[str, torch.Tensor]:
     config = model.config
     inputs = attention_inputs(model, tokenizer, calib, num_samples, seq_len, show_progress)
-    state = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone().float() for k, v in model.hf_state_dict().items()}
     for i, x in enumerate(tqdm(inputs, desc="aligning layers", unit="layer",
                                disable=not show_progress)):
         prefix = f"model.layers.{i}.self_attn."

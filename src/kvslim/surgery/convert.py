@@ -84,6 +84,6 @@ def convert_to_gqa(src: str | Path, dst: str | Path, kv_heads: int, method: str 
         state = align_state_dict(model, Tokenizer.from_dir(src), kv_heads, calib, calib_samples,
                                  calib_seq_len, show_progress)
     else:
-        state = convert_state_dict(model.state_dict(), config, kv_heads, method, seed)
+        state = convert_state_dict(model.hf_state_dict(), config, kv_heads, method, seed)
     new_config = config.replace(num_key_value_heads=kv_heads)
     return save_model(state, new_config, dst, tokenizer_from=src)

@@ -196,7 +196,7 @@ class _Progress:
 
 def save_checkpoint(model: LlamaForCausalLM, optimizer, cfg: TrainConfig, step: int, out: Path
                     ) -> None:
-    save_model(model.state_dict(), model.config, out)
+    save_model(model.hf_state_dict(), model.config, out)
     tmp = out / (STATE_FILE + ".tmp")
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "config": cfg.to_dict()}, tmp)
     tmp.replace(out / STATE_FILE)
