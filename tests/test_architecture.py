@@ -41,14 +41,6 @@ ALLOWED = {
 }
 ANYTHING = {"cli", "demo", "__init__"}
 
-# Imports that break the table today, each to be removed from here by the change that fixes it
-# (the test fails while a listed import no longer exists, so this list only shrinks).
-PENDING = {
-    ("layers/self_attention.py", "kvslim.models.config"),   # the layer takes a ModelConfig
-    ("layers/fused.py", "kvslim.models.llama"),             # the fused module swap, being removed
-}
-
-
 def source_files() -> list[Path]:
     return sorted(SRC.rglob("*.py"))
 
@@ -98,14 +90,8 @@ def test_every_role_is_in_the_table():
 
 def test_imports_follow_the_layering():
     bad = [f"{file}: {src} -> {dst} ({module})" for file, module, src, dst in import_edges()
-           if src not in ANYTHING and dst not in ALLOWED[src] and (file, module) not in PENDING]
+           if src not in ANYTHING and dst not in ALLOWED[src]]
     assert not bad, "imports against the table in tests/test_architecture.py:\n" + "\n".join(bad)
-
-
-def test_pending_violations_still_exist():
-    present = {(file, module) for file, module, _, _ in import_edges()}
-    fixed = sorted(PENDING - present)
-    assert not fixed, f"fixed, remove from PENDING: {fixed}"
 
 
 @pytest.mark.parametrize("path", source_files(), ids=lambda p: str(p.relative_to(SRC)))

@@ -8,21 +8,17 @@ from torch import nn
 
 from kvslim.layers.linear import Linear, QKVLinear
 from kvslim.layers.rope import apply_rope
-from kvslim.models.config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 layer_idx: int, qkv_bias: bool = False, o_bias: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scale = self.head_dim ** -0.5
-        hidden, d = config.hidden_size, config.head_dim
-        self.qkv_proj = QKVLinear(hidden, d, self.num_heads, self.num_kv_heads,
-                                  bias=config.qkv_bias)
-        self.o_proj = Linear(self.num_heads * d, hidden, bias=config.o_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.qkv_proj = QKVLinear(hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
         """x [..., hidden] where ... is [B, T] (dense) or [N] (paged); attn is the backend context."""

@@ -21,7 +21,9 @@ from kvslim.layers.rope import RotaryEmbedding
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = Attention(config.hidden_size, config.num_attention_heads,
+                                   config.num_key_value_heads, config.head_dim, layer_idx,
+                                   config.qkv_bias, config.o_bias)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
