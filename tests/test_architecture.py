@@ -1,5 +1,5 @@
-"""The shape of the source tree (docs/architecture.md): which folder may import which, file
-sizes, and the KV-cache formula written once.
+"""The shape of the source tree (docs/architecture.md): which folder may import which, file and
+function sizes, and the KV-cache formula written once.
 
 Every `import` counts, including the lazy ones inside functions: a lazy import hides a dependency
 from the top of the file, it does not remove it."""
@@ -10,6 +10,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvslim"
 MAX_LINES = 400
+MAX_FUNCTION_LINES = 60
 
 # Folder (or top-level module) -> the folders and modules it may import. Lower layers first:
 # base (errors, paths, device) <- tokenizer, layers, attention <- models <- formats <- engine
@@ -98,6 +99,18 @@ def test_imports_follow_the_layering():
 def test_file_length(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(SRC)}: {lines} lines (at most {MAX_LINES})"
+
+
+def long_functions(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    return [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+@pytest.mark.parametrize("path", source_files(), ids=lambda p: str(p.relative_to(SRC)))
+def test_functions_fit_a_screen(path):
+    assert not long_functions(path), f"{path.relative_to(SRC)}: {long_functions(path)}"
 
 
 def kv_formula_sites() -> list[str]:
