@@ -19,6 +19,7 @@ from kvslim.formats.loader import init_model, load_model
 from kvslim.tokenizer.tokenizer import Tokenizer
 from kvslim.formats.writer import copy_tokenizer_files, save_model
 from kvslim.train.data import eval_windows, random_windows, tokenize_file
+from kvslim.train.legacy_state import fuse_optimizer_state, is_unfused_state
 from kvslim.train.tokenizer_train import train_tokenizer
 from kvslim.train.train_config import TrainConfig
 
@@ -128,7 +129,10 @@ def _model_and_optimizer(cfg: TrainConfig, tokenizer: Tokenizer, out: Path, devi
     if cfg.resume:
         state = torch.load(out / STATE_FILE, weights_only=False)
         model.to(device)      # before loading: the optimizer state follows its parameters
-        optimizer.load_state_dict(state["optimizer"])
+        saved = state["optimizer"]
+        if is_unfused_state(saved, optimizer):         # saved before q/k/v, gate/up fused
+            saved = fuse_optimizer_state(saved, model, optimizer)
+        optimizer.load_state_dict(saved)
         start = state["step"]
     model.to(device)
     return model, optimizer, start
