@@ -1,5 +1,5 @@
-"""Decode speed on CPU cores that another process is also using, by thread count and
-OMP_WAIT_POLICY. Each cell runs in a fresh interpreter, because OpenMP reads OMP_WAIT_POLICY
+"""Decode speed on CPU cores that another process is also using, by thread count and how
+OpenMP's idle threads wait (OMP_WAIT_POLICY, GOMP_SPINCOUNT). Each cell runs in a fresh interpreter, because OpenMP reads OMP_WAIT_POLICY
 only when torch is imported.
 
 The workload is a decode step of SmolLM2-135M's shape (30 layers, hidden 576, MLP 1536,
@@ -9,6 +9,7 @@ The competing load is `busy` single-threaded spin loops (each ends after --max-l
     python benchmarks/shared_cores.py            # a table
     python benchmarks/shared_cores.py --json     # the same rows as JSON
     python benchmarks/shared_cores.py --model DIR   # kvslim's engine, greedy decode
+    python benchmarks/shared_cores.py --model DIR --batch 1 32 --busy 0 1 2
 """
 from __future__ import annotations
 
@@ -49,38 +50,54 @@ print(times[len(times) // 2], torch.get_num_threads())
 
 
 ENGINE_WORKER = r"""
-import sys, torch
-threads, steps, model = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+import sys, time, torch
+threads, steps, model, batch = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 if threads:
     torch.set_num_threads(threads)
 from kvslim.engine.llm import LLM
 from kvslim.engine.sampling_params import SamplingParams
-llm = LLM(model, kv_cache_memory="64MiB", max_num_seqs=1)
+llm = LLM(model, kv_cache_memory="256MiB", max_num_seqs=max(1, batch))
 params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-out = llm.generate("The capital of France is", params, use_tqdm=False)[0]
-print(out.metrics.time_per_output_token, torch.get_num_threads())
+prompts = [f"{i}. The capital of France is" for i in range(batch)]
+llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+start = time.perf_counter()
+outs = llm.generate(prompts, params, use_tqdm=False)
+per_step = (time.perf_counter() - start) / steps if batch > 1 else \
+    outs[0].metrics.time_per_output_token
+print(per_step, torch.get_num_threads())
 """
 
+# How OpenMP's idle threads wait: "unset" (libgomp spins a while, then sleeps), "PASSIVE"
+# (sleep at once), "ACTIVE" (spin), or "spin=N" (unset, GOMP_SPINCOUNT=N iterations).
+WAITS = ("unset", "PASSIVE", "spin=10000")
 
-def measure(threads: int, policy: str | None, busy: int, steps: int, max_load_s: int,
-            model: str | None = None) -> dict:
+
+def wait_env(wait: str) -> dict:
     env = dict(os.environ)
     env.pop("OMP_WAIT_POLICY", None)
-    if policy:
-        env["OMP_WAIT_POLICY"] = policy
+    env.pop("GOMP_SPINCOUNT", None)
+    if wait.startswith("spin="):
+        env["GOMP_SPINCOUNT"] = wait.removeprefix("spin=")
+    elif wait != "unset":
+        env["OMP_WAIT_POLICY"] = wait
+    return env
+
+
+def measure(threads: int, wait: str, busy: int, steps: int, max_load_s: int,
+            model: str | None = None, batch: int = 1) -> dict:
     load = [subprocess.Popen(["timeout", str(max_load_s), sys.executable, "-c",
                               "while True: pass"]) for _ in range(busy)]
     try:
-        worker = [ENGINE_WORKER, str(threads), str(steps), model] if model else \
+        worker = [ENGINE_WORKER, str(threads), str(steps), model, str(batch)] if model else \
             [WORKER, str(threads), str(steps)]
-        out = subprocess.run([sys.executable, "-c", *worker], env=env,
+        out = subprocess.run([sys.executable, "-c", *worker], env=wait_env(wait),
                              capture_output=True, text=True, timeout=max_load_s, check=True)
     finally:
         for p in load:
             p.terminate()
             p.wait()
     median, used = out.stdout.split()
-    return {"threads": int(used), "omp_wait_policy": policy or "unset", "busy_processes": busy,
+    return {"threads": int(used), "wait": wait, "busy_processes": busy, "batch": batch,
             "ms_per_step": round(float(median) * 1e3, 2)}
 
 
@@ -93,19 +110,23 @@ def main() -> int:
     p.add_argument("--max-load-s", type=int, default=120)
     p.add_argument("--model", help="time kvslim's engine on this model directory instead of "
                                    "the synthetic decode step")
+    p.add_argument("--batch", type=int, nargs="+", default=[1],
+                   help="with --model: sequences decoded together (>1: wall time per step)")
+    p.add_argument("--waits", nargs="+", default=list(WAITS),
+                   help="unset, PASSIVE, ACTIVE or spin=N (GOMP_SPINCOUNT)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    rows = [measure(t, policy, busy, args.steps, args.max_load_s, args.model)
-            for busy in args.busy for t in dict.fromkeys(args.threads)
-            for policy in (None, "PASSIVE")]
+    rows = [measure(t, wait, busy, args.steps, args.max_load_s, args.model, batch)
+            for batch in args.batch for busy in args.busy for t in dict.fromkeys(args.threads)
+            for wait in args.waits]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(f"cpus: {os.cpu_count()}, affinity: {len(os.sched_getaffinity(0))}, "
           f"load average: {os.getloadavg()[0]:.2f}")
-    print(f"{'busy':>4} {'threads':>7} {'OMP_WAIT_POLICY':>15} {'ms/step':>9}")
+    print(f"{'batch':>5} {'busy':>4} {'threads':>7} {'wait':>11} {'ms/step':>9}")
     for r in rows:
-        print(f"{r['busy_processes']:>4} {r['threads']:>7} {r['omp_wait_policy']:>15} "
+        print(f"{r['batch']:>5} {r['busy_processes']:>4} {r['threads']:>7} {r['wait']:>11} "
               f"{r['ms_per_step']:>9.2f}")
     return 0
 

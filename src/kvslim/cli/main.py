@@ -7,11 +7,14 @@ import importlib
 import os
 import sys
 
-# torch's OpenMP threads spin while they wait for work. When another process holds a core, a
-# spinning thread and the one it waits for take turns on it and a decode step slows several
-# times (benchmarks/shared_cores.py). PASSIVE waiters sleep instead. OpenMP reads this once,
-# when torch loads, so it must be set before any command imports torch.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch's OpenMP threads spin while they wait for work (libgomp: 300,000 turns, then sleep).
+# When another process holds a core, a spinning thread and the one it waits for take turns on
+# it and a decode step slows two to five times; sleeping at once (OMP_WAIT_POLICY=PASSIVE)
+# costs a quarter of batched throughput on idle cores instead. A short spin keeps both
+# (benchmarks/shared_cores.py). OpenMP reads this once, when torch loads, so it is set before
+# any command imports torch, and only when the user has chosen no waiting policy.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 from kvslim.errors import KvslimError
 
