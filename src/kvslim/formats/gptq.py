@@ -41,7 +41,7 @@ def pack_gptq(weight: QuantizedWeight, spec: QuantSpec) -> dict[str, torch.Tenso
         "qzeros": pack_int32(spec.zeros_to_stored(weight.zeros.to(torch.int64)), spec.bits,
                              dim=1),
         "scales": weight.scales.to(torch.float16).contiguous(),
-        "g_idx": weight.g_idx.to(torch.int32).contiguous(),
+        "g_idx": weight.g_idx.to(torch.int32).clone(),      # fused shards share one
     }
 
 
