@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvslim.layers.cpu_linear import PackedCpuKernel, gemv_copy_fits, packed_kernel_usable
+from kvslim.layers.quant_linear import QuantLinear
 
 
 class Linear(nn.Module):
@@ -99,7 +100,11 @@ class MergedLinear(ShardedLinear):
 
 def prepare_linears_for_inference(model: nn.Module) -> bool:
     """Choose every Linear's kernel once its weights are loaded. Returns whether they run the
-    packed CPU kernel (False: F.linear, e.g. off the CPU or not float32)."""
+    packed CPU kernel (False: F.linear, e.g. off the CPU or not float32). Quantized layers
+    choose their own kernel (`QuantLinear.prepare_for_inference`)."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.prepare_for_inference()
     if not packed_kernel_usable(model):
         return False
     gemv_copy = gemv_copy_fits(model)

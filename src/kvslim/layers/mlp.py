@@ -7,14 +7,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvslim.layers.linear import Linear, MergedLinear
+from kvslim.layers.quant_linear import QuantLinear, QuantMergedLinear, QuantSpec
 
 
 class SwiGLUMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False,
+                 quant: QuantSpec | None = None):
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = MergedLinear(hidden, ("gate", "up"), intermediate, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        if quant is None:
+            self.gate_up_proj = MergedLinear(hidden, ("gate", "up"), intermediate, bias=bias)
+            self.down_proj = Linear(intermediate, hidden, bias=bias)
+        else:
+            self.gate_up_proj = QuantMergedLinear(hidden, ("gate", "up"), intermediate, bias,
+                                                  quant)
+            self.down_proj = QuantLinear(intermediate, hidden, bias, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)

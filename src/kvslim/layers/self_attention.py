@@ -7,18 +7,25 @@ import torch
 from torch import nn
 
 from kvslim.layers.linear import Linear, QKVLinear
+from kvslim.layers.quant_linear import QuantLinear, QuantQKVLinear, QuantSpec
 from kvslim.layers.rope import apply_rope
 
 
 class Attention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 layer_idx: int, qkv_bias: bool = False, o_bias: bool = False):
+                 layer_idx: int, qkv_bias: bool = False, o_bias: bool = False,
+                 quant: QuantSpec | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
-        self.qkv_proj = QKVLinear(hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        if quant is None:
+            self.qkv_proj = QKVLinear(hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias)
+            self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        else:
+            self.qkv_proj = QuantQKVLinear(hidden_size, head_dim, num_heads, num_kv_heads,
+                                           qkv_bias, quant)
+            self.o_proj = QuantLinear(num_heads * head_dim, hidden_size, o_bias, quant)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
         """x [..., hidden] where ... is [B, T] (dense) or [N] (paged); attn is the backend context."""

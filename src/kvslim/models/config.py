@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvslim.errors import ConfigError
+from kvslim.layers.quant_linear import QuantSpec
 
 # Architectures a model in models/ implements: the engine runs them.
 SUPPORTED_ARCHITECTURES = {
@@ -120,6 +121,12 @@ class ModelConfig:
         return self.architecture in SUPPORTED_ARCHITECTURES and not (self.moe or self.mla)
 
     @property
+    def quantization(self) -> QuantSpec | None:
+        """How the decoder's linear layers are quantized (config.json `quantization_config`)."""
+        cfg = self.raw.get("quantization_config")
+        return None if cfg is None else QuantSpec.from_hf(cfg)
+
+    @property
     def v_head_dim(self) -> int:
         """Size of a value head: head_dim, except in MLA, where K heads are nope + rope wide."""
         return self.mla.v_head_dim if self.mla else self.head_dim
@@ -173,6 +180,8 @@ class ModelConfig:
                 raise ConfigError(f"config.json: unsupported rope_scaling type {rope_type!r}; "
                                   f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         parse_dtype(self.torch_dtype)
+        if self.runnable:
+            self.quantization                       # noqa: B018 (validates quantization_config)
 
     def require_runnable(self) -> None:
         if not self.runnable:

@@ -12,6 +12,7 @@ from torch import nn
 from kvslim.attention import DenseAttention
 from kvslim.layers.linear import Linear, ShardedLinear, prepare_linears_for_inference
 from kvslim.layers.mlp import SwiGLUMLP
+from kvslim.layers.quant_linear import QuantLinear
 from kvslim.layers.self_attention import Attention
 from kvslim.models.config import ModelConfig
 from kvslim.layers.norm import RMSNorm
@@ -23,8 +24,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config.hidden_size, config.num_attention_heads,
                                    config.num_key_value_heads, config.head_dim, layer_idx,
-                                   config.qkv_bias, config.o_bias)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+                                   config.qkv_bias, config.o_bias, config.quantization)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
+                             config.quantization)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -88,7 +90,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into their (possibly fused) parameters; returns the
         names loaded. Names and shapes are the caller's to check (see `hf_state_dict`)."""
-        params = dict(self.named_parameters())
+        params = {**dict(self.named_parameters()), **dict(self.named_buffers())}
         loaded = set()
         for name, tensor in weights:
             target, shard_id = name, None
@@ -97,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
                     target, shard_id = name.replace(f".{hf_part}.", f".{part}."), shard
                     break
             module = self.get_submodule(target.rpartition(".")[0])
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, QuantLinear)):
                 module.weight_loader(params[target], tensor, shard_id)
             else:
                 with torch.no_grad():
@@ -107,28 +109,32 @@ class LlamaForCausalLM(nn.Module):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The state dict under HF checkpoint names, in HF's order: a fused parameter appears as
-        one view per shard (sharing its memory), each shard's weight before its bias."""
+        one view per shard (sharing its memory), each shard's weight before its bias; a
+        quantized layer as its GPTQ tensors (qweight, qzeros, scales, g_idx, bias) per shard."""
         hf_name = {(part, self._shard_key(part, shard)): hf_part
                    for hf_part, (part, shard) in self.packed_modules_mapping.items()}
         state = self.state_dict()
-        out = {}
+        out, done = {}, set()
         for name, tensor in state.items():
             module_name, _, leaf = name.rpartition(".")
             module = self.get_submodule(module_name)
-            if not isinstance(module, ShardedLinear):
+            if isinstance(module, QuantLinear):
+                views = module.checkpoint_views() if module_name not in done else {}
+            elif isinstance(module, ShardedLinear) and leaf == "weight":
+                bias = state.get(f"{module_name}.bias")
+                biases = module.shard_views(bias) if bias is not None else {}
+                views = {key: {"weight": w, **({"bias": biases[key]} if key in biases else {})}
+                         for key, w in module.shard_views(tensor).items()}
+            elif isinstance(module, ShardedLinear):
+                continue                     # a bias: emitted with the weight's shards
+            else:
                 out[name] = tensor
                 continue
-            if leaf != "weight":
-                continue                     # emitted with the weight's shards below
+            done.add(module_name)
             parent, _, part = module_name.rpartition(".")
-            bias = state.get(f"{module_name}.bias")
-            weights = module.shard_views(tensor)
-            biases = module.shard_views(bias) if bias is not None else {}
-            for key, view in weights.items():
-                prefix = f"{parent}.{hf_name[part, key]}"
-                out[f"{prefix}.weight"] = view
-                if key in biases:
-                    out[f"{prefix}.bias"] = biases[key]
+            for key, leaves in views.items():
+                prefix = module_name if key is None else f"{parent}.{hf_name[part, key]}"
+                out.update({f"{prefix}.{leaf}": t for leaf, t in leaves.items()})
         return out
 
     def _shard_key(self, part: str, shard_id):

@@ -1,0 +1,40 @@
+"""`kvslim quantize`: 4- or 8-bit weight-only quantization (RTN or GPTQ), written in the GPTQ
+checkpoint layout (docs/quantization.md)."""
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("quantize", help="quantize a model's linear layers to 4 or 8 bits "
+                                        "(RTN or GPTQ), written as a GPTQ checkpoint")
+    p.add_argument("src", metavar="SRC", help="source model directory (not quantized)")
+    p.add_argument("dst", metavar="DST", help="output model directory")
+    p.add_argument("--method", default="gptq", help="rtn (round to nearest) or gptq")
+    p.add_argument("--bits", type=int, default=4, help="4 or 8")
+    p.add_argument("--group-size", type=int, default=128,
+                   help="input channels per scale and zero point; must divide every linear "
+                        "layer's input features")
+    p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
+                   help="symmetric grid (zero point in the middle); --no-sym fits each group")
+    p.add_argument("--act-order", action="store_true",
+                   help="GPTQ: quantize columns by decreasing Hessian diagonal (desc_act)")
+    p.add_argument("--calib", help="calibration text file (needed by --method gptq)")
+    p.add_argument("--calib-samples", type=int, default=128, help="calibration windows")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=run_quantize)
+
+
+def run_quantize(args) -> int:
+    from kvslim.layers.quant_linear import QuantSpec
+    from kvslim.surgery.quantize.model import quantize_model
+    # A symmetric grid's zero point is never 0, which v1's "zero - 1" stores exactly; an
+    # asymmetric one may be, so it is written as gptq_v2 (the zero point as is).
+    spec = QuantSpec(args.bits, args.group_size, args.act_order, args.sym,
+                     "gptq" if args.sym else "gptq_v2")
+    out = quantize_model(args.src, args.dst, args.method, spec, args.calib, args.calib_samples,
+                         args.seq_len, show_progress=not args.quiet)
+    print(f"wrote {out} ({args.method}, {args.bits}-bit, group size {args.group_size}, "
+          f"{'symmetric' if args.sym else 'asymmetric'}{', act-order' if args.act_order else ''})")
+    return 0

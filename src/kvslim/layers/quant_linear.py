@@ -1,0 +1,205 @@
+"""Weight-only quantized linear layers that hold their weights in the GPTQ checkpoint layout
+(docs/quantization.md), so a checkpoint's tensors are copied in as they are stored:
+
+    qweight int32 [in * bits / 32, out]   values packed along the input dim, lowest bits first
+    qzeros  int32 [groups, out * bits / 32]   zero points packed along the output dim
+    scales        [groups, out]
+    g_idx   int32 [in]                     the group of each input channel (act-order permutes it)
+
+w[o, i] = (q[i, o] - zero[g_idx[i], o]) * scale[g_idx[i], o]. The fused variants (q/k/v,
+gate/up) concatenate their checkpoint shards along the output dim: qweight, qzeros and scales
+by columns, and keep one g_idx row per shard, so shards quantized with different act-order
+permutations still load. `forward` keeps `Linear`'s contract (x [..., in] -> [..., out]); it
+dequantizes in plain torch until `prepare_for_inference` picks a faster kernel."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvslim.errors import ConfigError
+
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+LEAVES = ("qweight", "qzeros", "scales", "g_idx", "bias")      # checkpoint order per module
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a checkpoint's linear layers are quantized (its config.json `quantization_config`)."""
+    bits: int
+    group_size: int                    # -1: one group spans all input features
+    desc_act: bool = False
+    sym: bool = True
+    checkpoint_format: str = "gptq"    # "gptq" (v1) stores zero - 1, "gptq_v2" the zero itself
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "QuantSpec":
+        method = cfg.get("quant_method")
+        if method != "gptq":
+            raise ConfigError(f"config.json: quantization_config quant_method {method!r} is not "
+                              "supported (only 'gptq')")
+        fmt = cfg.get("checkpoint_format", "gptq")
+        bits, group = cfg.get("bits"), cfg.get("group_size", -1)
+        if bits not in (4, 8):
+            raise ConfigError(f"config.json: quantization_config bits {bits!r} is not supported "
+                              "(4 or 8)")
+        if fmt not in CHECKPOINT_FORMATS:
+            raise ConfigError(f"config.json: quantization_config checkpoint_format {fmt!r} is not "
+                              f"supported ({' or '.join(CHECKPOINT_FORMATS)})")
+        if not isinstance(group, int) or not (group == -1 or group > 0):
+            raise ConfigError(f"config.json: quantization_config group_size {group!r} must be a "
+                              "positive integer or -1")
+        return cls(bits, group, bool(cfg.get("desc_act", False)), bool(cfg.get("sym", True)), fmt)
+
+    @property
+    def pack(self) -> int:
+        """Values per int32."""
+        return 32 // self.bits
+
+    def num_groups(self, in_features: int) -> int:
+        return 1 if self.group_size == -1 else -(-in_features // self.group_size)
+
+    def zeros_from_stored(self, stored: torch.Tensor) -> torch.Tensor:
+        """Zero points from the unpacked qzeros. v1 stores zero - 1; a zero of 0 wraps to
+        2**bits - 1 and back, as AutoGPTQ's reference dequantization reads it."""
+        if self.checkpoint_format == "gptq":
+            return (stored + 1) & (2 ** self.bits - 1)
+        return stored
+
+    def zeros_to_stored(self, zeros: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_format == "gptq":
+            return (zeros - 1) & (2 ** self.bits - 1)
+        return zeros
+
+
+def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Integers in [0, 2**bits) -> int32 words, 32 // bits consecutive values along `dim` per
+    word, the first in the lowest bits."""
+    per = 32 // bits
+    v = values.to(torch.int64).movedim(dim, -1)
+    if v.shape[-1] % per:
+        raise ValueError(f"{v.shape[-1]} values do not pack into whole int32 words of {per}")
+    v = v.reshape(*v.shape[:-1], -1, per) & (2 ** bits - 1)
+    words = (v << (torch.arange(per, device=v.device) * bits)).sum(-1)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)      # two's complement
+    return words.to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def unpack_int32(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The inverse of `pack_int32`: int64 values in [0, 2**bits)."""
+    per = 32 // bits
+    w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
+    v = (w.unsqueeze(-1) >> (torch.arange(per, device=w.device) * bits)) & (2 ** bits - 1)
+    return v.reshape(*w.shape[:-1], -1).movedim(-1, dim)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is stored quantized; several checkpoint matrices (shards)
+    may be stacked along the output, as in `ShardedLinear`. One shard, named None, by default."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 spec: QuantSpec | None = None, shard_sizes: dict[Hashable, int] | None = None):
+        super().__init__()
+        if spec is None:
+            raise ValueError("QuantLinear needs a QuantSpec")
+        self.spec = spec
+        self.shard_sizes = dict(shard_sizes or {None: out_features})
+        self.in_features, self.out_features = in_features, sum(self.shard_sizes.values())
+        uneven = [s for s in (in_features, *self.shard_sizes.values()) if s % spec.pack]
+        if uneven:
+            raise ConfigError(f"a {spec.bits}-bit GPTQ layer needs sizes divisible by {spec.pack}, "
+                              f"got {uneven[0]}")
+        groups, out = spec.num_groups(in_features), self.out_features
+        self.register_buffer("qweight", torch.zeros(in_features // spec.pack, out,
+                                                    dtype=torch.int32))
+        self.register_buffer("qzeros", torch.zeros(groups, out // spec.pack, dtype=torch.int32))
+        self.register_buffer("scales", torch.zeros(groups, out))
+        self.register_buffer("g_idx", torch.zeros(len(self.shard_sizes), in_features,
+                                                  dtype=torch.int32))
+        self.bias = nn.Parameter(torch.zeros(out)) if bias else None
+        self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
+        return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """[out, in] in the scales' dtype."""
+        q = unpack_int32(self.qweight, self.spec.bits, 0)                     # [in, out]
+        zeros = self.spec.zeros_from_stored(unpack_int32(self.qzeros, self.spec.bits, 1))
+        idx = torch.cat([g.long().unsqueeze(1).expand(-1, size)
+                         for g, size in zip(self.g_idx, self.shard_sizes.values())], dim=1)
+        w = (q - zeros.gather(0, idx)).to(self.scales.dtype) * self.scales.gather(0, idx)
+        return w.t()
+
+    @torch.no_grad()
+    def prepare_for_inference(self) -> None:
+        """The one place a faster kernel would be chosen, once the weights are loaded: the int8
+        and int4 weight-only kernels (`int8_linear(x, q[out, in], scales[out], bias)`, and
+        `int4_linear` over `pack_int4(q[out, in], scales, zeros, group_size)`) take this layer's
+        unpacked q, zeros and scales in [out, ...] order. Until they exist every call
+        dequantizes in plain torch (`self.kernel` stays None)."""
+        self.kernel = None
+
+    # ---- checkpoint tensors ----------------------------------------------------------------
+    def shard_key(self, shard_id: Hashable) -> Hashable:
+        return shard_id
+
+    def _shard(self, shard_id: Hashable) -> tuple[int, slice]:
+        key, start = self.shard_key(shard_id), 0
+        for i, (name, size) in enumerate(self.shard_sizes.items()):
+            if name == key:
+                return i, slice(start, start + size)
+            start += size
+        raise KeyError(f"no shard {key!r} in {list(self.shard_sizes)}")
+
+    def shard_view(self, leaf: str, shard_id: Hashable) -> torch.Tensor:
+        """The part of buffer `leaf` that holds one checkpoint shard's tensor, as a view."""
+        i, cols = self._shard(shard_id)
+        tensor = getattr(self, leaf)
+        if leaf == "g_idx":
+            return tensor[i]
+        if leaf == "bias":
+            return tensor[cols]
+        if leaf == "qzeros":
+            return tensor[:, cols.start // self.spec.pack:cols.stop // self.spec.pack]
+        return tensor[:, cols]
+
+    def checkpoint_views(self) -> dict[Hashable, dict[str, torch.Tensor]]:
+        """Per shard, its checkpoint tensors (views of this layer's buffers) by leaf name."""
+        leaves = [leaf for leaf in LEAVES if getattr(self, leaf) is not None]
+        return {key: {leaf: self.shard_view(leaf, key) for leaf in leaves}
+                for key in self.shard_sizes}
+
+    @torch.no_grad()
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor,
+                      shard_id: Hashable | None = None) -> None:
+        """Copy one checkpoint tensor (`param` is the buffer or parameter it belongs to)."""
+        leaf = next(name for name in LEAVES if getattr(self, name) is param)
+        self.shard_view(leaf, shard_id).copy_(loaded_weight)
+
+
+class QuantQKVLinear(QuantLinear):
+    """Quantized q, k and v projections in one layer: columns q, then k, then v."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, spec: QuantSpec | None = None):
+        super().__init__(hidden, 0, bias, spec, {"q": num_heads * head_dim,
+                                                 "k": num_kv_heads * head_dim,
+                                                 "v": num_kv_heads * head_dim})
+
+
+class QuantMergedLinear(QuantLinear):
+    """Quantized projections of equal input side by side (gate then up); shard ids are their
+    index (0, 1) or their name."""
+
+    def __init__(self, in_features: int, names: tuple[str, ...], out_features: int,
+                 bias: bool = False, spec: QuantSpec | None = None):
+        super().__init__(in_features, 0, bias, spec, {name: out_features for name in names})
+
+    def shard_key(self, shard_id: Hashable) -> Hashable:
+        return list(self.shard_sizes)[shard_id] if isinstance(shard_id, int) else shard_id

@@ -1,0 +1,158 @@
+"""Quantize a whole model (`kvslim quantize`) and write it in the GPTQ checkpoint layout.
+
+The decoder's linear layers are quantized in order — per decoder layer q/k/v, o, gate/up, down —
+and GPTQ sees each one's inputs as the already-quantized layers before it produce them: the
+inputs of decoder layer 0 are captured once on the calibration windows, every later layer runs
+on the outputs of the quantized layer before it, and within a layer a forward hook on the linear
+collects its Hessian while the layer runs. The fused q/k/v and gate/up matrices share their
+input, so one Hessian (and one act-order permutation, one g_idx) serves all their shards;
+quantizing them together is quantizing each shard, GPTQ treats output rows independently.
+Embeddings, norms and lm_head stay in the source dtype."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvslim.errors import KvslimError
+from kvslim.formats.gptq import QuantizedWeight, pack_gptq, quantization_config
+from kvslim.formats.loader import load_model
+from kvslim.formats.writer import save_model
+from kvslim.layers.quant_linear import QuantSpec
+from kvslim.models.config import ModelConfig, parse_dtype
+from kvslim.models.llama import LlamaForCausalLM
+from kvslim.surgery.quantize.gptq import Hessian, gptq_quantize
+from kvslim.surgery.quantize.rtn import rtn_quantize
+
+METHODS = ("rtn", "gptq")
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class _Captured(Exception):
+    """Stops the forward pass once decoder layer 0's inputs are captured."""
+
+
+def check_options(config: ModelConfig, method: str, spec: QuantSpec,
+                  calib: str | Path | None) -> None:
+    bits, group_size = spec.bits, spec.group_size
+    if config.raw.get("quantization_config") is not None:
+        method_name = config.raw["quantization_config"].get("quant_method")
+        raise KvslimError(f"{config.source or 'the model'} is already quantized "
+                          f"(quantization_config quant_method {method_name!r})")
+    if method not in METHODS:
+        raise KvslimError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
+    if bits not in (4, 8):
+        raise KvslimError(f"--bits must be 4 or 8, got {bits}")
+    sizes = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+             "num_attention_heads * head_dim": config.num_attention_heads * config.head_dim}
+    for name, size in sizes.items():
+        if group_size <= 0 or size % group_size:
+            raise KvslimError(f"--group-size {group_size} does not divide the input features of "
+                              f"the model's linear layers ({name} = {size})")
+    kv_out = config.num_key_value_heads * config.head_dim
+    if kv_out % (32 // bits):
+        raise KvslimError(f"{bits}-bit packing needs output features divisible by {32 // bits}, "
+                          f"the k/v projections have {kv_out}")
+    if method == "gptq" and calib is None:
+        raise KvslimError("--method gptq needs calibration text: --calib FILE")
+    if method == "rtn" and spec.desc_act:
+        raise KvslimError("--act-order orders GPTQ's columns; --method rtn has none to order")
+
+
+@torch.no_grad()
+def layer0_inputs(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int) -> list[tuple]:
+    """The positional arguments decoder layer 0 receives, one tuple per batch of windows."""
+    captured = []
+
+    def grab(module, args):
+        captured.append(args)
+        raise _Captured
+
+    hook = model.model.layers[0].register_forward_pre_hook(grab)
+    try:
+        for start in range(0, len(windows), batch_size):
+            try:
+                model(windows[start:start + batch_size])
+            except _Captured:
+                pass
+    finally:
+        hook.remove()
+    return captured
+
+
+@torch.no_grad()
+def _hessian(layer: torch.nn.Module, linear: torch.nn.Module, inputs: list[tuple]) -> Hessian:
+    hessian = Hessian(linear.in_features)
+    hook = linear.register_forward_pre_hook(lambda module, args: hessian.add(args[0]))
+    try:
+        for args in inputs:
+            layer(*args)
+    finally:
+        hook.remove()
+    return hessian
+
+
+@torch.no_grad()
+def quantize_layers(model: LlamaForCausalLM, spec: QuantSpec, windows: torch.Tensor | None,
+                    batch_size: int = 4, show_progress: bool = True
+                    ) -> dict[str, QuantizedWeight]:
+    """Quantize every decoder linear in place (its weight becomes the dequantized one, so later
+    layers see the quantized model); returns the quantized form by module name. RTN needs no
+    `windows`; GPTQ needs [N, T] token windows."""
+    inputs = layer0_inputs(model, windows, batch_size) if windows is not None else None
+    out = {}
+    for i, layer in enumerate(tqdm(model.model.layers, desc="quantizing", unit="layer",
+                                   disable=not show_progress)):
+        for sub in LINEARS:
+            linear = layer.get_submodule(sub)
+            if inputs is None:
+                result = rtn_quantize(linear.weight, spec.bits, spec.group_size, spec.sym)
+            else:
+                result = gptq_quantize(linear.weight, _hessian(layer, linear, inputs).matrix,
+                                       spec.bits, spec.group_size, spec.sym, spec.desc_act)
+            linear.weight.copy_(result.dequantize().to(linear.weight.dtype))
+            out[f"model.layers.{i}.{sub}"] = result
+        if inputs is not None:
+            inputs = [(layer(*args), *args[1:]) for args in inputs]
+    return out
+
+
+def quantized_state_dict(model: LlamaForCausalLM, results: dict[str, QuantizedWeight],
+                         spec: QuantSpec) -> dict[str, torch.Tensor]:
+    """HF-named checkpoint tensors: each quantized matrix's GPTQ tensors in place of its
+    weight (a fused one split into its checkpoint shards), everything else as it is."""
+    fused = {hf_part: part_shard for hf_part, part_shard in model.packed_modules_mapping.items()}
+    dtype = parse_dtype(model.config.torch_dtype)
+    out = {}
+    for name, tensor in model.hf_state_dict().items():
+        prefix, _, leaf = name.rpartition(".")
+        parent, _, proj = prefix.rpartition(".")
+        part, shard = fused.get(proj, (proj, None))
+        module_name = f"{parent}.{part}"
+        if module_name in results and leaf == "weight":
+            module = model.get_submodule(module_name)
+            rows = slice(None) if shard is None else module.shard_rows(shard)
+            packed = pack_gptq(results[module_name].rows(rows), spec)
+            out.update({f"{prefix}.{k}": v for k, v in packed.items()})
+        else:
+            out[name] = tensor.detach().to(dtype)
+    return out
+
+
+def quantize_model(src: str | Path, dst: str | Path, method: str, spec: QuantSpec,
+                   calib: str | Path | None = None, calib_samples: int = 128,
+                   seq_len: int = 512, show_progress: bool = True) -> Path:
+    """Write `dst`: the model at `src` with its decoder linears quantized by `method`."""
+    check_options(ModelConfig.from_dir(src), method, spec, calib)
+    model = load_model(src, dtype=torch.float32)
+    windows = None
+    if method == "gptq":
+        from kvslim.tokenizer.tokenizer import Tokenizer
+        from kvslim.train.data import eval_windows, tokenize_file
+        tokens = tokenize_file(calib, Tokenizer.from_dir(src), show_progress)
+        windows = eval_windows(tokens, seq_len, calib_samples)[:, :seq_len]
+    results = quantize_layers(model, spec, windows, show_progress=show_progress)
+    state = quantized_state_dict(model, results, spec)
+    raw = {**model.config.raw, "quantization_config": quantization_config(spec)}
+    return save_model(state, model.config.replace(raw=raw), dst, tokenizer_from=src)

@@ -1,0 +1,59 @@
+"""`kvslim quantize`: bad input is one line naming the problem and exit 2; good input writes a
+GPTQ checkpoint that loads."""
+import json
+
+import pytest
+import torch
+
+from kvslim.cli.main import main
+from kvslim.formats.loader import load_model
+from kvslim.layers.quant_linear import QuantLinear
+
+
+def quantize(capsys, *argv):
+    rc = main(["quantize", *map(str, argv), "--quiet"])
+    return rc, capsys.readouterr()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--method", "rtn", "--bits", "3", "--group-size", "32"], "--bits must be 4 or 8, got 3"),
+    (["--method", "rtn", "--group-size", "48"],
+     "--group-size 48 does not divide the input features of the model's linear layers "
+     "(hidden_size = 64)"),
+    (["--method", "gptq", "--group-size", "32"], "--method gptq needs calibration text: --calib FILE"),
+    (["--method", "awq"], "unknown --method 'awq'; choose one of rtn, gptq"),
+    (["--method", "rtn", "--act-order", "--group-size", "32"], "--act-order orders GPTQ's columns"),
+])
+def test_bad_options_are_one_line(hf_checkpoints, tmp_path, capsys, flags, message):
+    rc, out = quantize(capsys, hf_checkpoints["gqa"], tmp_path / "q", *flags)
+    assert rc == 2
+    assert message in out.err and len(out.err.strip().splitlines()) == 1
+    assert not (tmp_path / "q").exists()
+
+
+def test_quantized_source_is_refused(hf_checkpoints, tmp_path, capsys):
+    first = tmp_path / "q"
+    assert quantize(capsys, hf_checkpoints["gqa"], first, "--method", "rtn",
+                    "--group-size", "32")[0] == 0
+    rc, out = quantize(capsys, first, tmp_path / "qq", "--method", "rtn")
+    assert rc == 2 and len(out.err.strip().splitlines()) == 1
+    assert "is already quantized (quantization_config quant_method 'gptq')" in out.err
+
+
+@pytest.mark.parametrize("flags", [["--method", "rtn", "--bits", "4", "--no-sym"],
+                                   ["--method", "gptq", "--bits", "8", "--act-order"]])
+def test_writes_a_gptq_checkpoint(hf_checkpoints, calib_file, tmp_path, capsys, flags):
+    dst = tmp_path / "q"
+    rc, out = quantize(capsys, hf_checkpoints["gqa"], dst, "--group-size", "32", "--calib",
+                       calib_file, "--calib-samples", "4", "--seq-len", "32", *flags)
+    assert rc == 0, out.err
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    bits = 4 if "4" in flags else 8
+    assert qc["quant_method"] == "gptq" and qc["bits"] == bits and qc["group_size"] == 32
+    assert qc["sym"] == ("--no-sym" not in flags)
+    assert qc["desc_act"] == ("--act-order" in flags)
+    assert qc["checkpoint_format"] == ("gptq_v2" if "--no-sym" in flags else "gptq")
+    assert (dst / "tokenizer.json").is_file()
+    model = load_model(dst, dtype=torch.float32)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantLinear)
+    assert not isinstance(model.lm_head, QuantLinear)

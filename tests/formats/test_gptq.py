@@ -1,0 +1,152 @@
+"""The GPTQ checkpoint layout: packing round trips, and a checkpoint packed here by hand from the
+layout's rules (not by kvslim's writer) loads to the weights it encodes."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvslim.formats.gptq import QuantizedWeight, pack_gptq, unpack_gptq
+from kvslim.formats.loader import load_model
+from kvslim.layers.quant_linear import QuantSpec, pack_int32, unpack_int32
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def act_order_g_idx(n, group, gen):
+    perm = torch.randperm(n, generator=gen)
+    g_idx = torch.empty(n, dtype=torch.int32)
+    g_idx[perm] = (torch.arange(n) // group).to(torch.int32)
+    return g_idx
+
+
+def random_weight(out, n, bits, group, act_order, gen, min_zero=0):
+    groups = -(-n // group)
+    top = 2 ** bits
+    return QuantizedWeight(
+        q=torch.randint(0, top, (out, n), generator=gen),
+        zeros=torch.randint(min_zero, top, (groups, out), generator=gen),
+        scales=(torch.rand(groups, out, generator=gen) + 0.5) * (0.2 / top),
+        g_idx=(act_order_g_idx(n, group, gen) if act_order
+               else (torch.arange(n) // group).to(torch.int32)))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_int32_packing_round_trips(bits, dim):
+    values = torch.randint(0, 2 ** bits, (64, 48), generator=torch.Generator().manual_seed(bits))
+    packed = pack_int32(values, bits, dim)
+    assert packed.dtype == torch.int32
+    assert packed.shape[dim] == values.shape[dim] * bits // 32
+    assert torch.equal(unpack_int32(packed, bits, dim), values)
+
+
+def test_first_value_sits_in_the_lowest_bits():
+    packed = pack_int32(torch.tensor([[1], [2], [3], [4], [5], [6], [7], [15]]), 4, 0)
+    assert packed.item() == np.uint32(0xF7654321).astype(np.int32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_tensors_round_trip(bits, fmt, act_order):
+    gen = torch.Generator().manual_seed(0)
+    w = random_weight(48, 128, bits, 32, act_order, gen)
+    spec = QuantSpec(bits, 32, act_order, False, fmt)
+    tensors = pack_gptq(w, spec)
+    assert tensors["qweight"].shape == (128 * bits // 32, 48)
+    assert tensors["qzeros"].shape == (4, 48 * bits // 32)
+    assert tensors["scales"].dtype == torch.float16 and tensors["g_idx"].shape == (128,)
+    back = unpack_gptq(tensors, spec)
+    assert torch.equal(back.q, w.q) and torch.equal(back.zeros, w.zeros)
+    assert torch.equal(back.g_idx, w.g_idx)
+    assert torch.equal(back.scales, w.scales.half())
+
+
+# ---- a checkpoint packed by hand -------------------------------------------------------------
+def hand_pack(values: np.ndarray, bits: int, axis: int) -> torch.Tensor:
+    """32 // bits values per uint32 along `axis`, value k of a word at bits [k*bits, (k+1)*bits)."""
+    v = np.moveaxis(values.astype(np.uint32), axis, 0)
+    per = 32 // bits
+    words = np.zeros((v.shape[0] // per, *v.shape[1:]), dtype=np.uint32)
+    for i in range(v.shape[0]):
+        words[i // per] |= v[i] << np.uint32(bits * (i % per))
+    return torch.from_numpy(np.ascontiguousarray(np.moveaxis(words, 0, axis)).view(np.int32))
+
+
+def hand_tensors(w: QuantizedWeight, bits: int, fmt: str) -> dict[str, torch.Tensor]:
+    stored = w.zeros.numpy() - (1 if fmt == "gptq" else 0)       # v1 keeps zero - 1
+    return {"qweight": hand_pack(w.q.t().numpy(), bits, 0),
+            "qzeros": hand_pack(stored, bits, 1),
+            "scales": w.scales.half(), "g_idx": w.g_idx.clone()}
+
+
+def expected_weight(w: QuantizedWeight) -> torch.Tensor:
+    out, n = w.q.shape
+    ref = torch.empty(out, n)
+    for i in range(n):
+        g = int(w.g_idx[i])
+        ref[:, i] = (w.q[:, i] - w.zeros[g]).float() * w.scales[g].half().float()
+    return ref
+
+
+def write_quantized(src, dst, bits, group, fmt, act_order):
+    """dst: src's checkpoint with every decoder projection replaced by random GPTQ tensors;
+    dst_float: the same model with those projections dequantized. Returns both paths and the
+    expected weights by HF name."""
+    gen = torch.Generator().manual_seed(bits)
+    float_dir = dst.parent / (dst.name + "_float")
+    for d in (dst, float_dir):
+        shutil.copytree(src, d)
+    tensors = load_file(src / "model.safetensors")
+    quant, floats, expected = {}, dict(tensors), {}
+    for name, t in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.rpartition(".")[2] in PROJ and leaf == "weight":
+            w = random_weight(*t.shape, bits, group, act_order, gen, min_zero=1)
+            quant.update({f"{prefix}.{k}": v for k, v in hand_tensors(w, bits, fmt).items()})
+            floats[name] = expected[name] = expected_weight(w)
+        else:
+            quant[name] = t
+    save_file(quant, dst / "model.safetensors", metadata={"format": "pt"})
+    save_file(floats, float_dir / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group,
+                                  "desc_act": act_order, "sym": False, "checkpoint_format": fmt}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst, float_dir, expected
+
+
+CASES = [(4, 32, "gptq", False), (8, 32, "gptq_v2", True), (4, 64, "gptq_v2", True)]
+
+
+@pytest.mark.parametrize("bits,group,fmt,act_order", CASES)
+def test_hand_packed_checkpoint_loads_to_its_weights(hf_checkpoints, tmp_path, bits, group, fmt,
+                                                     act_order):
+    path, _, expected = write_quantized(hf_checkpoints["qwen2_bias"], tmp_path / "q", bits,
+                                        group, fmt, act_order)
+    model = load_model(path, dtype=torch.float32)
+    mapping = model.packed_modules_mapping
+    for name, ref in expected.items():
+        prefix = name.rpartition(".")[0]
+        parent, _, proj = prefix.rpartition(".")
+        part, shard = mapping.get(proj, (proj, None))
+        layer = model.get_submodule(f"{parent}.{part}")
+        rows = layer._shard(shard)[1]
+        assert torch.equal(layer.dequantized_weight()[rows], ref), name
+
+
+@pytest.mark.parametrize("bits,group,fmt,act_order", CASES)
+def test_quantized_logits_match_the_dequantized_float_model(hf_checkpoints, tmp_path, bits, group,
+                                                            fmt, act_order):
+    from transformers import AutoModelForCausalLM
+    path, float_dir, _ = write_quantized(hf_checkpoints["gqa"], tmp_path / "q", bits, group, fmt,
+                                         act_order)
+    ids = torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(1))
+    hf = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = load_model(path, dtype=torch.float32).logits(ids)
+    assert (got - ref).abs().max().item() < 1e-4
