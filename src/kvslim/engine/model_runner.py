@@ -22,10 +22,7 @@ from kvslim.models.llama import LlamaForCausalLM
 def kv_block_bytes(model_config, block_size: int, kv_dtype: torch.dtype) -> int:
     """Bytes of K and V for one block of every layer, in the cache's dtype; a quantized cache
     adds its per-token scales."""
-    per_token = model_config.kv_bytes_per_token(kv_dtype)
-    if is_quantized(kv_dtype):
-        per_token += model_config.kv_scale_bytes_per_token()
-    return block_size * per_token
+    return block_size * model_config.kv_cache_bytes_per_token(kv_dtype)
 
 
 def is_quantized(kv_dtype: torch.dtype) -> bool:

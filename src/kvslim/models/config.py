@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvslim.attention.kv_cache import KV_SCALE_DTYPE
+from kvslim.attention.kv_cache import KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES
 from kvslim.errors import ConfigError
 
 # Architectures a model in models/ implements: the engine runs them.
@@ -165,6 +165,14 @@ class ModelConfig:
     def kv_scale_bytes_per_token(self, num_kv_heads: int | None = None) -> int:
         """Bytes of those scales (float16, `KV_SCALE_DTYPE`), added to `kv_bytes_per_token`."""
         return self.kv_scales_per_token(num_kv_heads) * KV_SCALE_DTYPE.itemsize
+
+    def kv_cache_bytes_per_token(self, kv_cache_dtype: torch.dtype | str) -> int:
+        """What the engine's cache stores per token: the elements in `kv_cache_dtype` (a float
+        dtype, "int8" or "fp8_e4m3"), plus the scales when that dtype is quantized."""
+        dtype = QUANTIZED_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
+        if dtype in QUANTIZED_KV_DTYPES.values():
+            return self.kv_bytes_per_token(dtype) + self.kv_scale_bytes_per_token()
+        return self.kv_bytes_per_token(dtype)
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> None:
