@@ -84,7 +84,7 @@ def run_demo(llm, max_tokens: int = 96, use_tqdm: bool = True):
         output_tokens=out_tokens, seconds=round(seconds, 2),
         output_tokens_per_s=round(out_tokens / seconds, 1),
         kv_bytes_per_token=stats.bytes_per_token,
-        kv_dtype=str(engine.runner.dtype).removeprefix("torch."),
+        kv_dtype=stats.kv_cache_dtype,
         blocks_total=stats.num_blocks, blocks_peak_used=engine.peak_used_blocks,
         block_size=stats.block_size, peak_concurrent_sequences=engine.peak_num_running,
         prefix_cache_hit_rate=round(stats.prefix_cache_hit_rate, 3),

@@ -2,7 +2,7 @@
 decoded beside others (the masked, padded path)."""
 import torch
 
-from kvslim.attention import PagedAttention, PagedStepLayout, build_paged_metadata
+from kvslim.attention import KVCacheLayer, PagedAttention, PagedStepLayout, build_paged_metadata
 
 BLOCK, KVH, H, D = 4, 2, 6, 8
 
@@ -13,7 +13,7 @@ def _step(kv, tables, lens, q, k, v):
     layout = PagedStepLayout(slot_mapping=slots, num_decode_tokens=len(lens),
                              decode_block_tables=tables, decode_context_lens=lens)
     meta = build_paged_metadata(layout, BLOCK)
-    return PagedAttention([kv], meta).attend(0, q, k, v, D ** -0.5)
+    return PagedAttention([KVCacheLayer(kv[0], kv[1])], meta).attend(0, q, k, v, D ** -0.5)
 
 
 def test_single_decode_equals_batched_decode():

@@ -47,3 +47,11 @@ def test_info_errors(tmp_path, capsys):
     assert main(["import-gguf", str(tmp_path / "tiny.gguf"), str(tmp_path / "out"), "--quiet"]) == 0
     assert main(["info", str(tmp_path / "out"), "--dtype", "int3"]) == 2
     assert "unknown dtype 'int3'" in capsys.readouterr().err
+
+
+def test_info_counts_the_int8_cache_with_its_scales(hf_checkpoints, capsys):
+    assert main(["info", str(hf_checkpoints["gqa"]), "--dtype", "int8", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    # 2 layers x K/V x 2 KV heads: head_dim 8 int8 elements + one float16 scale each
+    assert info["kv_bytes_per_token"] == 2 * 2 * 2 * (8 + 2)
+    assert info["kv_cache_dtype"] == "int8"

@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from checkpoints import VOCAB
 from engine_helpers import GREEDY, engine, hf_greedy, run, tokens
+from kvslim.attention import KVCacheLayer
 from kvslim.engine.decode_graphs import DecodeGraphs, capture_batch_sizes
 from kvslim.engine.sampling_params import SamplingParams
 
@@ -17,7 +18,8 @@ NEW = [20, 6, 14, 3, 9, 17, 11, 2, 8]          # the decode batch shrinks 9 -> 1
 def test_capture_sizes_and_padding_shapes():
     assert capture_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert capture_batch_sizes(6) == [1, 2, 4, 6]
-    graphs = DecodeGraphs(None, [(torch.zeros(4, 16, 1, 8), torch.zeros(4, 16, 1, 8))], 48,
+    layer = KVCacheLayer(torch.zeros(4, 16, 1, 8), torch.zeros(4, 16, 1, 8))
+    graphs = DecodeGraphs(None, [layer], 48,
                           max_num_seqs=6, max_blocks_per_seq=10, sliding_window=None,
                           use_graphs=False)
     assert graphs.shape_for(3, 3) == (4, 4)

@@ -79,8 +79,9 @@ def test_kv_dtypes():
     spec = builtin_spec("Llama-2-70B")
     sizes = {d: plan_memory(spec, kv_dtype=d).kv_bytes_per_token
              for d in ("fp32", "fp16", "bf16", "fp8", "int8", "int4")}
-    assert sizes == {"fp32": 655_360, "fp16": 327_680, "bf16": 327_680, "fp8": 163_840,
-                     "int8": 163_840, "int4": 81_920}
+    scales = 80 * 2 * 8 * 2              # a float16 scale per token, layer, K/V and KV head
+    assert sizes == {"fp32": 655_360, "fp16": 327_680, "bf16": 327_680, "fp8": 163_840 + scales,
+                     "int8": 163_840 + scales, "int4": 81_920}
     assert plan_memory(spec, dtype="int4").kv_dtype == "fp16"     # quantized weights: 16-bit KV
     assert plan_memory(spec, dtype="int4").weight_bytes == 68_976_648_192 // 2
     assert storage_bytes(3, "int4") == 2
@@ -172,3 +173,25 @@ def test_bad_input_from_the_shell_has_no_traceback():
                              "--kv-dtype", "int3"], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mqa", "head_dim"])
+def test_planner_equals_engine_allocation_with_int8_kv(hf_checkpoints, variant):
+    """`kvslim memory --kv-dtype int8` and an engine with kv_cache_dtype="int8": the same bytes
+    per token (int8 elements + float16 scales) and the same blocks for a budget, to the byte."""
+    model_dir = hf_checkpoints[variant]
+    budget = 1_000_003
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_memory=budget, dtype="float32",
+                                               device="cpu", max_num_seqs=4,
+                                               kv_cache_dtype="int8"))
+    spec = resolve_spec(str(model_dir))
+    weights = storage_bytes(parameter_counts(spec)[0], "fp32")
+    plan = plan_memory(spec, context=100, kv_dtype="int8", memory_bytes=budget + weights)
+    runner, stats = engine.runner, engine.kv_cache_stats()
+    stored = (runner.kv_cache[:, :, 0, 0].numel() * runner.kv_cache.element_size()
+              + runner.kv_scales[:, :, 0, 0].numel() * runner.kv_scales.element_size())
+    assert plan.kv_bytes_per_token == runner.bytes_per_block // runner.block_size == stored
+    assert plan.kv_bytes_per_token == stats.bytes_per_token
+    own = plan.layout(spec.attention_kind).capacity
+    assert (own.num_blocks, own.max_tokens) == (runner.num_blocks, stats.max_tokens)
+    assert stats.kv_cache_dtype == "int8"

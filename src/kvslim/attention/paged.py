@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, for one engine step.
 
 Tokens of the step are flat: first the decodes (one token each), then the prefill chunks. Every
-new token's K/V is written into the cache through `slot_mapping`; decodes then read their whole
+new token's K/V is written into the cache through `slot_mapping` (each layer's `KVCacheLayer`,
+in the model's dtype or quantized, see `kv_cache.py`); decodes then read their whole
 context through the block tables in one batched call, and each prefill chunk attends to its
 cached prefix plus itself (prefix caching and chunked prefill both rely on that). What to attend
 to (masks, the lone-decode case) comes ready-made in the step's metadata (see `metadata.py`)."""
@@ -10,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from kvslim.attention.grouped import MaskCache, grouped_sdpa
+from kvslim.attention.kv_cache import KVCacheLayer
 from kvslim.attention.metadata import PagedAttentionMetadata
 
 
 class PagedAttention:
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 meta: PagedAttentionMetadata):
+    def __init__(self, kv_caches: list[KVCacheLayer], meta: PagedAttentionMetadata):
         self.kv_caches = kv_caches
         self.meta = meta
         self.masks = MaskCache()
@@ -23,31 +24,27 @@ class PagedAttention:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         """q [N, H, D]; k, v [N, KVH, D] for the step's new tokens. Returns [N, H, D]."""
-        k_cache, v_cache = self.kv_caches[layer_idx]
-        kvh, d = k_cache.shape[2], k_cache.shape[3]
-        slots = self.meta.layout.slot_mapping
-        k_cache.view(-1, kvh, d)[slots] = k
-        v_cache.view(-1, kvh, d)[slots] = v
+        cache = self.kv_caches[layer_idx]
+        k, v = cache.write(self.meta.layout.slot_mapping, k, v)
         nd = self.meta.layout.num_decode_tokens
         decoded = None
         if nd:
-            decoded = self._attend_decodes(k_cache, v_cache, q[:nd], scale)
+            decoded = self._attend_decodes(cache, q[:nd], scale)
             if not self.meta.layout.prefills:          # a pure decode step: no copy into out
                 return decoded
         out = torch.empty_like(q)
         if decoded is not None:
             out[:nd] = decoded
-        self._attend_prefills(k_cache, v_cache, q, k, v, scale, out)
+        self._attend_prefills(cache, q, k, v, scale, out)
         return out
 
-    def _attend_decodes(self, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+    def _attend_decodes(self, cache: KVCacheLayer, q: torch.Tensor, scale: float
+                        ) -> torch.Tensor:
         """All decodes in one batched call over their block tables. q [num_decodes, H, D]."""
-        nd, kvh, d = q.shape[0], k_cache.shape[2], k_cache.shape[3]
-        # index_select copies whole blocks (memcpy); advanced indexing is 4x slower here.
-        blocks = self.meta.layout.decode_block_tables.reshape(-1)
-        keys = k_cache.index_select(0, blocks).view(nd, -1, kvh, d)
-        values = v_cache.index_select(0, blocks).view(nd, -1, kvh, d)
+        nd = q.shape[0]
+        keys, values = cache.gather(self.meta.layout.decode_block_tables.reshape(-1))
+        kvh, d = keys.shape[1], keys.shape[2]
+        keys, values = keys.view(nd, -1, kvh, d), values.view(nd, -1, kvh, d)
         n = self.meta.single_decode_len
         if n is not None:
             return grouped_sdpa(q[:1, None], keys[:, :n], values[:, :n], None, scale,
@@ -55,20 +52,18 @@ class PagedAttention:
         mask = self.masks.get(-1, self.meta.decode_allowed, q.shape[1] // kvh, q.dtype)
         return grouped_sdpa(q[:, None], keys, values, mask, scale)[:, 0]
 
-    def _attend_prefills(self, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor,
-                         k: torch.Tensor, v: torch.Tensor, scale: float,
-                         out: torch.Tensor) -> None:
-        """Each chunk attends to its cached prefix plus itself; results go into `out`."""
-        kvh, d = k_cache.shape[2], k_cache.shape[3]
-        group = q.shape[1] // kvh
+    def _attend_prefills(self, cache: KVCacheLayer, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """Each chunk attends to its cached prefix plus itself; results go into `out`. k, v are
+        the step's new K/V as `cache.write` returned them."""
+        group = q.shape[1] // k.shape[1]
         chunks = zip(self.meta.layout.prefills, self.meta.prefill_allowed)
         for i, (chunk, allowed) in enumerate(chunks):
             s, t = chunk.query_start, chunk.query_len
             if chunk.context_len == t:          # nothing cached before: use the fresh K/V
                 keys, values = k[s:s + t], v[s:s + t]
             else:
-                keys = k_cache.index_select(0, chunk.block_table).view(-1, kvh, d)
-                values = v_cache.index_select(0, chunk.block_table).view(-1, kvh, d)
+                keys, values = cache.gather(chunk.block_table)
                 keys, values = keys[:chunk.context_len], values[:chunk.context_len]
             mask = self.masks.get(i, allowed, group, q.dtype)
             out[s:s + t] = grouped_sdpa(q[None, s:s + t], keys[None], values[None], mask, scale)[0]

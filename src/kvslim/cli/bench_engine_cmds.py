@@ -8,6 +8,11 @@ import torch
 from kvslim.errors import KvslimError
 
 
+def _kv_cache_dtype(p) -> None:
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"),
+                   help="kvslim's KV-cache storage (default auto: the model's dtype)")
+
+
 def _common(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) threads")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -22,6 +27,7 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--compare", default="hf,llamacpp", help="peers: hf, llamacpp, or ''")
     p.add_argument("--hf-batch-size", type=int, default=8)
     p.add_argument("--kv-cache-memory", default="2GiB")
+    _kv_cache_dtype(p)
     _common(p)
     p.set_defaults(func=run_throughput_cmd)
 
@@ -33,6 +39,7 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--compare", default="hf,llamacpp")
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds, engines taking turns in each; tables show medians")
+    _kv_cache_dtype(p)
     _common(p)
     p.set_defaults(func=run_latency_cmd)
 
@@ -84,7 +91,8 @@ def run_throughput_cmd(args) -> int:
     model = _setup(args)
     w = Workload(args.num_prompts, args.input_len, args.output_len)
     result = run_throughput(model, w, parse_compare(args.compare), args.hf_batch_size,
-                            args.kv_cache_memory, show_progress=not args.json)
+                            args.kv_cache_memory, show_progress=not args.json,
+                            kv_cache_dtype=args.kv_cache_dtype)
     return _emit(args, result, format_throughput)
 
 
@@ -97,7 +105,7 @@ def run_latency_cmd(args) -> int:
         raise KvslimError(f"--repeats must be at least 1, got {args.repeats}")
     result = run_latency(model, args.input_len, args.output_len, batches,
                          parse_compare(args.compare), show_progress=not args.json,
-                         repeats=args.repeats)
+                         repeats=args.repeats, kv_cache_dtype=args.kv_cache_dtype)
     return _emit(args, result, format_latency)
 
 

@@ -7,6 +7,9 @@ def add_engine_args(p, kv_cache_memory: str = "1GiB", max_num_seqs: int = 64) ->
     g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto "
                                                    "(float32 on CPU)")
     g.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"),
+                   help="KV-cache storage: auto (the model's dtype), int8 or fp8_e4m3, with a "
+                        "float16 scale per token and KV head (default auto)")
     g.add_argument("--kv-cache-memory", default=kv_cache_memory,
                    help=f"KV-cache budget, e.g. 512MiB, 2GiB (default {kv_cache_memory})")
     g.add_argument("--block-size", type=int, default=16)
@@ -38,14 +41,16 @@ def llm_from_args(args):
                kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-               enforce_eager=args.enforce_eager)
+               enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def check_args(args) -> None:
     """What loading the model would reject later: sampling flags (when the command has them),
     engine sizes, and that one KV-cache block fits kv_cache_memory (from the model's config,
     read without its weights)."""
+    from kvslim.attention import resolve_kv_cache_dtype
     from kvslim.engine.config import num_kv_blocks
+    from kvslim.engine.model_runner import kv_block_bytes
     from kvslim.errors import KvslimError
     from kvslim.device import resolve_device
     from kvslim.formats.loader import resolve_dtype
@@ -56,8 +61,10 @@ def check_args(args) -> None:
         sampling_from_args(args)
     config = engine_config_from_args(args)
     model_config = model_config_of(args.model)
-    dtype = resolve_dtype(args.dtype, model_config, resolve_device(args.device))
-    num_kv_blocks(config, config.block_size * model_config.kv_bytes_per_token(dtype))
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, model_config, device)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
+    num_kv_blocks(config, kv_block_bytes(model_config, config.block_size, kv_dtype))
 
 
 def engine_config_from_args(args):
@@ -66,7 +73,8 @@ def engine_config_from_args(args):
         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager)
+        dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
+        kv_cache_dtype=args.kv_cache_dtype)
 
 
 def add_sampling_args(p, max_tokens: int = 256) -> None:

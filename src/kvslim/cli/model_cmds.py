@@ -23,8 +23,9 @@ def register(sub) -> None:
     p.add_argument("model", metavar="MODEL", nargs="?", default=None,
                    help="model directory, .gguf file or 'default' (default: the embedded "
                         "SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", help="KV-cache dtype for the bytes per token "
-                                   "(default: the dtype the weights are stored in)")
+    p.add_argument("--dtype", help="KV-cache dtype for the bytes per token: float32, bfloat16, "
+                                   "float16, or int8 / fp8_e4m3 (with their float16 scales, as "
+                                   "the engine stores them; default: the weights' dtype)")
     p.add_argument("--json", action="store_true", help="print as JSON")
     p.set_defaults(func=run_info)
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from kvslim.errors import KvslimError
 
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12,
           "tb": 10**12}
@@ -31,6 +33,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"         # auto (the model's dtype), int8 or fp8_e4m3
     device: str = "auto"
     seed: int = 0                        # for requests that sample without their own seed
     enforce_eager: bool = False          # on CUDA: no CUDA graphs for decode steps
@@ -40,6 +43,9 @@ class EngineConfig:
         for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise KvslimError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise KvslimError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise KvslimError(f"max_model_len must be positive, got {self.max_model_len}")
 

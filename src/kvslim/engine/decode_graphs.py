@@ -36,9 +36,9 @@ class DecodeGraphs:
         self.use_graphs = use_graphs
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
         self.max_blocks = max_blocks_per_seq
-        self.block_size = kv_caches[0][0].shape[1]
+        self.block_size = kv_caches[0].block_size
         self.scratch_slot = scratch_slot
-        dev = kv_caches[0][0].device
+        dev = kv_caches[0].device
         n = self.batch_sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)

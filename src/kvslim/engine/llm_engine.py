@@ -67,10 +67,12 @@ class LLMEngine:
     def _max_model_len(self) -> int:
         """The model's context, capped by what the KV cache can hold for one sequence (a user
         who asks for more than the cache holds gets an error instead)."""
+        from kvslim.attention import resolve_kv_cache_dtype
         from kvslim.engine.model_runner import kv_block_bytes
-        dtype = next(self.model.parameters()).dtype
+        param = next(self.model.parameters())
+        kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, param.dtype, param.device)
         capacity = (self.config.kv_cache_memory
-                    // kv_block_bytes(self.model_config, self.config.block_size, dtype)
+                    // kv_block_bytes(self.model_config, self.config.block_size, kv_dtype)
                     * self.config.block_size)
         if self.config.max_model_len is not None:
             if capacity and self.config.max_model_len > capacity:
@@ -319,7 +321,8 @@ class LLMEngine:
             bytes_per_token=r.bytes_per_block // bm.block_size, bytes_per_block=r.bytes_per_block,
             total_bytes=r.bytes_per_block * bm.num_blocks, max_tokens=bm.num_blocks * bm.block_size,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions)
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_cache_dtype=str(r.kv_dtype).removeprefix("torch."))
 
     @property
     def num_running(self) -> int:

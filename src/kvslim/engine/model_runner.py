@@ -7,7 +7,9 @@ import itertools
 
 import torch
 
-from kvslim.attention import PagedAttention, PagedStepLayout, PrefillChunk, build_paged_metadata
+from kvslim.attention import (KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, KVCacheLayer, PagedAttention, PagedStepLayout,
+                              PrefillChunk, QuantizedKVCacheLayer, build_paged_metadata,
+                              resolve_kv_cache_dtype)
 from kvslim.engine.block_table import BlockTables
 from kvslim.engine.config import EngineConfig, num_kv_blocks
 from kvslim.engine.decode_graphs import DecodeGraphs
@@ -17,9 +19,14 @@ from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvslim.models.llama import LlamaForCausalLM
 
 
-def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block of every layer."""
-    return block_size * model_config.kv_bytes_per_token(dtype)
+def kv_block_bytes(model_config, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of K and V for one block of every layer, in the cache's dtype; a quantized cache
+    adds its per-token scales."""
+    return block_size * model_config.kv_cache_bytes_per_token(kv_dtype)
+
+
+def is_quantized(kv_dtype: torch.dtype) -> bool:
+    return kv_dtype in QUANTIZED_KV_DTYPES.values()
 
 
 class ModelRunner:
@@ -31,7 +38,8 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = config.block_size
-        self.bytes_per_block = kv_block_bytes(mc, self.block_size, self.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        self.bytes_per_block = kv_block_bytes(mc, self.block_size, self.kv_dtype)
         self.num_blocks = num_kv_blocks(config, self.bytes_per_block)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self._allocate_cache(reserved_blocks=int(use_graphs))
@@ -42,12 +50,19 @@ class ModelRunner:
 
     def _allocate_cache(self, reserved_blocks: int) -> None:
         """One allocation for the whole cache: [layers, K/V, blocks, block_size, kv_heads,
-        head_dim], plus `reserved_blocks` the block manager never hands out."""
+        head_dim], plus `reserved_blocks` the block manager never hands out. A quantized cache
+        has a second one for its scales: [layers, K/V, blocks, block_size, kv_heads]."""
         mc = self.model.config
-        self.kv_cache = torch.zeros(
-            mc.num_hidden_layers, 2, self.num_blocks + reserved_blocks, self.block_size,
-            mc.num_key_value_heads, mc.head_dim, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        shape = (mc.num_hidden_layers, 2, self.num_blocks + reserved_blocks, self.block_size,
+                 mc.num_key_value_heads)
+        self.kv_cache = torch.zeros(*shape, mc.head_dim, dtype=self.kv_dtype, device=self.device)
+        self.kv_scales = None
+        if not is_quantized(self.kv_dtype):
+            self.kv_caches = [KVCacheLayer(layer[0], layer[1]) for layer in self.kv_cache]
+            return
+        self.kv_scales = torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=self.device)
+        self.kv_caches = [QuantizedKVCacheLayer(kv[0], kv[1], s[0], s[1], self.dtype)
+                          for kv, s in zip(self.kv_cache, self.kv_scales)]
 
     def _decode_graphs(self, use_graphs: bool) -> DecodeGraphs:
         # Padding rows write into the reserved block after the last one in use.
@@ -72,6 +87,8 @@ class ModelRunner:
         if copies:
             src, dst = zip(*copies)
             self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
+            if self.kv_scales is not None:
+                self.kv_scales[:, :, list(dst)] = self.kv_scales[:, :, list(src)]
         entries = _attention_order(out.scheduled)
         input_ids, positions, layout, query_starts = self._prepare(entries)
         hidden = None

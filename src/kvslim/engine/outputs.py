@@ -75,13 +75,14 @@ class KVCacheStats:
     num_used_blocks: int
     num_free_blocks: int
     num_cached_free_blocks: int
-    bytes_per_token: int
+    bytes_per_token: int                      # K/V elements, plus scales when quantized
     bytes_per_block: int
     total_bytes: int
     max_tokens: int                           # tokens the whole cache holds
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    kv_cache_dtype: str = "float32"           # "int8" / "float8_e4m3fn" when quantized
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from kvslim.attention import QUANTIZED_KV_DTYPES
 from kvslim.models.config import ModelConfig, dtype_name, parse_dtype
 from kvslim.formats.loader import IGNORED_SUFFIXES, weight_files
 
@@ -42,10 +43,11 @@ class ModelInfo:
 
 
 def model_info(model_dir: str | Path, kv_dtype: str | torch.dtype | None = None) -> ModelInfo:
-    """`kv_dtype` defaults to the dtype the weights are stored in."""
+    """`kv_dtype` defaults to the dtype the weights are stored in; "int8" and "fp8_e4m3" count
+    the engine's quantized cache, scales included."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
-    kv_dtype = parse_dtype(kv_dtype or config.torch_dtype)
+    kv_dtype = QUANTIZED_KV_DTYPES.get(kv_dtype) or parse_dtype(kv_dtype or config.torch_dtype)
     return ModelInfo(
         model_dir=str(model_dir),
         architecture=config.architecture,
@@ -66,7 +68,7 @@ def model_info(model_dir: str | Path, kv_dtype: str | torch.dtype | None = None)
         tie_word_embeddings=config.tie_word_embeddings,
         weights_dtype=config.torch_dtype,
         kv_cache_dtype=dtype_name(kv_dtype),
-        kv_bytes_per_token=config.kv_bytes_per_token(kv_dtype),
+        kv_bytes_per_token=config.kv_cache_bytes_per_token(kv_dtype),
     )
 
 

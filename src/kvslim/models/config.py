@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kvslim.attention.kv_cache import KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES
 from kvslim.errors import ConfigError
 from kvslim.layers.quant_linear import QuantSpec
 
@@ -158,6 +159,27 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype | str = torch.float16) -> int:
         """Bytes of K and V for one token, all layers, cached in `dtype`."""
         return self.kv_elements_per_token() * parse_dtype(dtype).itemsize
+
+    def kv_scales_per_token(self, num_kv_heads: int | None = None) -> int:
+        """Scales a quantized (int8/fp8) cache stores beside one token's elements, all layers:
+        one per K and per V head (`attention/kv_cache.py`). For an MLA model's own layout (which
+        the engine does not run) one per cached latent row and layer."""
+        if self.mla is not None and num_kv_heads is None:
+            return self.num_hidden_layers
+        heads = self.num_key_value_heads if num_kv_heads is None else num_kv_heads
+        return self.num_hidden_layers * 2 * heads
+
+    def kv_scale_bytes_per_token(self, num_kv_heads: int | None = None) -> int:
+        """Bytes of those scales (float16, `KV_SCALE_DTYPE`), added to `kv_bytes_per_token`."""
+        return self.kv_scales_per_token(num_kv_heads) * KV_SCALE_DTYPE.itemsize
+
+    def kv_cache_bytes_per_token(self, kv_cache_dtype: torch.dtype | str) -> int:
+        """What the engine's cache stores per token: the elements in `kv_cache_dtype` (a float
+        dtype, "int8" or "fp8_e4m3"), plus the scales when that dtype is quantized."""
+        dtype = QUANTIZED_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
+        if dtype in QUANTIZED_KV_DTYPES.values():
+            return self.kv_bytes_per_token(dtype) + self.kv_scale_bytes_per_token()
+        return self.kv_bytes_per_token(dtype)
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> None:

@@ -6,8 +6,10 @@ only when a number is shown. Capacity is counted the way the engine allocates it
 `block_size` tokens from the bytes left after the weights), so for a model the engine loads the
 planner's bytes per token and blocks are exactly the engine's (tests/bench/test_memory.py).
 
-Not counted: activations, the framework's workspace and allocator slack, and the scales that
-quantized formats (fp8/int8/int4) store beside their elements."""
+An int8 or fp8 KV cache is counted as the engine stores it: the elements plus one float16 scale
+per token and KV head (`ModelConfig.kv_scale_bytes_per_token`). Not counted: activations, the
+framework's workspace and allocator slack, and the scales of int4 (KV or weights) and of
+quantized weights."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -26,6 +28,7 @@ DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": 
                  "float8_e5m2": "fp8"}
 DEFAULT_CONTEXT = 4096
 DEFAULT_BLOCK_SIZE = 16                # the engine's default (EngineConfig.block_size)
+SCALED_KV_DTYPES = ("fp8", "int8")     # KV dtypes the engine stores with per-token scales
 
 
 def parse_storage_dtype(name: str, flag: str = "--dtype") -> str:
@@ -49,6 +52,7 @@ class KVLayout:
     name: str                          # "MHA", "GQA", "MQA" or "MLA"
     label: str                         # e.g. "GQA, 8 KV heads (this model)"
     elements_per_token: int
+    scale_bytes_per_token: int         # the float16 scales of an int8/fp8 cache
     is_model: bool = False             # the layout the model really uses
 
 
@@ -60,13 +64,15 @@ def kv_layouts(config: ModelConfig) -> list[KVLayout]:
     kind = config.attention_kind
     own_label = (f"MLA, latent {config.mla.kv_lora_rank} + RoPE key {config.mla.qk_rope_head_dim}"
                  if config.mla else f"{kind}, {config.num_key_value_heads} KV heads")
-    layouts = [KVLayout(kind, own_label + " (this model)", config.kv_elements_per_token(), True)]
+    layouts = [KVLayout(kind, own_label + " (this model)", config.kv_elements_per_token(),
+                        config.kv_scale_bytes_per_token(), True)]
     if kind != "MHA":
         layouts.insert(0, KVLayout("MHA", f"MHA equivalent, {heads} KV heads",
-                                   config.kv_elements_per_token(heads)))
+                                   config.kv_elements_per_token(heads),
+                                   config.kv_scale_bytes_per_token(heads)))
     if kind != "MQA":
         layouts.append(KVLayout("MQA", "MQA equivalent, 1 KV head",
-                                config.kv_elements_per_token(1)))
+                                config.kv_elements_per_token(1), config.kv_scale_bytes_per_token(1)))
     return layouts
 
 
@@ -170,6 +176,8 @@ def plan_memory(config: ModelConfig, context: int = DEFAULT_CONTEXT, batch: int 
     layouts = []
     for layout in kv_layouts(config):
         per_token = storage_bytes(layout.elements_per_token, kv_dtype)
+        if kv_dtype in SCALED_KV_DTYPES:
+            per_token += layout.scale_bytes_per_token
         capacity = None if memory_bytes is None else \
             kv_capacity(memory_bytes - weight_bytes, per_token, block_size, context)
         layouts.append(LayoutPlan(layout.name, layout.label, layout.is_model,
@@ -198,8 +206,11 @@ def _notes(plan: MemoryPlan) -> list[str]:
         notes.append(f"MoE: all {config.moe.num_experts} experts are resident (weight bytes); "
                      f"{config.moe.num_experts_per_tok} run per token "
                      f"({plan.num_active_parameters:,} active parameters)")
-    if plan.kv_dtype in ("fp8", "int8", "int4"):
-        notes.append(f"{plan.kv_dtype} KV counts elements only, not the scales stored beside them")
+    if plan.kv_dtype in SCALED_KV_DTYPES:
+        notes.append(f"{plan.kv_dtype} KV includes a float16 scale per token and KV head, as "
+                     "kvslim's engine stores it (--kv-cache-dtype)")
+    elif plan.kv_dtype == "int4":
+        notes.append("int4 KV counts elements only, not the scales stored beside them")
     return notes
 
 

@@ -1,0 +1,130 @@
+"""One layer's view of the paged KV cache: where a step's new K/V are written and where attention
+reads them back, in the model's dtype or quantized (`--kv-cache-dtype int8` / `fp8_e4m3`).
+
+`PagedAttention` calls only `write` (new tokens, through the slot mapping) and `gather` (whole
+blocks, through a block table), so the quantized cache is one more class behind those two calls,
+chosen once when the engine allocates its cache.
+
+Quantized K/V are symmetric with one scale per token and KV head (absmax over head_dim / qmax),
+kept in a separate `scales` tensor [blocks, block_size, kv_heads] beside the int8/fp8 elements.
+Scales are float16: 2 bytes per head_dim elements (3.1% at head_dim 64, against 6.2% for float32),
+and their relative rounding (2^-11) is far below one int8 step (1/127 of the absmax). Elements are
+quantized with the float16-rounded scale itself, so dequantizing is exact arithmetic on what is
+stored.
+
+A step's fresh tokens are attended as they will be read back later (`write` returns the
+dequantized values), never in full precision: a prompt computed in one chunk, in several, or
+found in the prefix cache then sees bit-identical keys and values, so greedy output does not
+depend on chunking, batch composition or prefix-cache hits."""
+from __future__ import annotations
+
+import torch
+
+from kvslim.errors import KvslimError
+
+KV_SCALE_DTYPE = torch.float16
+# The quantized KV dtypes the engine offers, and the largest magnitude each stores.
+QUANTIZED_KV_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+# float16's smallest normal number: a row of zeros gets this scale instead of a division by 0.
+_MIN_SCALE = 2.0 ** -14
+
+
+class KVCacheLayer:
+    """K and V of one layer in the model's dtype: [blocks, block_size, kv_heads, head_dim] each."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_cache.device
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store the new tokens' k, v [N, KVH, D] at `slots`; returns the K/V attention should
+        use for them (what `gather` will give back)."""
+        kvh, d = self.k_cache.shape[2], self.k_cache.shape[3]
+        self.k_cache.view(-1, kvh, d)[slots] = k
+        self.v_cache.view(-1, kvh, d)[slots] = v
+        return k, v
+
+    def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `blocks`, [len(blocks) * block_size, KVH, D]."""
+        kvh, d = self.k_cache.shape[2], self.k_cache.shape[3]
+        # index_select copies whole blocks (memcpy); advanced indexing is 4x slower here.
+        return (self.k_cache.index_select(0, blocks).view(-1, kvh, d),
+                self.v_cache.index_select(0, blocks).view(-1, kvh, d))
+
+
+class QuantizedKVCacheLayer(KVCacheLayer):
+    """int8 or fp8 K/V plus float16 scales [blocks, block_size, kv_heads] for each; attention
+    computes in `dtype` (the model's)."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor,
+                 v_scales: torch.Tensor, dtype: torch.dtype):
+        super().__init__(k_cache, v_cache)
+        self.k_scales, self.v_scales, self.dtype = k_scales, v_scales, dtype
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        kvh, d = self.k_cache.shape[2], self.k_cache.shape[3]
+        fresh = []
+        for x, cache, scales in ((k, self.k_cache, self.k_scales),
+                                 (v, self.v_cache, self.v_scales)):
+            q, s = quantize(x, cache.dtype)
+            cache.view(-1, kvh, d)[slots] = q
+            scales.view(-1, kvh)[slots] = s
+            fresh.append(dequantize(q, s, self.dtype))
+        return fresh[0], fresh[1]
+
+    def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kvh, d = self.k_cache.shape[2], self.k_cache.shape[3]
+        return tuple(dequantize(cache.index_select(0, blocks).view(-1, kvh, d),
+                                scales.index_select(0, blocks).view(-1, kvh), self.dtype)
+                     for cache, scales in ((self.k_cache, self.k_scales),
+                                           (self.v_cache, self.v_scales)))
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (elements [..., D] in `dtype`, float16 scales [...]), symmetric per row."""
+    qmax = _QMAX[dtype]
+    amax = x.abs().amax(dim=-1).float()
+    scale = (amax / qmax).clamp(min=_MIN_SCALE).to(KV_SCALE_DTYPE)
+    y = (x.float() / scale.float().unsqueeze(-1)).clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        y = y.round()
+    return y.to(dtype), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return q.to(dtype) * scale.to(dtype).unsqueeze(-1)
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype,
+                           device: torch.device) -> torch.dtype:
+    """"auto" is the model's dtype; "int8" anywhere; "fp8_e4m3" where this device and torch can
+    store, index and convert float8 (checked by doing it, not by a version table)."""
+    if name == "auto":
+        return model_dtype
+    dtype = QUANTIZED_KV_DTYPES[name]
+    if dtype.is_floating_point:
+        _check_fp8(dtype, device)
+    return dtype
+
+
+def _check_fp8(dtype: torch.dtype, device: torch.device) -> None:
+    try:
+        x = torch.linspace(-2, 2, 16, device=device).view(2, 8)
+        cache = torch.zeros(4, 8, dtype=dtype, device=device)
+        cache[torch.tensor([1, 3], device=device)] = x.to(dtype)
+        back = cache.index_select(0, torch.tensor([3], device=device)).float()
+        ok = bool(torch.allclose(back, x[1:], atol=0.13))
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        raise KvslimError(f"kv_cache_dtype=fp8_e4m3 is not supported on {device} by torch "
+                          f"{torch.__version__} ({e}); use int8") from None
+    if not ok:
+        raise KvslimError(f"kv_cache_dtype=fp8_e4m3: float8 round trip is wrong on {device} "
+                          f"with torch {torch.__version__}; use int8")
