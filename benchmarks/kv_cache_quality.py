@@ -2,7 +2,7 @@
 perplexity from prompt logprobs over windows of a corpus, and batch-1 decode speed measured in
 interleaved rounds (medians).
 
-    PYTHONPATH=src python scripts/kv_cache_quality.py --model DIR --corpus FILE --json
+    python benchmarks/kv_cache_quality.py --model DIR --corpus FILE --json
 """
 from __future__ import annotations
 
