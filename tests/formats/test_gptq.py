@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvslim.errors import WeightsError
 from kvslim.formats.gptq import QuantizedWeight, pack_gptq, unpack_gptq
 from kvslim.formats.loader import load_model
 from kvslim.layers.quant_linear import QuantSpec, pack_int32, unpack_int32
@@ -150,3 +151,29 @@ def test_quantized_logits_match_the_dequantized_float_model(hf_checkpoints, tmp_
         ref = hf(ids).logits
         got = load_model(path, dtype=torch.float32).logits(ids)
     assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_a_checkpoint_without_g_idx_loads_with_groups_in_order(hf_checkpoints, tmp_path):
+    """Without act-order, writers may leave g_idx out: channel i is then in group i // size."""
+    path, _, expected = write_quantized(hf_checkpoints["qwen2_bias"], tmp_path / "q", 4, 32,
+                                        "gptq", False)
+    tensors = load_file(path / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.endswith(".g_idx")},
+              path / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(path, dtype=torch.float32)
+    for name, ref in expected.items():
+        prefix = name.rpartition(".")[0]
+        parent, _, proj = prefix.rpartition(".")
+        part, shard = model.packed_modules_mapping.get(proj, (proj, None))
+        layer = model.get_submodule(f"{parent}.{part}")
+        assert torch.equal(layer.dequantized_weight()[layer._shard(shard)[1]], ref), name
+
+
+def test_an_act_order_checkpoint_without_g_idx_is_refused(hf_checkpoints, tmp_path):
+    path, _, _ = write_quantized(hf_checkpoints["qwen2_bias"], tmp_path / "q", 4, 32, "gptq",
+                                 True)
+    tensors = load_file(path / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.endswith(".g_idx")},
+              path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightsError, match=r"missing weight .*g_idx"):
+        load_model(path, dtype=torch.float32)

@@ -68,13 +68,29 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto",
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     loaded = model.load_weights(_checked_weights(model_dir, config, expected))
-    missing = sorted(set(expected) - loaded)
+    missing = sorted(set(expected) - loaded - _default_g_idx(model, config, set(expected) - loaded))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise WeightsError(f"missing weight {missing[0]!r}{more} in {model_dir}")
     model.model.rotary = RotaryEmbedding(config.head_dim, config.rope_theta,
                                          config.rope_scaling).to(device)
     return model.eval()
+
+
+def _default_g_idx(model, config: ModelConfig, missing: set[str]) -> set[str]:
+    """GPTQ checkpoints quantized without act-order may leave `g_idx` out: then input channel
+    i is in group i // group_size. Fills those and returns their names."""
+    spec = config.quantization
+    names = {name for name in missing if name.endswith(".g_idx")}
+    if spec is None or spec.desc_act or not names:
+        return set()
+    views = model.hf_state_dict()
+    with torch.no_grad():
+        for name in names:
+            channels = torch.arange(views[name].numel(), device=views[name].device)
+            views[name].copy_(channels // spec.group_size if spec.group_size > 0
+                              else torch.zeros_like(channels))
+    return names
 
 
 def _checked_weights(model_dir: Path, config: ModelConfig, expected: dict[str, torch.Size]
