@@ -54,7 +54,7 @@ def test_first_value_sits_in_the_lowest_bits():
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_tensors_round_trip(bits, fmt, act_order):
     gen = torch.Generator().manual_seed(0)
-    w = random_weight(48, 128, bits, 32, act_order, gen)
+    w = random_weight(48, 128, bits, 32, act_order, gen, min_zero=1 if fmt == "gptq" else 0)
     spec = QuantSpec(bits, 32, act_order, False, fmt)
     tensors = pack_gptq(w, spec)
     assert tensors["qweight"].shape == (128 * bits // 32, 48)
@@ -67,6 +67,16 @@ def test_gptq_tensors_round_trip(bits, fmt, act_order):
 
 
 # ---- a checkpoint packed by hand -------------------------------------------------------------
+def test_v1_zero_points_read_as_autogptq_reads_them():
+    """v1 stores zero - 1 and AutoGPTQ reads `(stored & mask) + 1`: a stored 15 (4-bit) is a
+    zero of 16, not 0. kvslim reads it the same way and refuses to write a zero of 0 as v1."""
+    from kvslim.errors import ConfigError
+    spec = QuantSpec(4, 32, False, False, "gptq")
+    assert spec.zeros_from_stored(torch.tensor([0, 7, 15])).tolist() == [1, 8, 16]
+    with pytest.raises(ConfigError, match="zero point of 0"):
+        spec.zeros_to_stored(torch.tensor([0, 3]))
+
+
 def hand_pack(values: np.ndarray, bits: int, axis: int) -> torch.Tensor:
     """32 // bits values per uint32 along `axis`, value k of a word at bits [k*bits, (k+1)*bits)."""
     v = np.moveaxis(values.astype(np.uint32), axis, 0)

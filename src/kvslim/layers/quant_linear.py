@@ -63,15 +63,20 @@ class QuantSpec:
         return 1 if self.group_size == -1 else -(-in_features // self.group_size)
 
     def zeros_from_stored(self, stored: torch.Tensor) -> torch.Tensor:
-        """Zero points from the unpacked qzeros. v1 stores zero - 1; a zero of 0 wraps to
-        2**bits - 1 and back, as AutoGPTQ's reference dequantization reads it."""
+        """Zero points from the unpacked qzeros. v1 stores zero - 1 and is read back as
+        stored + 1 without wrapping, as AutoGPTQ's own dequantization does (qlinear_cuda_old,
+        `(qzeros >> shift & mask) + 1`): a zero of 0, stored as 2**bits - 1, comes back as
+        2**bits there, so kvslim computes what that checkpoint computes in AutoGPTQ."""
         if self.checkpoint_format == "gptq":
-            return (stored + 1) & (2 ** self.bits - 1)
+            return stored + 1
         return stored
 
     def zeros_to_stored(self, zeros: torch.Tensor) -> torch.Tensor:
         if self.checkpoint_format == "gptq":
-            return (zeros - 1) & (2 ** self.bits - 1)
+            if bool((zeros == 0).any()):
+                raise ConfigError("a zero point of 0 cannot be stored in checkpoint_format "
+                                  "'gptq' (v1 reads it back as 2**bits); use 'gptq_v2'")
+            return zeros - 1
         return zeros
 
 
