@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 ONEDNN_BATCH_HINT = 64           # as kvslim.layers.cpu_linear
+BF16_RTOL = 1e-2
 CHUNK_ROWS = 256                 # output rows dequantized at a time by the chunked variant
 
 
@@ -72,6 +73,13 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / sx).clamp(-127, 127).to(torch.int8), sx
 
 
+def _bf16_input_ref(w_deq: torch.Tensor) -> Fn:
+    """The native int8/int4 ops are vectorized for bfloat16 activations only (float32 takes a
+    scalar loop): those candidates are checked against float math on x rounded to bfloat16,
+    with BF16_RTOL for the bfloat16 scales (int4: zeros) and output rounding (2^-9 relative)."""
+    return lambda x: F.linear(x.bfloat16().float(), w_deq)
+
+
 # --- candidates ------------------------------------------------------------------------------
 
 def fp32_candidates(w: torch.Tensor) -> list[Candidate]:
@@ -117,8 +125,12 @@ def int8_candidates(w: torch.Tensor, compile_: bool) -> list[Candidate]:
         Candidate("int8.chunked_dequant", "int8", nbytes, _chunked_dequant_mm(q, s), ref),
     ]
     if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        cands.append(Candidate("int8.weight_int8pack_mm", "int8", nbytes,
-                               lambda x: torch.ops.aten._weight_int8pack_mm(x, q, s), ref))
+        s16 = s.bfloat16()
+        cands += [Candidate("int8.weight_int8pack_mm", "int8", nbytes,
+                            lambda x: torch.ops.aten._weight_int8pack_mm(x, q, s), ref),
+                  Candidate("int8.weight_int8pack_mm_bf16", "int8", nbytes, lambda x: torch.ops.
+                            aten._weight_int8pack_mm(x.bfloat16(), q, s16).float(),
+                            _bf16_input_ref(w_deq), rtol=BF16_RTOL)]
     if compile_:
         def deq(x, q, s):
             return F.linear(x, q.to(x.dtype) * s[:, None])
@@ -150,8 +162,13 @@ def int4_candidates(w: torch.Tensor, group: int, compile_: bool) -> list[Candida
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # The op dequantizes (q - 8) * scale + zero: zero = (8 - our zero) * scale.
         sz = torch.stack((scales, (8 - zeros) * scales), dim=-1).transpose(0, 1).contiguous()
-        cands.append(Candidate(f"{fam}.int4pack_mm_for_cpu", fam, nbytes, lambda x: torch.ops.
-                               aten._weight_int4pack_mm_for_cpu(x, packed, group, sz), ref))
+        sz16 = sz.bfloat16()
+        cands += [Candidate(f"{fam}.int4pack_mm_for_cpu", fam, nbytes, lambda x: torch.ops.
+                            aten._weight_int4pack_mm_for_cpu(x, packed, group, sz), ref),
+                  Candidate(f"{fam}.int4pack_mm_for_cpu_bf16", fam, nbytes,
+                            lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                                x.bfloat16(), packed, group, sz16).float(),
+                            _bf16_input_ref(w_deq), rtol=BF16_RTOL)]
     if compile_:
         compiled = torch.compile(unpack_dequant, dynamic=True)
         cands.append(Candidate(f"{fam}.compiled_unpack_dequant", fam, nbytes,
