@@ -1,5 +1,6 @@
 """`kvslim bench <kind>`: one sub-command per benchmark — throughput, latency, capacity, report
-(the standard suite that writes docs/benchmarks.md) and serve (load against a running server)."""
+(the standard suite that writes docs/benchmarks.md), serve (load against a running server) and
+kernels (linear kernels for quantized weights)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ import os
 
 
 def register(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, capacity, report, serve")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, capacity, report, serve, kernels")
     kinds = bench.add_subparsers(dest="bench_command", metavar="KIND", required=True)
     from kvslim.cli.bench_engine_cmds import register_engine_benchmarks
     register_engine_benchmarks(kinds)

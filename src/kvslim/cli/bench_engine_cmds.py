@@ -1,4 +1,4 @@
-"""`kvslim bench throughput | latency | profile | capacity | report`."""
+"""`kvslim bench throughput | latency | profile | capacity | report | kernels`."""
 from __future__ import annotations
 
 import json
@@ -70,6 +70,22 @@ def register_engine_benchmarks(kinds) -> None:
                    help="rewrite OUT and its plots from OUT.json without measuring")
     _common(p)
     p.set_defaults(func=run_report_cmd)
+    _register_kernels(kinds)
+
+
+def _register_kernels(kinds) -> None:
+    p = kinds.add_parser("kernels", help="linear kernels (float32, int8, int4, W8A8) on "
+                                         "SmolLM2-135M's shapes: µs, GB/s, GOP/s per batch")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64", help="row counts M")
+    p.add_argument("--shapes", default=None,
+                   help="comma list of qkv,o,gate_up,down,lm_head or NAME=IN:OUT (default all)")
+    p.add_argument("--groups", default="32,64,128", help="4-bit group sizes")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; cells are medians")
+    p.add_argument("--target-ms", type=float, default=20.0, help="time per measurement")
+    p.add_argument("--no-compile", action="store_true", help="leave out torch.compile candidates")
+    p.add_argument("--no-torchao", action="store_true", help="leave out torchao candidates")
+    _common(p)
+    p.set_defaults(func=run_kernels_cmd)
 
 
 def _setup(args):
@@ -144,3 +160,16 @@ def run_report_cmd(args) -> int:
         out = run_report(args.out, args.ref_model, quick=args.quick)
     print(f"wrote {out}")
     return 0
+
+
+def run_kernels_cmd(args) -> int:
+    from kvslim.bench.kernels import format_kernels, parse_shapes, run_kernels
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    if args.rounds < 1 or min(batches) < 1:
+        raise KvslimError("--rounds and every --batches entry must be at least 1")
+    result = run_kernels(parse_shapes(args.shapes), batches,
+                         tuple(int(g) for g in args.groups.split(",")), args.rounds,
+                         args.target_ms, not args.no_compile, not args.no_torchao)
+    return _emit(args, result, format_kernels)

@@ -1,0 +1,181 @@
+"""Quantized linear kernels as plain functions: INT8 weight-only, 4-bit group-wise weight-only and
+W8A8 (dynamic per-token int8 activations), each with a pure-torch fallback (dequantize a chunk
+of rows at a time, then torch.mm) for a device, dtype or torch build without the native op.
+
+Measured with `kvslim bench kernels --threads 1` (AMD EPYC with AVX-512 VNNI, torch 2.13 CPU,
+two cores shared with other work, so cells are noisy by ~30% and up to 2x between runs), on
+SmolLM2-135M's shapes, µs per call at M = 1 / 8 / 64 rows. The bf16 rows come from a second run
+(`--shapes qkv,gate_up,down,lm_head --groups 32 --no-compile --no-torchao --rounds 3`) on busier
+cores, where fp32 mm qkv took 67 / 266 / 704 and W8A8 32 / 66 / 124; the rest from the default:
+
+    576->960 (qkv)      fp32 mm 28 / 123 / 679    oneDNN packed 37 / 56 / 295
+                        int8pack bf16 36 / 102 / 479   int8pack fp32 354 / 2917 / 24170
+                        int4pack bf16 31 / 85 / 427    int4pack fp32 796 / 6460 / 51292
+                        int8 dequant+mm 57 / 152 / 728   int4 unpack+dequant+mm 1872 / 3341 / 2573
+                        W8A8 torch._int_mm (incl. quantizing x) 18 / 40 / 122
+    576->49152 (lm_head) fp32 mm 5064, oneDNN 4283 at M=1; int8pack bf16 1756 / 3826 / 29261;
+                        int4pack bf16 1039 / 3169 / 23570; chunked int8 dequant 5815 / 10503 /
+                        39506 (whole-weight dequant 57594 at M=1); W8A8 1326 / 3901 / 8912
+
+So:
+- int8_linear and int4_linear use torch's native weight-only ops with bfloat16 activations at
+  every row count measured (1-64): with float32 activations the same ops run a scalar loop
+  10-20x slower, and every pure-torch dequant (also torch.compile'd: 1.1 s to compile, no faster
+  than eager for int8, 280 µs for int4 qkv at M=1) is slower than float32. The price is bfloat16
+  rounding of x and of the output (about 4e-3 of the largest output, measured).
+- w8a8_linear uses torch._int_mm (oneDNN VNNI; any M works on the CPU, the M > 16 and multiple-
+  of-8 limits are CUDA's) at every M: the fastest kernel in the table from one row on.
+- torchao 0.18 imports with torch 2.13, but its int8 weight-only is a dequant+mm (no faster than
+  ours), its W8A8 was 5-10x slower than torch._int_mm, and its int4 CPU format is refused.
+- The fallback dequantizes CHUNK_ROWS output rows at a time: for lm_head 10x faster than
+  dequantizing the whole weight, which goes through memory as float32.
+
+4-bit weights keep two forms (the nibbles for the fallback and dequantize(), torch's CPU packing
+for the native op): torch's layout is opaque, so reading it back needs the other."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_ROWS = 256              # output rows dequantized at a time by the fallback (stays in cache)
+
+
+def _native(name: str) -> bool:
+    return hasattr(torch.ops.aten, name)
+
+
+def _on_cpu_float(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    if x.shape[-1] != in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight takes {in_features}")
+    return x.reshape(-1, in_features).contiguous()
+
+
+def _chunked_mm(rows: torch.Tensor, out_features: int, dequant_rows) -> torch.Tensor:
+    """rows @ W^T with W dequantized CHUNK_ROWS output rows at a time: the float copy of a
+    chunk stays in cache instead of a whole float weight going through memory."""
+    out = torch.empty(rows.shape[0], out_features, dtype=rows.dtype)
+    for start in range(0, out_features, CHUNK_ROWS):
+        stop = min(start + CHUNK_ROWS, out_features)
+        torch.mm(rows, dequant_rows(start, stop, rows.dtype).t(), out=out[:, start:stop])
+    return out
+
+
+def _native_bf16(op, rows: torch.Tensor, *args) -> torch.Tensor:
+    """The native weight-only ops are vectorized for bfloat16 activations only (float32 takes
+    a scalar loop about 20x slower), so float32 rows go through bfloat16 and back."""
+    return op(rows.to(torch.bfloat16), *args).to(rows.dtype)
+
+
+def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is not None:
+        out = out.add_(bias.to(out.dtype))
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+# --- INT8 weight-only, symmetric per output channel ------------------------------------------
+
+def pack_int8(weight_fp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [out, in] and float32 scales [out] with weight ~= qweight * scales[:, None]."""
+    w = weight_fp.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return qweight.contiguous(), scales
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ (qweight * scales)^T + bias -> [..., out], in x's dtype."""
+    rows = _rows(x, qweight.shape[1])
+    if _on_cpu_float(rows) and _native("_weight_int8pack_mm"):
+        out = _native_bf16(torch.ops.aten._weight_int8pack_mm, rows, qweight,
+                           scales.to(torch.bfloat16))
+    else:
+        out = _chunked_mm(rows, qweight.shape[0],
+                          lambda a, b, dtype: qweight[a:b].to(dtype)).mul_(scales.to(rows.dtype))
+    return _finish(out, x, bias)
+
+
+# --- 4-bit group-wise, asymmetric: w = (q - zero) * scale per group of inputs -----------------
+
+@dataclass
+class Int4Weight:
+    """A 4-bit weight packed for int4_linear. `nibbles` holds two values per byte (even input
+    in the low nibble); `native`/`native_scales_zeros` are torch's CPU packing when it exists."""
+    out_features: int
+    in_features: int
+    group_size: int
+    nibbles: torch.Tensor              # uint8 [out, in // 2]
+    scales: torch.Tensor               # float32 [out, in // group]
+    zeros_x_scales: torch.Tensor       # zero * scale, float32 [out, in // group]
+    native: torch.Tensor | None = None
+    native_scales_zeros: torch.Tensor | None = None   # [in // group, out, 2], the op's form
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0,
+                   stop: int | None = None) -> torch.Tensor:
+        """Output rows start:stop (default all) as a float weight."""
+        nib, sl = self.nibbles[start:stop], slice(start, stop)
+        q = torch.stack((nib & 15, nib >> 4), dim=-1).reshape(nib.shape[0], -1, self.group_size)
+        w = q.to(dtype) * self.scales[sl, :, None].to(dtype)
+        return w.sub_(self.zeros_x_scales[sl, :, None].to(dtype)).reshape(nib.shape[0], -1)
+
+
+def pack_int4(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group_size: int) -> Int4Weight:
+    """values [out, in] in 0..15, scales and zeros [out, in // group_size]."""
+    out_f, in_f = values.shape
+    if in_f % group_size or in_f % 2 or scales.shape != (out_f, in_f // group_size):
+        raise ValueError(f"{in_f} inputs, groups of {group_size}, scales {tuple(scales.shape)}")
+    q = values.to(torch.int32)
+    if int(q.min()) < 0 or int(q.max()) > 15:
+        raise ValueError("4-bit values must lie in 0..15")
+    scales, zeros = scales.float().contiguous(), zeros.float().contiguous()
+    packed = Int4Weight(out_f, in_f, group_size,
+                        (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous(),
+                        scales, (zeros * scales).contiguous())
+    if _native("_convert_weight_to_int4pack_for_cpu") and values.device.type == "cpu":
+        packed.native = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        # The op dequantizes (q - 8) * scale + z, so z = (8 - zero) * scale.
+        packed.native_scales_zeros = torch.stack(
+            (scales, (8 - zeros) * scales), dim=-1).transpose(0, 1).contiguous()
+    return packed
+
+
+def int4_linear(x: torch.Tensor, packed: Int4Weight,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = _rows(x, packed.in_features)
+    if (packed.native is not None and _on_cpu_float(rows)
+            and _native("_weight_int4pack_mm_for_cpu")):
+        out = _native_bf16(torch.ops.aten._weight_int4pack_mm_for_cpu, rows, packed.native,
+                           packed.group_size, packed.native_scales_zeros.to(torch.bfloat16))
+    else:
+        out = _chunked_mm(rows, packed.out_features,
+                          lambda a, b, dtype: packed.dequantize(dtype, a, b))
+    return _finish(out, x, bias)
+
+
+# --- W8A8: per-token int8 activations x per-channel int8 weights -----------------------------
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 rows and float32 [rows, 1] scales, symmetric, from each row's largest magnitude."""
+    xf = x.float()
+    sx = (xf.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(xf / sx).clamp(-127, 127).to(torch.int8), sx
+
+
+def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantizes each row of x to int8, multiplies in integers, rescales to x's dtype."""
+    rows = _rows(x, qweight.shape[1])
+    xq, sx = quantize_per_token(rows)
+    if rows.device.type == "cpu" and hasattr(torch, "_int_mm"):
+        acc = torch._int_mm(xq, qweight.t()).float()
+    else:                       # exact while |sums| < 2^24, float rounding beyond
+        acc = F.linear(xq.float(), qweight.float())
+    out = acc.mul_(sx).mul_(scales.float()).to(rows.dtype)
+    return _finish(out, x, bias)
