@@ -14,6 +14,7 @@ dequantizes in plain torch until `prepare_for_inference` picks a faster kernel."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Hashable
 
 import torch
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvslim.errors import ConfigError
+from kvslim.layers.quant_kernels import Int4Weight, int4_linear, pack_int4
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 LEAVES = ("qweight", "qzeros", "scales", "g_idx", "bias")      # checkpoint order per module
@@ -143,12 +145,33 @@ class QuantLinear(nn.Module):
 
     @torch.no_grad()
     def prepare_for_inference(self) -> None:
-        """The one place a faster kernel would be chosen, once the weights are loaded: the int8
-        and int4 weight-only kernels (`int8_linear(x, q[out, in], scales[out], bias)`, and
-        `int4_linear` over `pack_int4(q[out, in], scales, zeros, group_size)`) take this layer's
-        unpacked q, zeros and scales in [out, ...] order. Until they exist every call
-        dequantizes in plain torch (`self.kernel` stays None)."""
-        self.kernel = None
+        """Choose the kernel once the weights are loaded (`kvslim bench kernels` measured them;
+        see layers/quant_kernels.py). 4-bit layers whose shards share one group order run
+        `int4_linear` (act-order: the inputs are permuted into group order first); anything
+        else is dequantized once here, so no call pays for it again."""
+        packed = self._int4_packed() if self.spec.bits == 4 else None
+        if packed is not None:
+            weight, perm = packed
+            self.kernel = partial(_int4_forward, weight=weight, perm=perm, bias=self.bias)
+            return
+        dense = self.dequantized_weight().float()
+        self.kernel = partial(_dense_forward, weight=dense, bias=self.bias)
+
+    def _int4_packed(self) -> tuple[Int4Weight, torch.Tensor | None] | None:
+        """The layer as one Int4Weight over its inputs in group order, or None when its shards
+        order their groups differently or the groups are uneven."""
+        g_idx = self.g_idx[0].long()
+        group = self.spec.group_size if self.spec.group_size > 0 else self.in_features
+        if any(not torch.equal(g.long(), g_idx) for g in self.g_idx[1:]) or self.in_features % group:
+            return None
+        perm = torch.argsort(g_idx, stable=True)
+        if not torch.equal(g_idx[perm], torch.arange(self.in_features) // group):
+            return None
+        q = unpack_int32(self.qweight, 4, 0)[perm].t()                       # [out, in]
+        zeros = self.spec.zeros_from_stored(unpack_int32(self.qzeros, 4, 1)).t()
+        weight = pack_int4(q, self.scales.t().float(), zeros.float(), group)
+        identity = torch.equal(perm, torch.arange(self.in_features))
+        return weight, None if identity else perm
 
     # ---- checkpoint tensors ----------------------------------------------------------------
     def shard_key(self, shard_id: Hashable) -> Hashable:
@@ -208,3 +231,15 @@ class QuantMergedLinear(QuantLinear):
 
     def shard_key(self, shard_id: Hashable) -> Hashable:
         return list(self.shard_sizes)[shard_id] if isinstance(shard_id, int) else shard_id
+
+
+def _int4_forward(x: torch.Tensor, weight: Int4Weight, perm: torch.Tensor | None,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    if perm is not None:
+        x = x.index_select(-1, perm)
+    return int4_linear(x, weight, bias)
+
+
+def _dense_forward(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight.to(x.dtype), bias)

@@ -1,0 +1,57 @@
+"""QuantLinear after prepare_for_inference: the int4 kernel (groups in order, act-order
+permutations, v1 zero points of 16) and the dequantize-once path for everything else compute
+the layer's dequantized weight within the kernels' bfloat16 bound."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvslim.formats.gptq import QuantizedWeight, pack_gptq
+from kvslim.layers.quant_linear import QuantLinear, QuantSpec
+
+IN, OUT = 128, 48
+
+
+def layer(bits, group, act_order, fmt, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    top, groups = 2 ** bits, IN // group
+    g_idx = (torch.arange(IN) // group).to(torch.int32)
+    if act_order:
+        g_idx = g_idx[torch.randperm(IN, generator=gen)]
+    w = QuantizedWeight(q=torch.randint(0, top, (OUT, IN), generator=gen),
+                        zeros=torch.randint(1, top, (groups, OUT), generator=gen),
+                        scales=(torch.rand(groups, OUT, generator=gen) + 0.5) / top,
+                        g_idx=g_idx)
+    spec = QuantSpec(bits, group, act_order, False, fmt)
+    module = QuantLinear(IN, OUT, bias=bias, spec=spec)
+    with torch.no_grad():
+        for name, tensor in pack_gptq(w, spec).items():
+            target = module.g_idx[0] if name == "g_idx" else getattr(module, name)
+            target.copy_(tensor)
+        if bias:
+            module.bias.copy_(torch.randn(OUT, generator=gen))
+    return module
+
+
+@pytest.mark.parametrize("bits,group,act_order,fmt", [
+    (4, 32, False, "gptq"), (4, 32, True, "gptq_v2"), (4, 64, True, "gptq"),
+    (8, 32, False, "gptq"), (8, 64, True, "gptq_v2")])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepared_kernel_computes_the_dequantized_weight(bits, group, act_order, fmt, bias):
+    module = layer(bits, group, act_order, fmt, bias)
+    x = torch.randn(3, 5, IN, generator=torch.Generator().manual_seed(1))
+    ref = F.linear(x, module.dequantized_weight().float(), module.bias)
+    module.prepare_for_inference()
+    assert module.kernel.func.__name__ == ("_int4_forward" if bits == 4 else "_dense_forward")
+    got = module(x)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max() <= 1e-2 * ref.abs().max()       # bfloat16 activations
+
+
+def test_v1_zero_of_sixteen_is_kept_by_the_int4_kernel():
+    module = layer(4, 32, False, "gptq", False)
+    with torch.no_grad():
+        module.qzeros.fill_(-1)                     # every stored nibble 15: zero points of 16
+    x = torch.randn(4, IN, generator=torch.Generator().manual_seed(2))
+    ref = F.linear(x, module.dequantized_weight().float())
+    module.prepare_for_inference()
+    assert (module(x) - ref).abs().max() <= 1e-2 * ref.abs().max()
