@@ -21,7 +21,7 @@ def quantize(capsys, *argv):
      "--group-size 48 does not divide the input features of the model's linear layers "
      "(hidden_size = 64)"),
     (["--method", "gptq", "--group-size", "32"], "--method gptq needs calibration text: --calib FILE"),
-    (["--method", "awq"], "unknown --method 'awq'; choose one of rtn, gptq"),
+    (["--method", "awq"], "unknown --method 'awq'; choose one of rtn, gptq, int8"),
     (["--method", "rtn", "--act-order", "--group-size", "32"], "--act-order orders GPTQ's columns"),
 ])
 def test_bad_options_are_one_line(hf_checkpoints, tmp_path, capsys, flags, message):
@@ -57,3 +57,14 @@ def test_writes_a_gptq_checkpoint(hf_checkpoints, calib_file, tmp_path, capsys, 
     model = load_model(dst, dtype=torch.float32)
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantLinear)
     assert not isinstance(model.lm_head, QuantLinear)
+
+
+def test_int8_is_one_symmetric_scale_per_output_channel(hf_checkpoints, tmp_path, capsys):
+    rc, out = quantize(capsys, hf_checkpoints["gqa"], tmp_path / "q8", "--method", "int8")
+    assert rc == 0, out.err
+    config = json.loads((tmp_path / "q8" / "config.json").read_text())["quantization_config"]
+    assert (config["bits"], config["group_size"], config["sym"]) == (8, -1, True)
+    model = load_model(tmp_path / "q8", dtype=torch.float32)
+    model.prepare_for_inference()
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.kernel.func.__name__ == "int8_linear" for m in layers)

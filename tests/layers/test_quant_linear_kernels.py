@@ -1,6 +1,7 @@
 """QuantLinear after prepare_for_inference: the int4 kernel (groups in order, act-order
-permutations, v1 zero points of 16) and the dequantize-once path for everything else compute
-the layer's dequantized weight within the kernels' bfloat16 bound."""
+permutations, v1 zero points of 16), the int8 kernel (8 bits, one symmetric group per output
+channel) and the dequantize-once path for everything else compute the layer's dequantized
+weight within the kernels' bfloat16 bound."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,12 +14,13 @@ IN, OUT = 128, 48
 
 def layer(bits, group, act_order, fmt, bias, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    top, groups = 2 ** bits, IN // group
-    g_idx = (torch.arange(IN) // group).to(torch.int32)
+    top, groups = 2 ** bits, IN // group if group > 0 else 1
+    g_idx = (torch.arange(IN) // (group if group > 0 else IN)).to(torch.int32)
     if act_order:
         g_idx = g_idx[torch.randperm(IN, generator=gen)]
     w = QuantizedWeight(q=torch.randint(0, top, (OUT, IN), generator=gen),
-                        zeros=torch.randint(1, top, (groups, OUT), generator=gen),
+                        zeros=(torch.full((groups, OUT), top // 2) if group == -1
+                               else torch.randint(1, top, (groups, OUT), generator=gen)),
                         scales=(torch.rand(groups, OUT, generator=gen) + 0.5) / top,
                         g_idx=g_idx)
     spec = QuantSpec(bits, group, act_order, False, fmt)
@@ -34,14 +36,16 @@ def layer(bits, group, act_order, fmt, bias, seed=0):
 
 @pytest.mark.parametrize("bits,group,act_order,fmt", [
     (4, 32, False, "gptq"), (4, 32, True, "gptq_v2"), (4, 64, True, "gptq"),
-    (8, 32, False, "gptq"), (8, 64, True, "gptq_v2")])
+    (8, 32, False, "gptq"), (8, 64, True, "gptq_v2"), (8, -1, False, "gptq"),
+    (8, -1, True, "gptq_v2")])
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepared_kernel_computes_the_dequantized_weight(bits, group, act_order, fmt, bias):
     module = layer(bits, group, act_order, fmt, bias)
     x = torch.randn(3, 5, IN, generator=torch.Generator().manual_seed(1))
     ref = F.linear(x, module.dequantized_weight().float(), module.bias)
     module.prepare_for_inference()
-    assert module.kernel.func.__name__ == ("_int4_forward" if bits == 4 else "_dense_forward")
+    kernel = {4: "_int4_forward", 8: "int8_linear" if group == -1 else "_dense_forward"}[bits]
+    assert module.kernel.func.__name__ == kernel
     got = module(x)
     assert got.shape == ref.shape
     assert (got - ref).abs().max() <= 1e-2 * ref.abs().max()       # bfloat16 activations

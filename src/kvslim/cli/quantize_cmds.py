@@ -10,11 +10,13 @@ def register(sub) -> None:
                                         "(RTN or GPTQ), written as a GPTQ checkpoint")
     p.add_argument("src", metavar="SRC", help="source model directory (not quantized)")
     p.add_argument("dst", metavar="DST", help="output model directory")
-    p.add_argument("--method", default="gptq", help="rtn (round to nearest) or gptq")
+    p.add_argument("--method", default="gptq",
+                   help="rtn (round to nearest), gptq, or int8 (= rtn --bits 8 --group-size -1 "
+                        "--sym: one scale per output channel, run by the int8 kernel)")
     p.add_argument("--bits", type=int, default=4, help="4 or 8")
     p.add_argument("--group-size", type=int, default=128,
                    help="input channels per scale and zero point; must divide every linear "
-                        "layer's input features")
+                        "layer's input features (-1: one group per output channel)")
     p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
                    help="symmetric grid (zero point in the middle); --no-sym fits each group")
     p.add_argument("--act-order", action="store_true",
@@ -29,6 +31,13 @@ def register(sub) -> None:
 def run_quantize(args) -> int:
     from kvslim.layers.quant_linear import QuantSpec
     from kvslim.surgery.quantize.model import quantize_model
+    from kvslim.errors import KvslimError
+    from kvslim.surgery.quantize.model import METHODS
+    if args.method not in (*METHODS, "int8"):
+        raise KvslimError(f"unknown --method {args.method!r}; choose one of "
+                          f"{', '.join((*METHODS, 'int8'))}")
+    if args.method == "int8":
+        args.method, args.bits, args.group_size, args.sym = "rtn", 8, -1, True
     # A symmetric grid's zero point is never 0, which v1's "zero - 1" stores exactly; an
     # asymmetric one may be, so it is written as gptq_v2 (the zero point as is).
     spec = QuantSpec(args.bits, args.group_size, args.act_order, args.sym,

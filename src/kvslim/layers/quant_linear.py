@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvslim.errors import ConfigError
-from kvslim.layers.quant_kernels import Int4Weight, int4_linear, pack_int4
+from kvslim.layers.quant_kernels import Int4Weight, int4_linear, int8_linear, pack_int4
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 LEAVES = ("qweight", "qzeros", "scales", "g_idx", "bias")      # checkpoint order per module
@@ -146,9 +146,15 @@ class QuantLinear(nn.Module):
     @torch.no_grad()
     def prepare_for_inference(self) -> None:
         """Choose the kernel once the weights are loaded (`kvslim bench kernels` measured them;
-        see layers/quant_kernels.py). 4-bit layers whose shards share one group order run
-        `int4_linear` (act-order: the inputs are permuted into group order first); anything
-        else is dequantized once here, so no call pays for it again."""
+        see layers/quant_kernels.py). 8-bit layers with one symmetric group per output channel
+        run `int8_linear`; 4-bit layers whose shards share one group order run `int4_linear`
+        (act-order: the inputs are permuted into group order first); anything else is
+        dequantized once here, so no call pays for it again."""
+        per_channel = self._int8_per_channel() if self.spec.bits == 8 else None
+        if per_channel is not None:
+            weight, scales = per_channel
+            self.kernel = partial(int8_linear, qweight=weight, scales=scales, bias=self.bias)
+            return
         packed = self._int4_packed() if self.spec.bits == 4 else None
         if packed is not None:
             weight, perm = packed
@@ -156,6 +162,17 @@ class QuantLinear(nn.Module):
             return
         dense = self.dequantized_weight().float()
         self.kernel = partial(_dense_forward, weight=dense, bias=self.bias)
+
+    def _int8_per_channel(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """8 bits, one group, symmetric (every zero point 128): w = (q - 128) * scale is an
+        int8 weight with one scale per output channel, what `int8_linear` runs."""
+        if self.scales.shape[0] != 1:
+            return None
+        zeros = self.spec.zeros_from_stored(unpack_int32(self.qzeros, 8, 1))
+        if not bool((zeros == 128).all()):
+            return None
+        q = unpack_int32(self.qweight, 8, 0).t() - 128                       # [out, in]
+        return q.to(torch.int8).contiguous(), self.scales[0].float()
 
     def _int4_packed(self) -> tuple[Int4Weight, torch.Tensor | None] | None:
         """The layer as one Int4Weight over its inputs in group order, or None when its shards

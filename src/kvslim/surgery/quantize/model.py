@@ -47,7 +47,7 @@ def check_options(config: ModelConfig, method: str, spec: QuantSpec,
     sizes = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
              "num_attention_heads * head_dim": config.num_attention_heads * config.head_dim}
     for name, size in sizes.items():
-        if group_size <= 0 or size % group_size:
+        if group_size != -1 and (group_size <= 0 or size % group_size):
             raise KvslimError(f"--group-size {group_size} does not divide the input features of "
                               f"the model's linear layers ({name} = {size})")
     kv_out = config.num_key_value_heads * config.head_dim
