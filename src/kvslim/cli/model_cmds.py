@@ -8,6 +8,10 @@ def register(sub) -> None:
     p = sub.add_parser("import-gguf", help="convert a llama GGUF file to an HF model directory")
     p.add_argument("gguf", metavar="FILE", help="GGUF file (llama architecture)")
     p.add_argument("out", metavar="OUT_DIR", help="output model directory")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32"),
+                   help="auto (default): a file whose linear layers are all Q4_0/Q4_1 keeps "
+                        "them 4-bit (the .gguf goes into OUT_DIR, the layers run the int4 "
+                        "kernel); float32: every tensor dequantized to float32 safetensors")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_import_gguf)
 
@@ -33,10 +37,18 @@ def register(sub) -> None:
 def run_import_gguf(args) -> int:
     from kvslim.formats.gguf_import import import_gguf
     from kvslim.formats.info import model_info
-    out = import_gguf(args.gguf, args.out, show_progress=not args.quiet)
+    out = import_gguf(args.gguf, args.out, show_progress=not args.quiet,
+                      keep_quantized=args.dtype == "auto")
     info = model_info(out)
-    print(f"wrote {out} ({info.architecture}, {info.num_parameters:,} parameters, float32)")
+    kind = "4-bit linears read from the GGUF file" if _gguf_backed(out) else "float32"
+    print(f"wrote {out} ({info.architecture}, {info.num_parameters:,} parameters, {kind})")
     return 0
+
+
+def _gguf_backed(model_dir) -> bool:
+    from pathlib import Path
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return (cfg.get("quantization_config") or {}).get("quant_method") == "gguf"
 
 
 def run_export_gguf(args) -> int:

@@ -5,7 +5,10 @@ Everything is read and checked before anything is written, so a file kvslim cann
 output behind."""
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -35,22 +38,57 @@ LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Linear layers of these types can stay quantized (formats/gguf_weights.py); others are float.
+BLOCK_TYPES = ("Q4_0", "Q4_1")
+LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
 
 
-def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool = True) -> Path:
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool = True,
+                keep_quantized: bool = False) -> Path:
+    """keep_quantized: when every decoder linear is Q4_0 or Q4_1, write config.json and the
+    tokenizer beside the GGUF file itself (hard-linked, else copied) instead of float weights;
+    the loader then reads the linears as 4-bit blocks (formats/gguf_weights.py)."""
     gguf = GGUFFile.open(gguf_path)
     config = config_from_gguf(gguf)
     tok_files = tokenizer_files(gguf)
     names = {t.name: hf_tensor_name(t.name) for t in gguf.tensors}
-    state = {}
-    for tensor in tqdm(gguf.tensors, desc=f"importing {gguf.path.name}", unit="tensor",
-                       disable=not show_progress):
-        weight = dequantize_tensor(tensor)
-        state[names[tensor.name]] = unpermute_qk(tensor.name, weight, config)
-    out = save_model(state, config, out_dir, dtype=torch.float32)
+    if keep_quantized and linears_block_quantized(gguf):
+        out = _write_gguf_backed(gguf, config, Path(out_dir))
+    else:
+        state = {}
+        for tensor in tqdm(gguf.tensors, desc=f"importing {gguf.path.name}", unit="tensor",
+                           disable=not show_progress):
+            weight = dequantize_tensor(tensor)
+            state[names[tensor.name]] = unpermute_qk(tensor.name, weight, config)
+        out = save_model(state, config, out_dir, dtype=torch.float32)
     write_tokenizer_files(tok_files, out)
+    return out
+
+
+def is_linear(gguf_name: str) -> bool:
+    """A decoder layer's linear weight (the LM head and embeddings are not)."""
+    m = _LAYER_NAME.fullmatch(gguf_name)
+    return m is not None and m.group(2) in LINEAR_PARTS and m.group(3) == "weight"
+
+
+def linears_block_quantized(gguf: GGUFFile) -> bool:
+    types = {t.tensor_type.name for t in gguf.tensors if is_linear(t.name)}
+    return bool(types) and types <= set(BLOCK_TYPES)
+
+
+def _write_gguf_backed(gguf: GGUFFile, config: ModelConfig, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / gguf.path.name
+    target.unlink(missing_ok=True)
+    try:
+        os.link(gguf.path, target)
+    except OSError:
+        shutil.copyfile(gguf.path, target)
+    cfg = config.replace(torch_dtype="float32").to_hf_dict()
+    cfg["quantization_config"] = {"quant_method": "gguf", "file": target.name}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
 
 

@@ -75,6 +75,10 @@ def model_info(model_dir: str | Path, kv_dtype: str | torch.dtype | None = None)
 def count_parameters(model_dir: str | Path, config: ModelConfig) -> int:
     """Elements of every stored weight. A tied LM head shares the embedding matrix, so it is not
     counted again even when a checkpoint stores a copy."""
+    spec = config.quantization
+    if spec is not None and spec.method == "gguf":
+        from kvslim.formats.gguf_weights import gguf_parameter_count
+        return gguf_parameter_count(Path(model_dir) / spec.file, config)
     skip = ("lm_head.weight",) if config.tie_word_embeddings else ()
     total = 0
     for path in weight_files(Path(model_dir)):

@@ -67,7 +67,11 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto",
     expected = {name: t.shape for name, t in model.hf_state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    loaded = model.load_weights(_checked_weights(model_dir, config, expected))
+    spec = config.quantization
+    weights = (_checked_gguf_weights(model_dir / spec.file, config, expected)
+               if spec is not None and spec.method == "gguf"
+               else _checked_weights(model_dir, config, expected))
+    loaded = model.load_weights(weights)
     missing = sorted(set(expected) - loaded - _default_g_idx(model, config, set(expected) - loaded))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -103,14 +107,31 @@ def _checked_weights(model_dir: Path, config: ModelConfig, expected: dict[str, t
                 if name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings
                                                        and name == "lm_head.weight"):
                     continue
-                if name not in expected:
-                    raise WeightsError(f"{path.name}: unexpected weight {name!r} for "
-                                       f"{config.architecture}")
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(expected[name]):
-                    raise WeightsError(f"{path.name}: weight {name!r} has shape {list(shape)}, "
-                                       f"expected {list(expected[name])} from config.json")
+                _check(path, name, tuple(f.get_slice(name).get_shape()), config, expected)
                 yield name, f.get_tensor(name)
+
+
+def _checked_gguf_weights(path: Path, config: ModelConfig, expected: dict[str, torch.Size]
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The same from a GGUF file (quantization_config quant_method "gguf")."""
+    from kvslim.formats.gguf_weights import gguf_weights
+    if not path.is_file():
+        raise WeightsError(f"config.json names GGUF file {path.name!r}, which is not in "
+                           f"{path.parent}")
+    for name, tensor in gguf_weights(path, config):
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        _check(path, name, tuple(tensor.shape), config, expected)
+        yield name, tensor
+
+
+def _check(path: Path, name: str, shape: tuple[int, ...], config: ModelConfig,
+           expected: dict[str, torch.Size]) -> None:
+    if name not in expected:
+        raise WeightsError(f"{path.name}: unexpected weight {name!r} for {config.architecture}")
+    if shape != tuple(expected[name]):
+        raise WeightsError(f"{path.name}: weight {name!r} has shape {list(shape)}, "
+                           f"expected {list(expected[name])} from config.json")
 
 
 def init_model(config: ModelConfig, seed: int = 0, std: float = 0.02,

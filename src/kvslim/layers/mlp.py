@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvslim.layers.block_quant_linear import BlockQuantLinear
 from kvslim.layers.linear import Linear, MergedLinear
 from kvslim.layers.quant_linear import QuantLinear, QuantMergedLinear, QuantSpec
 
@@ -18,6 +19,10 @@ class SwiGLUMLP(nn.Module):
         if quant is None:
             self.gate_up_proj = MergedLinear(hidden, ("gate", "up"), intermediate, bias=bias)
             self.down_proj = Linear(intermediate, hidden, bias=bias)
+        elif quant.method == "gguf":
+            self.gate_up_proj = BlockQuantLinear(hidden, 0, bias, quant,
+                                                 {"gate": intermediate, "up": intermediate})
+            self.down_proj = BlockQuantLinear(intermediate, hidden, bias, quant)
         else:
             self.gate_up_proj = QuantMergedLinear(hidden, ("gate", "up"), intermediate, bias,
                                                   quant)

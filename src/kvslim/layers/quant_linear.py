@@ -36,13 +36,21 @@ class QuantSpec:
     desc_act: bool = False
     sym: bool = True
     checkpoint_format: str = "gptq"    # "gptq" (v1) stores zero - 1, "gptq_v2" the zero itself
+    method: str = "gptq"               # "gguf": 4-bit blocks of 32 read from a GGUF file
+    file: str | None = None            # method "gguf": the file, relative to the model dir
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "QuantSpec":
         method = cfg.get("quant_method")
+        if method == "gguf":
+            file = cfg.get("file")
+            if not isinstance(file, str) or not file:
+                raise ConfigError("config.json: quantization_config quant_method 'gguf' needs "
+                                  "'file', the GGUF file's name")
+            return cls(4, 32, sym=False, checkpoint_format="gguf", method="gguf", file=file)
         if method != "gptq":
             raise ConfigError(f"config.json: quantization_config quant_method {method!r} is not "
-                              "supported (only 'gptq')")
+                              "supported ('gptq' or 'gguf')")
         fmt = cfg.get("checkpoint_format", "gptq")
         bits, group = cfg.get("bits"), cfg.get("group_size", -1)
         if bits not in (4, 8):
@@ -106,6 +114,7 @@ def unpack_int32(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 class QuantLinear(nn.Module):
     """A linear layer whose weight is stored quantized; several checkpoint matrices (shards)
     may be stacked along the output, as in `ShardedLinear`. One shard, named None, by default."""
+    LEAVES = LEAVES
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  spec: QuantSpec | None = None, shard_sizes: dict[Hashable, int] | None = None):
@@ -216,7 +225,7 @@ class QuantLinear(nn.Module):
 
     def checkpoint_views(self) -> dict[Hashable, dict[str, torch.Tensor]]:
         """Per shard, its checkpoint tensors (views of this layer's buffers) by leaf name."""
-        leaves = [leaf for leaf in LEAVES if getattr(self, leaf) is not None]
+        leaves = [leaf for leaf in self.LEAVES if getattr(self, leaf) is not None]
         return {key: {leaf: self.shard_view(leaf, key) for leaf in leaves}
                 for key in self.shard_sizes}
 
@@ -224,7 +233,7 @@ class QuantLinear(nn.Module):
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor,
                       shard_id: Hashable | None = None) -> None:
         """Copy one checkpoint tensor (`param` is the buffer or parameter it belongs to)."""
-        leaf = next(name for name in LEAVES if getattr(self, name) is param)
+        leaf = next(name for name in self.LEAVES if getattr(self, name) is param)
         self.shard_view(leaf, shard_id).copy_(loaded_weight)
 
 

@@ -1,0 +1,119 @@
+"""GGUF files whose linear layers are Q4_0 or Q4_1 import with those layers kept 4-bit: the loaded
+blocks decode to exactly what gguf.quants.dequantize gives (Q/K rows unpermuted), the model's
+logits equal the float import's, and the int4 kernel chosen by prepare_for_inference stays within
+its bfloat16 bound; greedy decoding through the engine does not depend on the batch."""
+import json
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from gguf_files import write_tiny_gguf
+from kvslim.engine.config import EngineConfig
+from kvslim.engine.llm_engine import LLMEngine
+from kvslim.engine.sampling_params import SamplingParams
+from kvslim.errors import WeightsError
+from kvslim.formats.gguf_import import import_gguf
+from kvslim.formats.info import model_info
+from kvslim.formats.loader import load_model
+from kvslim.layers.block_quant_linear import BlockQuantLinear
+
+# The int4 kernel multiplies in bfloat16 (8 bits of mantissa): 1% of the largest output per
+# layer (tests/layers/test_quant_kernels.py); two layers and the LM head, 3% of the logits.
+KERNEL_RTOL = 3e-2
+SHARDS = {"q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
+          "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", None),
+          "gate_proj": ("mlp.gate_up_proj", "gate"), "up_proj": ("mlp.gate_up_proj", "up"),
+          "down_proj": ("mlp.down_proj", None)}
+
+
+@pytest.fixture(scope="module", params=[Q.Q4_0, Q.Q4_1], ids=["Q4_0", "Q4_1"])
+def imported(request, tmp_path_factory):
+    """(kept-quantized dir, float dir, expected HF weights) for one tiny file."""
+    root = tmp_path_factory.mktemp(request.param.name)
+    expected = write_tiny_gguf(root / "tiny.gguf", qtype=request.param)
+    kept = import_gguf(root / "tiny.gguf", root / "kept", show_progress=False, keep_quantized=True)
+    dense = import_gguf(root / "tiny.gguf", root / "float", show_progress=False)
+    return kept, dense, expected
+
+
+def test_import_keeps_the_gguf_file(imported):
+    kept, dense, _ = imported
+    cfg = json.loads((kept / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "gguf", "file": "tiny.gguf"}
+    assert (kept / "tiny.gguf").is_file() and not list(kept.glob("*.safetensors"))
+    assert "quantization_config" not in json.loads((dense / "config.json").read_text())
+    assert model_info(kept).num_parameters == model_info(dense).num_parameters
+
+
+def test_blocks_decode_to_the_gguf_dequantization(imported):
+    kept, _, expected = imported
+    model = load_model(kept, dtype=torch.float32)
+    for i, layer in enumerate(model.model.layers):
+        for hf, (module_name, shard) in SHARDS.items():
+            module = layer.get_submodule(module_name)
+            assert isinstance(module, BlockQuantLinear)
+            weight = module.dequantized_weight()
+            start = 0
+            for key, size in module.shard_sizes.items():
+                if key == shard:
+                    weight = weight[start:start + size]
+                start += size
+            part = "self_attn" if module_name.startswith("self_attn") else "mlp"
+            ref = torch.from_numpy(expected[f"model.layers.{i}.{part}.{hf}.weight"])
+            assert torch.equal(weight, ref), (i, hf)
+            assert int(module.qvalues.max()) <= 15
+
+
+@torch.no_grad()
+def test_logits_match_the_float_import(imported):
+    kept, dense, _ = imported
+    ids = torch.randint(0, 260, (2, 11), generator=torch.Generator().manual_seed(0))
+    ref = load_model(dense, dtype=torch.float32).logits(ids)
+    model = load_model(kept, dtype=torch.float32)
+    torch.testing.assert_close(model.logits(ids), ref, rtol=0, atol=1e-5)
+    model.prepare_for_inference()
+    assert all(m.kernel is not None for m in model.modules() if isinstance(m, BlockQuantLinear))
+    err = float((model.logits(ids) - ref).abs().max())
+    assert err <= KERNEL_RTOL * float(ref.abs().max()), err / float(ref.abs().max())
+
+
+def test_greedy_does_not_depend_on_the_batch(imported):
+    kept, _, _ = imported
+
+    def engine(**config):
+        return LLMEngine(str(kept), EngineConfig(dtype="float32", device="cpu",
+                                                 kv_cache_memory="8MiB", **config))
+
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    batch = [torch.randint(3, 260, (n,), generator=g).tolist() for n in (5, 17, 1, 9)]
+    together = _greedy(engine(), batch, params)
+    alone = [_greedy(engine(), [p], params)[0] for p in batch]
+    small = _greedy(engine(max_num_seqs=2, max_num_batched_tokens=8), batch, params)
+    assert together == alone == small
+
+
+def _greedy(eng, prompts, params):
+    ids = [eng.add_request(p, params) for p in prompts]
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    return [done[i].outputs[0].token_ids for i in ids]
+
+
+def test_other_linear_types_import_as_float(tmp_path):
+    write_tiny_gguf(tmp_path / "q8.gguf", qtype=Q.Q8_0)
+    out = import_gguf(tmp_path / "q8.gguf", tmp_path / "q8", show_progress=False,
+                      keep_quantized=True)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert list(out.glob("*.safetensors"))
+
+
+def test_missing_gguf_file_is_a_clear_error(imported, tmp_path):
+    kept, _, _ = imported
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "config.json").write_text((kept / "config.json").read_text())
+    with pytest.raises(WeightsError, match="tiny.gguf"):
+        load_model(moved)
