@@ -99,3 +99,46 @@ def fold_layer(layer: torch.nn.Module, inputs: dict[str, torch.Tensor], bits: in
         s, *report[name] = search_scale(linear.weight, inputs[name], bits, group_size, sym)
         _scale_columns(linear, _fold_into_norm(norm, s, dtype))
     return report
+
+
+@torch.no_grad()
+def clip_weight(weight: torch.Tensor, x: torch.Tensor, bits: int, group_size: int,
+                sym: bool = True, grid: int = GRID, max_shrink: float = 0.5) -> torch.Tensor:
+    """AWQ's clipping search: for each output row and group, the range [lo, hi] of the group
+    (as RTN's grid takes it) shrunk by the ratio in 1, 1 - 0.5/20, ..., 0.525 whose RTN
+    rounding gives that group's least output error on x [n, in]; returns weight clamped to it
+    (rounding it then puts the grid on the shrunk range)."""
+    weight, x = weight.float(), _rows(x.float(), SEARCH_ROWS // 2)
+    out, n = weight.shape
+    g = n if group_size == -1 else group_size
+    w = weight.view(out, n // g, g)
+    hi, lo = w.amax(dim=2).clamp(min=0), w.amin(dim=2).clamp(max=0)
+    if sym:
+        hi = torch.maximum(hi, -lo)
+        lo = -hi
+    best = torch.full(hi.shape, float("inf"))
+    best_ratio = torch.ones_like(hi)
+    for i in range(grid):
+        ratio = 1 - i / grid * max_shrink
+        clipped = torch.clamp(w, (lo * ratio)[..., None], (hi * ratio)[..., None])
+        diff = rtn_quantize(clipped.view(out, n), bits, g, sym).dequantize() - weight
+        err = torch.stack([(x[:, k * g:(k + 1) * g] @ diff[:, k * g:(k + 1) * g].t())
+                           .pow(2).mean(dim=0) for k in range(n // g)], dim=1)
+        better = err < best
+        best, best_ratio = torch.where(better, err, best), torch.where(better, ratio, best_ratio)
+    lo, hi = (lo * best_ratio)[..., None], (hi * best_ratio)[..., None]
+    return torch.clamp(w, lo, hi).view(out, n)
+
+
+@torch.no_grad()
+def clip_layer(layer: torch.nn.Module, inputs: dict[str, torch.Tensor], bits: int,
+               group_size: int, sym: bool) -> None:
+    """Clip every linear of the layer in place on its inputs (the folded layer's), except the q
+    and k rows, whose errors the attention scores amplify (the reference skips them too)."""
+    qkv = layer.self_attn.qkv_proj
+    for name, linear, rows in (("self_attn.qkv_proj", qkv, qkv.shard_rows("v")),
+                               ("self_attn.o_proj", layer.self_attn.o_proj, slice(None)),
+                               ("mlp.gate_up_proj", layer.mlp.gate_up_proj, slice(None)),
+                               ("mlp.down_proj", layer.mlp.down_proj, slice(None))):
+        w = linear.weight[rows]
+        w.copy_(clip_weight(w, inputs[name], bits, group_size, sym).to(w.dtype))

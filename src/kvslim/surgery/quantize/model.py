@@ -8,7 +8,7 @@ collects its Hessian while the layer runs. The fused q/k/v and gate/up matrices 
 input, so one Hessian (and one act-order permutation, one g_idx) serves all their shards;
 quantizing them together is quantizing each shard, GPTQ treats output rows independently.
 AWQ (`awq.py`) first folds its activation-aware scales into each layer's float weights (and its
-norms) on the inputs that layer sees, then rounds every linear to nearest.
+norms) on the inputs that layer sees, clips each group's range, then rounds to nearest.
 Embeddings, norms and lm_head stay in the source dtype."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from kvslim.formats.writer import save_model
 from kvslim.layers.quant_linear import QuantSpec
 from kvslim.models.config import ModelConfig, parse_dtype
 from kvslim.models.llama import LlamaForCausalLM
-from kvslim.surgery.quantize.awq import fold_layer
+from kvslim.surgery.quantize.awq import clip_layer, fold_layer
 from kvslim.surgery.quantize.gptq import Hessian, gptq_quantize
 from kvslim.surgery.quantize.rtn import rtn_quantize
 
@@ -129,6 +129,7 @@ def quantize_layers(model: LlamaForCausalLM, spec: QuantSpec, windows: torch.Ten
         if method == "awq":
             fold_layer(layer, linear_inputs(layer, inputs), spec.bits, spec.group_size,
                        spec.sym, norm_dtype)
+            clip_layer(layer, linear_inputs(layer, inputs), spec.bits, spec.group_size, spec.sym)
         for sub in LINEARS:
             linear = layer.get_submodule(sub)
             if method in ("rtn", "awq"):
