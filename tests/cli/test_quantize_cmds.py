@@ -46,7 +46,8 @@ def test_quantized_source_is_refused(hf_checkpoints, tmp_path, capsys):
 
 @pytest.mark.parametrize("flags", [["--method", "rtn", "--bits", "4", "--no-sym"],
                                    ["--method", "gptq", "--bits", "8", "--act-order"],
-                                   ["--method", "awq", "--bits", "4"]])
+                                   ["--method", "awq", "--bits", "4"],
+                                   ["--method", "awq", "--bits", "4", "--no-awq-clip"]])
 def test_writes_a_gptq_checkpoint(hf_checkpoints, calib_file, tmp_path, capsys, flags):
     dst = tmp_path / "q"
     rc, out = quantize(capsys, hf_checkpoints["gqa"], dst, "--group-size", "32", "--calib",

@@ -22,6 +22,8 @@ def register(sub) -> None:
                    help="symmetric grid (zero point in the middle); --no-sym fits each group")
     p.add_argument("--act-order", action="store_true",
                    help="GPTQ: quantize columns by decreasing Hessian diagonal (desc_act)")
+    p.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=True,
+                   help="AWQ: also search each group's clipping range (--no-awq-clip: scales only)")
     p.add_argument("--calib", help="calibration text file (needed by --method gptq and awq)")
     p.add_argument("--calib-samples", type=int, default=128, help="calibration windows")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
@@ -44,7 +46,9 @@ def run_quantize(args) -> int:
     spec = QuantSpec(args.bits, args.group_size, args.act_order, args.sym,
                      "gptq" if args.sym else "gptq_v2")
     out = quantize_model(args.src, args.dst, args.method, spec, args.calib, args.calib_samples,
-                         args.seq_len, show_progress=not args.quiet)
+                         args.seq_len, show_progress=not args.quiet,
+                         awq_clip=args.awq_clip)
     print(f"wrote {out} ({args.method}, {args.bits}-bit, group size {args.group_size}, "
-          f"{'symmetric' if args.sym else 'asymmetric'}{', act-order' if args.act_order else ''})")
+          f"{'symmetric' if args.sym else 'asymmetric'}{', act-order' if args.act_order else ''}"
+          f"{', no clipping' if args.method == 'awq' and not args.awq_clip else ''})")
     return 0

@@ -114,12 +114,12 @@ def linear_inputs(layer: torch.nn.Module, inputs: list[tuple]) -> dict[str, torc
 
 @torch.no_grad()
 def quantize_layers(model: LlamaForCausalLM, spec: QuantSpec, windows: torch.Tensor | None,
-                    batch_size: int = 4, show_progress: bool = True, method: str | None = None
-                    ) -> dict[str, QuantizedWeight]:
+                    batch_size: int = 4, show_progress: bool = True, method: str | None = None,
+                    awq_clip: bool = True) -> dict[str, QuantizedWeight]:
     """Quantize every decoder linear in place (its weight becomes the dequantized one, so later
     layers see the quantized model); returns the quantized form by module name. RTN needs no
     `windows`; GPTQ and AWQ need [N, T] token windows. `method` defaults to GPTQ with windows,
-    RTN without."""
+    RTN without; `awq_clip` adds AWQ's clipping search to its scales."""
     method = method or ("rtn" if windows is None else "gptq")
     inputs = layer0_inputs(model, windows, batch_size) if windows is not None else None
     norm_dtype = parse_dtype(model.config.torch_dtype)
@@ -129,6 +129,7 @@ def quantize_layers(model: LlamaForCausalLM, spec: QuantSpec, windows: torch.Ten
         if method == "awq":
             fold_layer(layer, linear_inputs(layer, inputs), spec.bits, spec.group_size,
                        spec.sym, norm_dtype)
+        if method == "awq" and awq_clip:
             clip_layer(layer, linear_inputs(layer, inputs), spec.bits, spec.group_size, spec.sym)
         for sub in LINEARS:
             linear = layer.get_submodule(sub)
@@ -168,7 +169,7 @@ def quantized_state_dict(model: LlamaForCausalLM, results: dict[str, QuantizedWe
 
 def quantize_model(src: str | Path, dst: str | Path, method: str, spec: QuantSpec,
                    calib: str | Path | None = None, calib_samples: int = 128,
-                   seq_len: int = 512, show_progress: bool = True) -> Path:
+                   seq_len: int = 512, show_progress: bool = True, awq_clip: bool = True) -> Path:
     """Write `dst`: the model at `src` with its decoder linears quantized by `method`."""
     check_options(ModelConfig.from_dir(src), method, spec, calib)
     model = load_model(src, dtype=torch.float32)
@@ -178,7 +179,8 @@ def quantize_model(src: str | Path, dst: str | Path, method: str, spec: QuantSpe
         from kvslim.train.data import eval_windows, tokenize_file
         tokens = tokenize_file(calib, Tokenizer.from_dir(src), show_progress)
         windows = eval_windows(tokens, seq_len, calib_samples)[:, :seq_len]
-    results = quantize_layers(model, spec, windows, show_progress=show_progress, method=method)
+    results = quantize_layers(model, spec, windows, show_progress=show_progress, method=method,
+                              awq_clip=awq_clip)
     state = quantized_state_dict(model, results, spec)
     raw = {**model.config.raw, "quantization_config": quantization_config(spec)}
     return save_model(state, model.config.replace(raw=raw), dst, tokenizer_from=src)
