@@ -21,7 +21,11 @@ def quantize(capsys, *argv):
      "--group-size 48 does not divide the input features of the model's linear layers "
      "(hidden_size = 64)"),
     (["--method", "gptq", "--group-size", "32"], "--method gptq needs calibration text: --calib FILE"),
-    (["--method", "awq"], "unknown --method 'awq'; choose one of rtn, gptq, int8"),
+    (["--method", "awq", "--group-size", "32"],
+     "--method awq needs calibration text: --calib FILE"),
+    (["--method", "hqq"], "unknown --method 'hqq'; choose one of rtn, gptq, awq, int8"),
+    (["--method", "awq", "--act-order", "--group-size", "32", "--calib", "x.txt"],
+     "--act-order orders GPTQ's columns; --method awq has none to order"),
     (["--method", "rtn", "--act-order", "--group-size", "32"], "--act-order orders GPTQ's columns"),
 ])
 def test_bad_options_are_one_line(hf_checkpoints, tmp_path, capsys, flags, message):
@@ -41,7 +45,9 @@ def test_quantized_source_is_refused(hf_checkpoints, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags", [["--method", "rtn", "--bits", "4", "--no-sym"],
-                                   ["--method", "gptq", "--bits", "8", "--act-order"]])
+                                   ["--method", "gptq", "--bits", "8", "--act-order"],
+                                   ["--method", "awq", "--bits", "4"],
+                                   ["--method", "awq", "--bits", "4", "--no-awq-clip"]])
 def test_writes_a_gptq_checkpoint(hf_checkpoints, calib_file, tmp_path, capsys, flags):
     dst = tmp_path / "q"
     rc, out = quantize(capsys, hf_checkpoints["gqa"], dst, "--group-size", "32", "--calib",

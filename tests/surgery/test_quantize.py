@@ -1,4 +1,4 @@
-"""RTN and GPTQ on single matrices, and a whole model quantized layer by layer."""
+"""RTN and GPTQ on single matrices, and a whole model quantized layer by layer (RTN, GPTQ, AWQ)."""
 import pytest
 import torch
 
@@ -59,7 +59,8 @@ def test_rtn_is_within_one_step():
         assert ((w - r.dequantize()).abs() <= step + 1e-6).all()
 
 
-@pytest.mark.parametrize("method,act_order", [("rtn", False), ("gptq", True)])
+@pytest.mark.parametrize("method,act_order",
+                         [("rtn", False), ("gptq", True), ("awq", False)])
 def test_written_model_is_the_quantized_one(hf_checkpoints, calib_file, tmp_path, method,
                                             act_order):
     """The checkpoint loads to exactly what quantize_layers left in memory, and stays close to
@@ -70,10 +71,10 @@ def test_written_model_is_the_quantized_one(hf_checkpoints, calib_file, tmp_path
                          seq_len=32, show_progress=False)
     in_memory = load_model(src, dtype=torch.float32)
     windows = None
-    if method == "gptq":
+    if method != "rtn":
         tokens = tokenize_file(calib_file, Tokenizer.from_dir(src), show_progress=False)
         windows = eval_windows(tokens, 32, 4)[:, :32]
-    quantize_layers(in_memory, spec, windows, show_progress=False)
+    quantize_layers(in_memory, spec, windows, show_progress=False, method=method)
     ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = load_model(src, dtype=torch.float32).logits(ids)

@@ -1,5 +1,5 @@
-"""`kvslim quantize`: 4- or 8-bit weight-only quantization (RTN or GPTQ), written in the GPTQ
-checkpoint layout (docs/quantization.md)."""
+"""`kvslim quantize`: 4- or 8-bit weight-only quantization (RTN, GPTQ or AWQ), written in the
+GPTQ checkpoint layout (docs/quantization.md)."""
 from __future__ import annotations
 
 import argparse
@@ -7,11 +7,12 @@ import argparse
 
 def register(sub) -> None:
     p = sub.add_parser("quantize", help="quantize a model's linear layers to 4 or 8 bits "
-                                        "(RTN or GPTQ), written as a GPTQ checkpoint")
+                                        "(RTN, GPTQ or AWQ), written as a GPTQ checkpoint")
     p.add_argument("src", metavar="SRC", help="source model directory (not quantized)")
     p.add_argument("dst", metavar="DST", help="output model directory")
     p.add_argument("--method", default="gptq",
-                   help="rtn (round to nearest), gptq, or int8 (= rtn --bits 8 --group-size -1 "
+                   help="rtn (round to nearest), gptq, awq (activation-aware scales folded into "
+                        "the weights, then rtn), or int8 (= rtn --bits 8 --group-size -1 "
                         "--sym: one scale per output channel, run by the int8 kernel)")
     p.add_argument("--bits", type=int, default=4, help="4 or 8")
     p.add_argument("--group-size", type=int, default=128,
@@ -21,7 +22,9 @@ def register(sub) -> None:
                    help="symmetric grid (zero point in the middle); --no-sym fits each group")
     p.add_argument("--act-order", action="store_true",
                    help="GPTQ: quantize columns by decreasing Hessian diagonal (desc_act)")
-    p.add_argument("--calib", help="calibration text file (needed by --method gptq)")
+    p.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=True,
+                   help="AWQ: also search each group's clipping range (--no-awq-clip: scales only)")
+    p.add_argument("--calib", help="calibration text file (needed by --method gptq and awq)")
     p.add_argument("--calib-samples", type=int, default=128, help="calibration windows")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--quiet", action="store_true")
@@ -43,7 +46,9 @@ def run_quantize(args) -> int:
     spec = QuantSpec(args.bits, args.group_size, args.act_order, args.sym,
                      "gptq" if args.sym else "gptq_v2")
     out = quantize_model(args.src, args.dst, args.method, spec, args.calib, args.calib_samples,
-                         args.seq_len, show_progress=not args.quiet)
+                         args.seq_len, show_progress=not args.quiet,
+                         awq_clip=args.awq_clip)
     print(f"wrote {out} ({args.method}, {args.bits}-bit, group size {args.group_size}, "
-          f"{'symmetric' if args.sym else 'asymmetric'}{', act-order' if args.act_order else ''})")
+          f"{'symmetric' if args.sym else 'asymmetric'}{', act-order' if args.act_order else ''}"
+          f"{', no clipping' if args.method == 'awq' and not args.awq_clip else ''})")
     return 0

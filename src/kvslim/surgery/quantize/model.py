@@ -7,6 +7,8 @@ on the outputs of the quantized layer before it, and within a layer a forward ho
 collects its Hessian while the layer runs. The fused q/k/v and gate/up matrices share their
 input, so one Hessian (and one act-order permutation, one g_idx) serves all their shards;
 quantizing them together is quantizing each shard, GPTQ treats output rows independently.
+AWQ (`awq.py`) first folds its activation-aware scales into each layer's float weights (and its
+norms) on the inputs that layer sees, clips each group's range, then rounds to nearest.
 Embeddings, norms and lm_head stay in the source dtype."""
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ from kvslim.formats.writer import save_model
 from kvslim.layers.quant_linear import QuantSpec
 from kvslim.models.config import ModelConfig, parse_dtype
 from kvslim.models.llama import LlamaForCausalLM
+from kvslim.surgery.quantize.awq import clip_layer, fold_layer
 from kvslim.surgery.quantize.gptq import Hessian, gptq_quantize
 from kvslim.surgery.quantize.rtn import rtn_quantize
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "awq")
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -54,10 +57,10 @@ def check_options(config: ModelConfig, method: str, spec: QuantSpec,
     if kv_out % (32 // bits):
         raise KvslimError(f"{bits}-bit packing needs output features divisible by {32 // bits}, "
                           f"the k/v projections have {kv_out}")
-    if method == "gptq" and calib is None:
-        raise KvslimError("--method gptq needs calibration text: --calib FILE")
-    if method == "rtn" and spec.desc_act:
-        raise KvslimError("--act-order orders GPTQ's columns; --method rtn has none to order")
+    if method in ("gptq", "awq") and calib is None:
+        raise KvslimError(f"--method {method} needs calibration text: --calib FILE")
+    if method in ("rtn", "awq") and spec.desc_act:
+        raise KvslimError(f"--act-order orders GPTQ's columns; --method {method} has none to order")
 
 
 @torch.no_grad()
@@ -94,19 +97,43 @@ def _hessian(layer: torch.nn.Module, linear: torch.nn.Module, inputs: list[tuple
 
 
 @torch.no_grad()
+def linear_inputs(layer: torch.nn.Module, inputs: list[tuple]) -> dict[str, torch.Tensor]:
+    """Each of the layer's linears' inputs [n, in] while the layer runs on `inputs`."""
+    seen = {sub: [] for sub in LINEARS}
+    hooks = [layer.get_submodule(sub).register_forward_pre_hook(
+        lambda module, args, sub=sub: seen[sub].append(args[0].reshape(-1, args[0].shape[-1])))
+        for sub in LINEARS]
+    try:
+        for args in inputs:
+            layer(*args)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {sub: torch.cat(xs).float() for sub, xs in seen.items()}
+
+
+@torch.no_grad()
 def quantize_layers(model: LlamaForCausalLM, spec: QuantSpec, windows: torch.Tensor | None,
-                    batch_size: int = 4, show_progress: bool = True
-                    ) -> dict[str, QuantizedWeight]:
+                    batch_size: int = 4, show_progress: bool = True, method: str | None = None,
+                    awq_clip: bool = True) -> dict[str, QuantizedWeight]:
     """Quantize every decoder linear in place (its weight becomes the dequantized one, so later
     layers see the quantized model); returns the quantized form by module name. RTN needs no
-    `windows`; GPTQ needs [N, T] token windows."""
+    `windows`; GPTQ and AWQ need [N, T] token windows. `method` defaults to GPTQ with windows,
+    RTN without; `awq_clip` adds AWQ's clipping search to its scales."""
+    method = method or ("rtn" if windows is None else "gptq")
     inputs = layer0_inputs(model, windows, batch_size) if windows is not None else None
+    norm_dtype = parse_dtype(model.config.torch_dtype)
     out = {}
     for i, layer in enumerate(tqdm(model.model.layers, desc="quantizing", unit="layer",
                                    disable=not show_progress)):
+        if method == "awq":
+            fold_layer(layer, linear_inputs(layer, inputs), spec.bits, spec.group_size,
+                       spec.sym, norm_dtype)
+        if method == "awq" and awq_clip:
+            clip_layer(layer, linear_inputs(layer, inputs), spec.bits, spec.group_size, spec.sym)
         for sub in LINEARS:
             linear = layer.get_submodule(sub)
-            if inputs is None:
+            if method in ("rtn", "awq"):
                 result = rtn_quantize(linear.weight, spec.bits, spec.group_size, spec.sym)
             else:
                 result = gptq_quantize(linear.weight, _hessian(layer, linear, inputs).matrix,
@@ -142,17 +169,18 @@ def quantized_state_dict(model: LlamaForCausalLM, results: dict[str, QuantizedWe
 
 def quantize_model(src: str | Path, dst: str | Path, method: str, spec: QuantSpec,
                    calib: str | Path | None = None, calib_samples: int = 128,
-                   seq_len: int = 512, show_progress: bool = True) -> Path:
+                   seq_len: int = 512, show_progress: bool = True, awq_clip: bool = True) -> Path:
     """Write `dst`: the model at `src` with its decoder linears quantized by `method`."""
     check_options(ModelConfig.from_dir(src), method, spec, calib)
     model = load_model(src, dtype=torch.float32)
     windows = None
-    if method == "gptq":
+    if method in ("gptq", "awq"):
         from kvslim.tokenizer.tokenizer import Tokenizer
         from kvslim.train.data import eval_windows, tokenize_file
         tokens = tokenize_file(calib, Tokenizer.from_dir(src), show_progress)
         windows = eval_windows(tokens, seq_len, calib_samples)[:, :seq_len]
-    results = quantize_layers(model, spec, windows, show_progress=show_progress)
+    results = quantize_layers(model, spec, windows, show_progress=show_progress, method=method,
+                              awq_clip=awq_clip)
     state = quantized_state_dict(model, results, spec)
     raw = {**model.config.raw, "quantization_config": quantization_config(spec)}
     return save_model(state, model.config.replace(raw=raw), dst, tokenizer_from=src)
