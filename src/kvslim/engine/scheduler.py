@@ -117,29 +117,34 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:     # preempted earlier in this loop
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
-            entry = self._reserve(seq, n, out)
+            entry, refund = self._reserve(seq, n, out)
+            budget += refund
             if entry is None:
                 continue
             out.scheduled.append(entry)
-            budget = self.max_num_batched_tokens - out.num_batched_tokens   # refunds included
+            budget -= n
         if self.num_preemptions == preemptions_before:   # no room was short: admit new work
             self._admit(out, budget)
         out.released_seq_ids, self._released = self._released, []
         return out
 
-    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> ScheduledSequence | None:
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput
+                 ) -> tuple[ScheduledSequence | None, int]:
         """Blocks for `n` more tokens of `seq`, preempting the newest sequences if needed.
-        None when `seq` itself had to be preempted."""
+        Returns its entry (None when `seq` itself had to be preempted) and the tokens that
+        preempted sequences had been given this step, which go back to the budget."""
+        refund = 0
         while not self.bm.can_append(seq, n):
             victim = self.running[-1]
             self._preempt(victim)
             # Undo the victim's place this step: its tokens go back to the budget, and its
             # pending copies are dropped (their destination blocks were just freed).
+            refund += sum(e.num_tokens for e in out.scheduled if e.seq is victim)
             out.scheduled[:] = [e for e in out.scheduled if e.seq is not victim]
             if victim is seq:
-                return None
+                return None, refund
         copies = self.bm.append_slots(seq, n)
-        return self._entry(seq, n, copies)
+        return self._entry(seq, n, copies), refund
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
