@@ -1,5 +1,5 @@
 """`kvslim quantize`: 4- or 8-bit weight-only quantization (RTN, GPTQ or AWQ), written in the
-GPTQ checkpoint layout (docs/quantization.md)."""
+GPTQ checkpoint layout (docs/quantization-formats.md)."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,4 @@
-"""The GPTQ checkpoint layout (docs/quantization.md): one quantized matrix as the tensors a
+"""The GPTQ checkpoint layout (docs/quantization-formats.md): one quantized matrix as the tensors a
 checkpoint stores for it, and back.
 
 A `QuantizedWeight` is the unpacked form quantization produces: integer codes q [out, in], and

@@ -1,5 +1,5 @@
 """Linear layers holding llama.cpp's 4-bit block weights (Q4_0, Q4_1) as they are stored, so a
-GGUF file's linear layers load without re-quantizing (docs/quantization.md):
+GGUF file's linear layers load without re-quantizing (docs/quantization-formats.md):
 
     qvalues uint8 [out, in]        4-bit values 0..15, one per byte
     scales        [out, in / 32]   d of each block of 32 inputs

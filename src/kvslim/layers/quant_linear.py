@@ -1,5 +1,5 @@
 """Weight-only quantized linear layers that hold their weights in the GPTQ checkpoint layout
-(docs/quantization.md), so a checkpoint's tensors are copied in as they are stored:
+(docs/quantization-formats.md), so a checkpoint's tensors are copied in as they are stored:
 
     qweight int32 [in * bits / 32, out]   values packed along the input dim, lowest bits first
     qzeros  int32 [groups, out * bits / 32]   zero points packed along the output dim
