@@ -143,3 +143,22 @@ def test_a_layer_left_unquantized_is_refused(hf_checkpoints, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(WeightsError, match=f"'{name}.weight' is stored unquantized"):
         load_model(path, dtype=torch.float32)
+
+
+def test_a_layers_tensors_may_sit_in_different_shards(hf_checkpoints, tmp_path):
+    """Sharding splits by tensor: every `scales` here is in the second file, after the rest."""
+    from safetensors.torch import load_file, save_file
+    path, _, expected = write_awq(hf_checkpoints["gqa"], tmp_path / "q")
+    tensors = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    files = {"model-00001-of-00002.safetensors": {k: v for k, v in tensors.items()
+                                                  if not k.endswith(".scales")},
+             "model-00002-of-00002.safetensors": {k: v for k, v in tensors.items()
+                                                  if k.endswith(".scales")}}
+    for fname, part in files.items():
+        save_file(part, path / fname, metadata={"format": "pt"})
+    index = {"weight_map": {k: fname for fname, part in files.items() for k in part}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = load_model(path, dtype=torch.float32)
+    for name, got, ref in layer_weights(model, expected):
+        assert torch.equal(got, ref), name

@@ -192,3 +192,15 @@ def test_a_quantized_lm_head_is_refused(hf_checkpoints, tmp_path):
                              **{f"lm_head.{k}": v for k, v in stored.items()}})
     with pytest.raises(WeightsError, match="'lm_head' is stored quantized"):
         load_model(path, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("actorder", [None, "group"])
+def test_the_stored_tensors_follow_the_scheme(sym, actorder):
+    from kvslim.formats.compressed_tensors import leaves, stored_shapes
+    spec = QuantSpec.from_hf(ct_config(4, 32, sym, actorder))
+    shapes = stored_shapes(spec, 128, 64)
+    assert set(leaves(spec)) == set(shapes)
+    assert shapes["weight_packed"][0] == (128, 8) and shapes["weight_scale"][0] == (128, 2)
+    assert ("weight_zero_point" in shapes) == (not sym)
+    assert ("weight_g_idx" in shapes) == (actorder == "group")

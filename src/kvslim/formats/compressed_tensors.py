@@ -54,7 +54,11 @@ def stored_shapes(spec: QuantSpec, out_features: int, in_features: int
 
 
 def leaves(spec: QuantSpec) -> tuple[str, ...]:
-    return tuple(stored_shapes(spec, spec.pack, spec.pack))
+    """The tensors one layer stores (zero points only when asymmetric: compressed-tensors saves
+    none for a symmetric scheme)."""
+    return (("weight_packed", "weight_scale", "weight_shape")
+            + (() if spec.sym else ("weight_zero_point",))
+            + (("weight_g_idx",) if spec.desc_act else ()))
 
 
 def to_gptq(prefix: str, tensors: dict[str, torch.Tensor], spec: QuantSpec
