@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvslim.formats.gptq import group_index
-from kvslim.layers.quant_linear import QuantSpec, pack_int32, unpack_int32
+from kvslim.layers.quant_linear import QuantSpec, pack_int32
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)       # nibble k of a word holds output 8c + AWQ_ORDER[k]
 # Output 8c + j sits in nibble AWQ_REVERSE_ORDER[j]: the inverse permutation, which is
