@@ -51,9 +51,14 @@ def unpack_gptq(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> QuantizedW
     zeros = spec.zeros_from_stored(unpack_int32(tensors["qzeros"], spec.bits, dim=1))
     g_idx = tensors.get("g_idx")
     if g_idx is None:
-        size = spec.group_size if spec.group_size > 0 else q.shape[1]
-        g_idx = torch.arange(q.shape[1]) // size
+        g_idx = group_index(q.shape[1], spec.group_size)
     return QuantizedWeight(q, zeros, tensors["scales"], g_idx.to(torch.int32))
+
+
+def group_index(in_features: int, group_size: int) -> torch.Tensor:
+    """g_idx without act-order: input channel i is in group i // group_size (-1: one group)."""
+    size = group_size if group_size > 0 else in_features
+    return (torch.arange(in_features) // size).to(torch.int32)
 
 
 def quantization_config(spec: QuantSpec) -> dict:

@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from kvslim.errors import WeightsError
+from kvslim.formats.quant_layouts import LAYOUTS, gptq_weights
 from kvslim.models.config import ModelConfig, parse_dtype
 from kvslim.models.llama import LlamaForCausalLM
 from kvslim.layers.rope import RotaryEmbedding
@@ -100,15 +102,28 @@ def _default_g_idx(model, config: ModelConfig, missing: set[str]) -> set[str]:
 def _checked_weights(model_dir: Path, config: ModelConfig, expected: dict[str, torch.Size]
                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every checkpoint weight the model takes, each checked by name and
-    shape against `expected` before it is read."""
+    shape against `expected` before it is read. Another tool's quantized layout is converted
+    to the GPTQ layout first (formats/quant_layouts.py) and checked after."""
+    spec = config.quantization
+    if spec is not None and spec.method in LAYOUTS:
+        stored = ((path, name, f.get_tensor(name)) for path, f, name in _stored(model_dir, config))
+        for path, name, tensor in gptq_weights(spec, stored, expected):
+            _check(path, name, tuple(tensor.shape), config, expected)
+            yield name, tensor
+        return
+    for path, f, name in _stored(model_dir, config):
+        _check(path, name, tuple(f.get_slice(name).get_shape()), config, expected)
+        yield name, f.get_tensor(name)
+
+
+def _stored(model_dir: Path, config: ModelConfig) -> Iterator[tuple[Path, Any, str]]:
+    """(file, open safetensors file, name) for every stored tensor the loader reads."""
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings
-                                                       and name == "lm_head.weight"):
-                    continue
-                _check(path, name, tuple(f.get_slice(name).get_shape()), config, expected)
-                yield name, f.get_tensor(name)
+                if not (name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings
+                                                            and name == "lm_head.weight")):
+                    yield path, f, name
 
 
 def _checked_gguf_weights(path: Path, config: ModelConfig, expected: dict[str, torch.Size]

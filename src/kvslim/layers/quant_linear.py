@@ -35,8 +35,9 @@ class QuantSpec:
     group_size: int                    # -1: one group spans all input features
     desc_act: bool = False
     sym: bool = True
-    checkpoint_format: str = "gptq"    # "gptq" (v1) stores zero - 1, "gptq_v2" the zero itself
-    method: str = "gptq"               # "gguf": 4-bit blocks of 32 read from a GGUF file
+    checkpoint_format: str = "gptq"    # "gptq" (v1) stores zero - 1; the others the zero itself
+    method: str = "gptq"               # "gguf": 4-bit blocks of 32 read from a GGUF file; "awq",
+                                       # "compressed-tensors": converted to this layout at load
     file: str | None = None            # method "gguf": the file, relative to the model dir
 
     @classmethod
@@ -48,9 +49,16 @@ class QuantSpec:
                 raise ConfigError("config.json: quantization_config quant_method 'gguf' needs "
                                   "'file', the GGUF file's name")
             return cls(4, 32, sym=False, checkpoint_format="gguf", method="gguf", file=file)
+        # Other tools' layouts: parsed beside this class, converted to this layout at load.
+        if method == "awq":
+            from kvslim.layers.awq_config import awq_spec
+            return awq_spec(cfg)
+        if method == "compressed-tensors":
+            from kvslim.layers.compressed_tensors_config import compressed_tensors_spec
+            return compressed_tensors_spec(cfg)
         if method != "gptq":
             raise ConfigError(f"config.json: quantization_config quant_method {method!r} is not "
-                              "supported ('gptq' or 'gguf')")
+                              "supported ('gptq', 'awq', 'compressed-tensors' or 'gguf')")
         fmt = cfg.get("checkpoint_format", "gptq")
         bits, group = cfg.get("bits"), cfg.get("group_size", -1)
         if bits not in (4, 8):

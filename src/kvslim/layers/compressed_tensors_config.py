@@ -1,0 +1,112 @@
+"""config.json `quantization_config` of compressed-tensors checkpoints (what llm-compressor
+writes: quant_method "compressed-tensors"), read as a `QuantSpec`.
+
+A config names a storage `format` (at the top, or per config group) and per config group a
+scheme: which modules (`targets`), how their weights are quantized (`weights`) and whether their
+activations are (`input_activations`). `FORMATS` maps each storage format kvslim reads to the
+function that checks a scheme stored in it; a format missing there is refused with its name, and
+a new one is one more entry. The tensors are converted in formats/compressed_tensors.py.
+
+This lives beside `QuantSpec` rather than in formats/ because the model's layers are built from
+the parsed spec, and layers/ may not import formats/ (docs/architecture.md). Field meanings and
+defaults follow compressed-tensors' `QuantizationArgs` (quantization/quant_args.py)."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from kvslim.errors import ConfigError
+from kvslim.layers.quant_linear import QuantSpec
+
+PREFIX = "config.json: quantization_config"
+# Features of a config kvslim would silently get wrong if it ignored them.
+UNSUPPORTED_KEYS = {"kv_cache_scheme": "KV-cache quantization scales",
+                    "sparsity_config": "sparse weights",
+                    "transform_config": "weight transforms"}
+# actorder values (aliases included): "group" stores weight_g_idx, "weight" only changed the
+# order GPTQ quantized the columns in, which the stored tensors do not show.
+ACTORDER_GROUP = (True, "group", "dynamic")
+ACTORDER_NONE = (None, False, "weight", "static")
+
+
+def weight_only_int(scheme: dict[str, Any], where: str) -> QuantSpec:
+    """A scheme in format "pack-quantized": 4- or 8-bit integer weights, float activations."""
+    for key in ("input_activations", "output_activations"):
+        if scheme.get(key) is not None:
+            raise ConfigError(f"{PREFIX} {where}.{key} is set: format 'pack-quantized' is read "
+                              "for weight-only quantization, activations stay float")
+    w = scheme.get("weights")
+    if not isinstance(w, dict):
+        raise ConfigError(f"{PREFIX} {where}.weights must be an object (the weights' scheme)")
+    where = f"{where}.weights"
+    kind, bits = str(w.get("type", "int")).lower(), w.get("num_bits", 8)
+    if kind != "int":
+        raise ConfigError(f"{PREFIX} {where}.type {kind!r} is not supported (int)")
+    if bits not in (4, 8) or isinstance(bits, bool):
+        raise ConfigError(f"{PREFIX} {where}.num_bits {bits!r} is not supported (4 or 8)")
+    if w.get("dynamic") not in (None, False):
+        raise ConfigError(f"{PREFIX} {where}.dynamic {w['dynamic']!r} is not supported "
+                          "(weights need stored scales)")
+    actorder = w.get("actorder")
+    actorder = actorder.lower() if isinstance(actorder, str) else actorder
+    if actorder not in ACTORDER_GROUP + ACTORDER_NONE:
+        raise ConfigError(f"{PREFIX} {where}.actorder {w['actorder']!r} is not supported "
+                          "('group', 'weight' or null)")
+    symmetric = w.get("symmetric", True)
+    if not isinstance(symmetric, bool):
+        raise ConfigError(f"{PREFIX} {where}.symmetric {symmetric!r} must be true or false")
+    return QuantSpec(bits, _group_size(w, where), desc_act=actorder in ACTORDER_GROUP,
+                     sym=symmetric, checkpoint_format="pack-quantized",
+                     method="compressed-tensors")
+
+
+def _group_size(w: dict[str, Any], where: str) -> int:
+    """One scale per `group_size` inputs ("group") or per output row ("channel": -1). Without a
+    strategy, compressed-tensors infers it from group_size."""
+    group = w.get("group_size")
+    strategy = w.get("strategy")
+    if strategy is None:
+        strategy = {None: "tensor", -1: "channel"}.get(group, "group")
+    strategy = str(strategy).lower()
+    if strategy == "channel":
+        return -1
+    if strategy != "group":
+        raise ConfigError(f"{PREFIX} {where}.strategy {strategy!r} is not supported "
+                          "('group' or 'channel')")
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0:
+        raise ConfigError(f"{PREFIX} {where}.group_size {group!r} must be a positive integer "
+                          "for strategy 'group'")
+    return group
+
+
+# Storage format -> the check of one config group's scheme stored in it. Formats that store
+# other tensors (int-quantized, float-quantized, naive-quantized, nvfp4-pack-quantized,
+# marlin-24, ...) are added here with their own check and tensor reader.
+FORMATS: dict[str, Callable[[dict[str, Any], str], QuantSpec]] = {
+    "pack-quantized": weight_only_int,
+}
+
+
+def compressed_tensors_spec(cfg: dict[str, Any]) -> QuantSpec:
+    """The one QuantSpec every quantized linear layer of the model follows."""
+    for key, what in UNSUPPORTED_KEYS.items():
+        if cfg.get(key):
+            raise ConfigError(f"{PREFIX} {key} is set: {what} are not supported")
+    groups = cfg.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{PREFIX} config_groups must be a non-empty object of schemes")
+    specs = {}
+    for name, scheme in groups.items():
+        where = f"config_groups.{name}"
+        if not isinstance(scheme, dict):
+            raise ConfigError(f"{PREFIX} {where} must be a scheme object")
+        fmt = scheme.get("format") or cfg.get("format")
+        if fmt not in FORMATS:
+            raise ConfigError(f"{PREFIX} format {fmt!r} is not supported for quant_method "
+                              f"'compressed-tensors' ({', '.join(map(repr, FORMATS))})")
+        specs[name] = FORMATS[fmt](scheme, where)
+    names = list(specs)
+    for name in names[1:]:
+        if specs[name] != specs[names[0]]:
+            raise ConfigError(f"{PREFIX} config_groups {names[0]} and {name} quantize weights "
+                              "differently: kvslim runs one scheme for every linear layer")
+    return specs[names[0]]
