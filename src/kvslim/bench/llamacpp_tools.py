@@ -81,7 +81,9 @@ class LlamaCppTools:
                             "--ppl-stride", stride, "--chunks", windows, "-t", self.threads)
             have = re.search(r"have (\d+) tokens\. Calculation chunk = (\d+)", out)
             if have is None or int(have.group(2)) != context:
-                raise KvslimError(f"llama-perplexity did not run {context}-token windows")
+                ran = have.group(2) if have else "no"
+                raise KvslimError(f"llama-perplexity ran {ran}-token windows, not {context} "
+                                  "(it rounds its context up to a multiple of 256)")
             values = re.findall(r"\[(\d+)\]([0-9.]+),", out)
             # Its log is written by a thread that may not flush the last value before exit.
             if values and int(values[-1][0]) == windows:
