@@ -69,7 +69,7 @@ def _register_quant(esub) -> None:
     q.add_argument("--hf-batch-sizes", type=_ints, default=[8, 32])
     q.add_argument("--llamacpp-bin", default=".cache/llamacpp/build/bin",
                    help="llama.cpp tools (benchmarks/build_llamacpp.sh); '' skips them")
-    q.add_argument("--llamacpp-parallel", type=_ints, default=[1, 4, 16, 64],
+    q.add_argument("--llamacpp-parallel", type=_ints, default=[4, 16, 64],
                    help="llama-batched-bench -npl values; the best counts")
     q.add_argument("--capacity-kv-memory", default="64MiB")
     q.add_argument("--capacity-context", type=int, default=256)

@@ -51,7 +51,7 @@ class QuantExperimentConfig:
     decode_repeats: int = 3
     hf_batch_sizes: list[int] = field(default_factory=lambda: [8, 32])
     llamacpp_bin: str | None = DEFAULT_BIN  # None: the llama.cpp arms are not run
-    llamacpp_parallel: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    llamacpp_parallel: list[int] = field(default_factory=lambda: [4, 16, 64])
     capacity_kv_memory: str = "64MiB"
     capacity_context: int = 256
     show_progress: bool = True
