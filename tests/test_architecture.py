@@ -15,7 +15,8 @@ MAX_FUNCTION_LINES = 60
 # Folder (or top-level module) -> the folders and modules it may import. Lower layers first:
 # base (errors, paths, device) <- tokenizer, layers, attention <- models <- formats <- engine
 # <- server; surgery/train/eval use models/formats/tokenizer (and train's corpus streams);
-# experiments use surgery/train/eval; plan uses models; bench uses engine/formats/plan/models
+# experiments use surgery/train/eval (and bench, to time what they build); plan uses models;
+# bench uses engine/formats/plan/models
 # (and surgery's conversions); cli, demo and the package's
 # __init__ (the public `from kvslim import LLM, SamplingParams`) use anything.
 BASE = {"errors", "paths", "device"}
@@ -35,7 +36,8 @@ ALLOWED = {
     "surgery": KERNELS | {"models", "formats", "train"},
     "train": KERNELS | {"models", "formats"},
     "eval": KERNELS | {"models", "formats", "train"},
-    "experiments": KERNELS | {"models", "formats", "surgery", "train", "eval"},
+    # The quantization experiment times every mode it builds with the benchmarks.
+    "experiments": KERNELS | {"models", "formats", "surgery", "train", "eval", "bench"},
     "plan": BASE | {"models"},
     # The capacity benchmark converts the reference model to GQA/MQA to compare what fits.
     "bench": KERNELS | {"models", "formats", "engine", "plan", "surgery"},

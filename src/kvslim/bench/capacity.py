@@ -55,7 +55,9 @@ def conversions(mha_dir: Path, kv_heads: list[int], work: Path, show_progress: b
 
 def run_capacity(model_dirs: list[Path], kv_cache_memory: str | int = "64MiB",
                  context: int = 256, num_requests: int | None = None, block_size: int = 16,
-                 show_progress: bool = True) -> CapacityResult:
+                 show_progress: bool = True, kv_cache_dtype: str = "auto") -> CapacityResult:
+    """`kv_cache_dtype` "int8" / "fp8_e4m3": every model with a quantized cache (what fits
+    then grows by the bytes it saves per token)."""
     budget = parse_bytes(kv_cache_memory)
     # Prompts of nearly the whole context: a sequence holds (almost) all its blocks from its
     # admission, so the concurrency measured is the concurrency that fits, not a transient.
@@ -64,11 +66,12 @@ def run_capacity(model_dirs: list[Path], kv_cache_memory: str | int = "64MiB",
     blocks_per_seq = -(-context // block_size)
     configs = [ModelConfig.from_dir(d) for d in model_dirs]
     # Enough requests to fill the cache of the model with the fewest KV heads, and a bit more.
-    smallest = min(c.kv_bytes_per_token("float32") for c in configs)
+    smallest = min(c.kv_cache_bytes_per_token(_stored(kv_cache_dtype)) for c in configs)
     n = num_requests or int(1.25 * budget // (smallest * block_size) // blocks_per_seq) + 1
     result = CapacityResult(budget, context, block_size, n)
     for model_dir, cfg in zip(model_dirs, configs):
-        llm = kvslim_llm(model_dir, budget, max_num_seqs=4096, max_num_batched_tokens=4096)
+        llm = kvslim_llm(model_dir, budget, max_num_seqs=4096, max_num_batched_tokens=4096,
+                         kv_cache_dtype=kv_cache_dtype)
         stats = llm.kv_cache_stats()
         w = Workload(n, prompt_len, output_len, seed=2)
         prompts = w.prompts(cfg.vocab_size, special_ids(llm.tokenizer))
@@ -84,6 +87,10 @@ def run_capacity(model_dirs: list[Path], kv_cache_memory: str | int = "64MiB",
             output_tokens_per_s=round(sum(len(o.outputs[0].token_ids) for o in outs) / seconds, 1),
             preemptions=llm.kv_cache_stats().num_preemptions, seconds=round(seconds, 1)))
     return result
+
+
+def _stored(kv_cache_dtype: str) -> str:
+    return "float32" if kv_cache_dtype == "auto" else kv_cache_dtype     # CPU runs float32
 
 
 def format_capacity(r: CapacityResult) -> str:

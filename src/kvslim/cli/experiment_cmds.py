@@ -1,4 +1,5 @@
-"""`kvslim experiment gqa`: the GQA uptraining experiment and its report."""
+"""`kvslim experiment gqa` (the GQA uptraining experiment) and `kvslim experiment quant` (every
+quantization mode beside its peers), each writing its report."""
 from __future__ import annotations
 
 import shlex
@@ -30,6 +31,92 @@ def register(sub) -> None:
     g.add_argument("--threads", type=int)
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(func=run_gqa)
+    _register_quant(esub)
+
+
+def _ints(text: str) -> list[int]:
+    from kvslim.errors import KvslimError
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvslimError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _register_quant(esub) -> None:
+    q = esub.add_parser("quant", help="every quantization mode (int8, RTN/GPTQ/AWQ 4-bit, W8A8, "
+                                      "int8 KV, GGUF) beside llama.cpp and HF; writes "
+                                      "docs/quantization.md")
+    q.add_argument("--models", default="models/ref-mha,smollm2",
+                   help="comma-separated: model directories, .gguf files, smollm2")
+    q.add_argument("--arms", help="comma-separated subset of the arms (default: all)")
+    q.add_argument("--calib", default="../shared/corpus/train.txt")
+    q.add_argument("--test", default="../shared/corpus/test.txt")
+    q.add_argument("--work-dir", default="runs/quant", help="built models and results.json")
+    q.add_argument("--report", default="docs/quantization.md")
+    q.add_argument("--group-sizes", type=_ints, default=[32, 128])
+    q.add_argument("--no-sym", dest="sym", action="store_false", help="asymmetric 4-bit grids")
+    q.add_argument("--calib-samples", type=int, default=32)
+    q.add_argument("--calib-seq-len", type=int, default=256)
+    q.add_argument("--ppl-context", type=int, default=256)
+    q.add_argument("--ppl-stride", type=int, default=256)
+    q.add_argument("--ppl-max-tokens", type=int, default=8192, help="0: the whole test file")
+    q.add_argument("--num-prompts", type=int, default=64, help="offline throughput workload")
+    q.add_argument("--input-len", type=int, default=128)
+    q.add_argument("--output-len", type=int, default=128)
+    q.add_argument("--decode-input-len", type=int, default=128, help="batch-1 decode prompt")
+    q.add_argument("--decode-output-len", type=int, default=64)
+    q.add_argument("--decode-repeats", type=int, default=3)
+    q.add_argument("--hf-batch-sizes", type=_ints, default=[8, 32])
+    q.add_argument("--llamacpp-bin", default=".cache/llamacpp/build/bin",
+                   help="llama.cpp tools (benchmarks/build_llamacpp.sh); '' skips them")
+    q.add_argument("--llamacpp-parallel", type=_ints, default=[4, 16, 64],
+                   help="llama-batched-bench -npl values; the best counts")
+    q.add_argument("--capacity-kv-memory", default="64MiB")
+    q.add_argument("--capacity-context", type=int, default=256)
+    q.add_argument("--report-only", action="store_true",
+                   help="rewrite the report from results.json without running anything")
+    q.add_argument("--threads", type=int)
+    q.add_argument("--json", action="store_true", help="print the report's JSON")
+    q.add_argument("--quiet", action="store_true")
+    q.set_defaults(func=run_quant)
+
+
+def run_quant(args) -> int:
+    import json
+
+    import torch
+
+    from kvslim.bench.machine import machine_info
+    from kvslim.experiments.quant import QuantExperiment, QuantExperimentConfig
+    from kvslim.experiments.quant_report import goals, report_data, write_report
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = QuantExperimentConfig(
+        models=[m.strip() for m in args.models.split(",") if m.strip()],
+        arms=[a.strip() for a in args.arms.split(",")] if args.arms else None,
+        calib=args.calib, test=args.test, work_dir=args.work_dir, report=args.report,
+        group_sizes=args.group_sizes, sym=args.sym, calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len, ppl_context=args.ppl_context,
+        ppl_stride=args.ppl_stride, ppl_max_tokens=args.ppl_max_tokens or None,
+        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        decode_input_len=args.decode_input_len, decode_output_len=args.decode_output_len,
+        decode_repeats=args.decode_repeats, hf_batch_sizes=args.hf_batch_sizes,
+        llamacpp_bin=args.llamacpp_bin or None, llamacpp_parallel=args.llamacpp_parallel,
+        capacity_kv_memory=args.capacity_kv_memory, capacity_context=args.capacity_context,
+        show_progress=not (args.quiet or args.json))
+    exp = QuantExperiment(cfg)
+    if not args.report_only:
+        exp.run()
+    command = "kvslim " + " ".join(_report_args(sys.argv[1:], drop=()))
+    machine = machine_info().to_dict()
+    report = write_report(exp, command, machine)
+    if args.json:
+        print(json.dumps(report_data(exp, command, machine), indent=1))
+        return 0
+    for g in goals(exp):
+        print(g.line()[2:])
+    print(f"wrote {report}")
+    return 0
 
 
 def run_gqa(args) -> int:
@@ -70,18 +157,21 @@ def _parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def _report_args(argv: list[str]) -> list[str]:
-    """The command line to print in the report: without --report-only, --shard and --threads
-    (how the work was split does not change the numbers)."""
+def _report_args(argv: list[str],
+                 drop: tuple[str, ...] = ("--shard", "--threads")) -> list[str]:
+    """The command line to print in the report: without --report-only, --json, --quiet and the
+    options in `drop` (how the work was split and shown does not change the numbers; the gqa
+    experiment's perplexities do not depend on --threads either)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
-        if a in ("--shard", "--threads"):
+        if a in drop:
             skip = True
             continue
-        if a == "--report-only" or a.startswith(("--shard=", "--threads=")):
+        if a in ("--report-only", "--json", "--quiet") or a.startswith(
+                tuple(f"{d}=" for d in drop)):
             continue
         out.append(shlex.quote(a))
     return out
