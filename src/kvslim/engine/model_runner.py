@@ -97,20 +97,24 @@ class ModelRunner:
         if hidden is None:
             meta = build_paged_metadata(layout, self.block_size, self.model.config.sliding_window)
             hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_caches, meta))
-        sample_rows, requests = [], []
+        sample_rows, requests, verified = [], [], {}
         for entry, query_start in zip(entries, query_starts):
             scored = entry.prompt_logprob_positions
             if scored:
                 record_prompt_logprobs(self.model, hidden, query_start + scored.start - entry.start,
                                        scored, entry.seq)
-            if entry.sample:
+            if entry.draft_token_ids:        # every row scores a draft, the last one the bonus
+                rows = hidden[query_start:query_start + entry.num_tokens]
+                verified[entry.seq.seq_id] = self.sampler.verify(
+                    self.model.compute_logits(rows), entry.seq, entry.draft_token_ids)
+            elif entry.sample:
                 sample_rows.append(query_start + entry.num_tokens - 1)
                 requests.append(SampleRequest(entry.seq, entry.num_samples))
-        if not requests:
-            return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
-        results = self.sampler(logits, requests)
-        return {r.seq.seq_id: res for r, res in zip(requests, results)}
+        if requests:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            results = self.sampler(logits, requests)
+            verified.update((r.seq.seq_id, res) for r, res in zip(requests, results))
+        return verified
 
     def _prepare(self, entries: list[ScheduledSequence]):
         """Flat inputs of the step (one-token queries first, then longer chunks) and their
@@ -139,7 +143,7 @@ class ModelRunner:
             layout.prefills.append(PrefillChunk(
                 query_start=len(tokens), query_len=n, context_len=start + n,
                 block_table=self.block_tables.table[row[0], :-(-(start + n) // bs)]))
-            tokens += seq.token_ids[start:start + n]
+            tokens += entry.input_token_ids
             positions.append(pos)
             slots.append(self.block_tables.slots(row.expand(n), pos, bs))
         query_starts = list(itertools.accumulate((e.num_tokens for e in entries[:-1]), initial=0))
