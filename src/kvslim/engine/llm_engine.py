@@ -16,6 +16,7 @@ from kvslim.engine.sampling_params import SamplingParams
 from kvslim.engine.scheduler import Scheduler
 from kvslim.engine.sequence import Sequence
 from kvslim.engine.speculative.decoder import SpecDecodeStats, SpeculativeDecoder
+from kvslim.engine.speculative.draft import DraftModelProposer
 from kvslim.errors import EngineFailedError, InvalidRequestError, KvslimError
 from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
@@ -57,8 +58,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, eos,
                                    self.config.enable_chunked_prefill)
-        self.spec = (SpeculativeDecoder(self.config.speculative)
-                     if self.config.speculative is not None else None)
+        self.spec = self._speculative_decoder()
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
@@ -66,6 +66,18 @@ class LLMEngine:
         self.num_steps = 0
         self.peak_num_running = 0                    # most sequences decoded in one step
         self.peak_used_blocks = 0
+
+    def _speculative_decoder(self) -> SpeculativeDecoder | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        draft = None
+        if spec.method == "draft":
+            from kvslim.formats.registry import resolve_model
+            draft = DraftModelProposer(resolve_model(spec.model), self.config,
+                                       self.runner.num_blocks, self.max_model_len,
+                                       self.model_config.vocab_size)
+        return SpeculativeDecoder(spec, draft)
 
     def _max_model_len(self) -> int:
         """The model's context, capped by what the KV cache can hold for one sequence (a user
@@ -194,6 +206,8 @@ class LLMEngine:
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         self.runner.release(out.released_seq_ids)
+        if self.spec is not None:
+            self.spec.release(out.released_seq_ids)
         if out.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
                 return [self._fail_unschedulable()]
@@ -202,7 +216,7 @@ class LLMEngine:
         self.peak_num_running = max(self.peak_num_running, len(out.scheduled))
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         try:                         # one forward pass for the whole batch: no single culprit
-            sampled = self.runner.execute(out)
+            sampled = self.runner.execute(out, self.spec and self.spec.draft_probs)
             self._record_speculation(out, sampled)
             updated = self.scheduler.postprocess(out, sampled)
         except Exception as e:
@@ -289,8 +303,6 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> None:
         """Forget a finished sequence's per-sequence state outside the scheduler."""
         self.runner.sampler.release(seq)
-        if self.spec is not None:
-            self.spec.release(seq.seq_id)
 
     def _output(self, state: RequestState) -> RequestOutput:
         completions = [self._completion(state, seq)

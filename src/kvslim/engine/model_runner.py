@@ -82,7 +82,39 @@ class ModelRunner:
             self.block_tables.release(seq_id)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, list[SampleResult]]:
+    def execute(self, out: SchedulerOutput, draft_probs: dict[int, torch.Tensor] | None = None
+                ) -> dict[int, list[SampleResult]]:
+        """Run the step and sample: per sequence, its results (n > 1 parents: one per
+        completion; speculative entries: the accepted drafts, then one more token).
+        `draft_probs` holds a draft model's distributions for its drafts, by seq_id."""
+        hidden, entries, query_starts = self.forward(out)
+        draft_probs = draft_probs or {}
+        sample_rows, requests, verified = [], [], {}
+        for entry, query_start in zip(entries, query_starts):
+            scored = entry.prompt_logprob_positions
+            if scored:
+                record_prompt_logprobs(self.model, hidden, query_start + scored.start - entry.start,
+                                       scored, entry.seq)
+            if entry.draft_token_ids:        # every row scores a draft, the last one the bonus
+                rows = hidden[query_start:query_start + entry.num_tokens]
+                q = draft_probs.get(entry.seq.seq_id)
+                verified[entry.seq.seq_id] = self.sampler.verify(
+                    self.model.compute_logits(rows), entry.seq, entry.draft_token_ids,
+                    None if q is None else q[:len(entry.draft_token_ids)])
+            elif entry.sample:
+                sample_rows.append(query_start + entry.num_tokens - 1)
+                requests.append(SampleRequest(entry.seq, entry.num_samples))
+        if requests:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            results = self.sampler(logits, requests)
+            verified.update((r.seq.seq_id, res) for r, res in zip(requests, results))
+        return verified
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput
+                ) -> tuple[torch.Tensor, list[ScheduledSequence], list[int]]:
+        """The model over the step's tokens: final hidden states [tokens, hidden], the entries
+        in the order of their rows, and each entry's first row."""
         copies = out.block_copies
         if copies:
             src, dst = zip(*copies)
@@ -97,24 +129,7 @@ class ModelRunner:
         if hidden is None:
             meta = build_paged_metadata(layout, self.block_size, self.model.config.sliding_window)
             hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_caches, meta))
-        sample_rows, requests, verified = [], [], {}
-        for entry, query_start in zip(entries, query_starts):
-            scored = entry.prompt_logprob_positions
-            if scored:
-                record_prompt_logprobs(self.model, hidden, query_start + scored.start - entry.start,
-                                       scored, entry.seq)
-            if entry.draft_token_ids:        # every row scores a draft, the last one the bonus
-                rows = hidden[query_start:query_start + entry.num_tokens]
-                verified[entry.seq.seq_id] = self.sampler.verify(
-                    self.model.compute_logits(rows), entry.seq, entry.draft_token_ids)
-            elif entry.sample:
-                sample_rows.append(query_start + entry.num_tokens - 1)
-                requests.append(SampleRequest(entry.seq, entry.num_samples))
-        if requests:
-            logits = self.model.compute_logits(hidden[sample_rows])
-            results = self.sampler(logits, requests)
-            verified.update((r.seq.seq_id, res) for r, res in zip(requests, results))
-        return verified
+        return hidden, entries, query_starts
 
     def _prepare(self, entries: list[ScheduledSequence]):
         """Flat inputs of the step (one-token queries first, then longer chunks) and their

@@ -11,24 +11,36 @@ PROMPTS = [[5, 6, 7, 8, 9, 10] * 4, list(range(40, 60)) + list(range(40, 50)), [
            [100 + (i % 7) for i in range(30)]]
 
 
-def spec(k: int, **extra) -> dict:
+def spec(k: int, draft=None, **extra) -> dict:
+    if draft is not None:
+        return dict(method="draft", model=str(draft), num_speculative_tokens=k, **extra)
     return dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1,
                 prompt_lookup_max=3, **extra)
 
 
+# The target is "gqa"; drafts: itself (everything accepted) and an unrelated random model of
+# the same vocabulary (mostly rejected).
+PROPOSERS = [None, "gqa", "mqa"]
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("cache", ["ample", "tiny"])
-def test_greedy_output_equals_plain_decoding(hf_checkpoints, k, cache):
+@pytest.mark.parametrize("draft", PROPOSERS, ids=["ngram", "draft-self", "draft-other"])
+def test_greedy_output_equals_plain_decoding(hf_checkpoints, k, cache, draft):
     params = SamplingParams(max_tokens=40, **GREEDY)
     memory = "8MiB"
     if cache == "tiny":                   # 24 blocks of 4 tokens: preemptions must happen
         memory = 24 * engine(hf_checkpoints["gqa"], block_size=4).runner.bytes_per_block
     plain = engine(hf_checkpoints["gqa"], block_size=4, kv_cache_memory=memory)
     fast = engine(hf_checkpoints["gqa"], block_size=4, kv_cache_memory=memory,
-                  speculative=spec(k))
+                  speculative=spec(k, draft and hf_checkpoints[draft]))
     assert tokens(run(fast, PROMPTS, params)) == tokens(run(plain, PROMPTS, params))
     stats = fast.spec_decode_stats()
-    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens
+    assert stats.num_draft_tokens > 0
+    if draft == "gqa":                    # the target drafting for itself
+        assert stats.acceptance_rate > 0.9
+    elif draft is None:
+        assert stats.num_accepted_tokens > 0
     if cache == "tiny":
         assert fast.kv_cache_stats().num_preemptions > 0
 
@@ -68,11 +80,25 @@ def test_n_completions_and_prefix_cache_hits(hf_checkpoints):
     assert fast.kv_cache_stats().prefix_cache_hits > 0
 
 
-def test_seeded_sampling_is_reproducible(hf_checkpoints):
+@pytest.mark.parametrize("draft", PROPOSERS, ids=["ngram", "draft-self", "draft-other"])
+def test_seeded_sampling_is_reproducible(hf_checkpoints, draft):
     params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=s) for s in (1, 2)]
-    outs = [tokens(run(engine(hf_checkpoints["gqa"], speculative=spec(3)), PROMPTS[:2], params))
-            for _ in range(2)]
+    outs = [tokens(run(engine(hf_checkpoints["gqa"],
+                              speculative=spec(3, draft and hf_checkpoints[draft])),
+                       PROMPTS[:2], params)) for _ in range(2)]
     assert outs[0] == outs[1]
+
+
+def test_a_draft_with_another_vocabulary_is_refused(hf_checkpoints, tmp_path):
+    import json
+    import shutil
+    other = tmp_path / "other"
+    shutil.copytree(hf_checkpoints["mqa"], other)
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] = 999
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match="vocabulary"):
+        engine(hf_checkpoints["gqa"], speculative=spec(3, other))
 
 
 def test_no_speculation_above_the_batch_size_limit(hf_checkpoints):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kvslim.engine.sequence import Sequence
+from kvslim.engine.speculative.draft import DraftModelProposer
 from kvslim.engine.speculative.config import SpeculativeConfig
 from kvslim.engine.speculative.ngram import NgramProposer
 from kvslim.errors import KvslimError
@@ -45,34 +48,45 @@ class _Backoff:
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: SpeculativeConfig):
-        if config.method != "ngram":
-            raise KvslimError(f"speculative method {config.method!r} is not available in this "
-                              "engine yet; use 'ngram'")
+    def __init__(self, config: SpeculativeConfig, draft: DraftModelProposer | None = None):
+        if config.method == "draft" and draft is None:
+            raise KvslimError("speculative method 'draft' needs its draft model loaded")
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
-                                      config.num_speculative_tokens)
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                                   config.num_speculative_tokens)
+        self.draft = draft
         k = config.num_speculative_tokens
         self.stats = SpecDecodeStats(drafted_per_position=[0] * k, accepted_per_position=[0] * k)
+        self.draft_probs: dict[int, torch.Tensor] = {}      # seq_id -> q of its drafts
         self._backoff: dict[int, _Backoff] = {}
         self._step = 0
 
     def propose(self, running: list[Sequence]) -> None:
-        """Set spec_token_ids on the generating sequences that should speculate this step."""
+        """Set spec_token_ids (and, for a draft model, draft_probs) on the generating
+        sequences that should speculate this step."""
         self._step += 1
+        self.draft_probs = {}
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return
-        for seq in running:
-            if seq.num_uncomputed_tokens != 1 or seq.fork_pending:
-                continue
-            backoff = self._backoff.get(seq.seq_id)
-            if backoff is not None and backoff.resume_at_step > self._step:
-                continue
-            remaining = None
-            if seq.params.max_tokens is not None:
-                remaining = seq.params.max_tokens - seq.num_output_tokens - 1
-            seq.spec_token_ids = self.proposer.propose(seq.token_ids, remaining)
+        seqs = [seq for seq in running if self._speculates(seq)]
+        room = [self.config.num_speculative_tokens if seq.params.max_tokens is None
+                else min(self.config.num_speculative_tokens,
+                         seq.params.max_tokens - seq.num_output_tokens - 1) for seq in seqs]
+        if self.draft is None:
+            for seq, k in zip(seqs, room):
+                seq.spec_token_ids = self.ngram.propose(seq.token_ids, k)
+            return
+        drafts = self.draft.propose(seqs, room)
+        for seq in seqs:
+            if seq.seq_id in drafts:
+                seq.spec_token_ids, self.draft_probs[seq.seq_id] = drafts[seq.seq_id]
+
+    def _speculates(self, seq: Sequence) -> bool:
+        if seq.num_uncomputed_tokens != 1 or seq.fork_pending:
+            return False
+        backoff = self._backoff.get(seq.seq_id)
+        return backoff is None or backoff.resume_at_step <= self._step
 
     def record(self, seq: Sequence, drafts: list[int], results: list) -> None:
         """One sequence's verification: its drafts and the tokens the target returned (the
@@ -101,5 +115,9 @@ class SpeculativeDecoder:
                 b.resume_at_step = self._step + cfg.backoff_steps + 1
             b.drafted = b.accepted = 0
 
-    def release(self, seq_id: int) -> None:
-        self._backoff.pop(seq_id, None)
+    def release(self, seq_ids: list[int]) -> None:
+        """Forget finished or preempted sequences (a draft model frees their draft K/V)."""
+        for seq_id in seq_ids:
+            self._backoff.pop(seq_id, None)
+        if self.draft is not None:
+            self.draft.release(seq_ids)
