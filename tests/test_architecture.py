@@ -35,7 +35,8 @@ ALLOWED = {
     "surgery": KERNELS | {"models", "formats", "train"},
     "train": KERNELS | {"models", "formats"},
     "eval": KERNELS | {"models", "formats", "train"},
-    "experiments": KERNELS | {"models", "formats", "surgery", "train", "eval"},
+    # Experiments measure what the engine does with what surgery and training produce.
+    "experiments": KERNELS | {"models", "formats", "surgery", "train", "eval", "engine"},
     "plan": BASE | {"models"},
     # The capacity benchmark converts the reference model to GQA/MQA to compare what fits.
     "bench": KERNELS | {"models", "formats", "engine", "plan", "surgery"},

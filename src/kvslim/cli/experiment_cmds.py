@@ -30,6 +30,8 @@ def register(sub) -> None:
     g.add_argument("--threads", type=int)
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(func=run_gqa)
+    from kvslim.cli.experiment_spec_cmds import register_speculative
+    register_speculative(esub)
 
 
 def run_gqa(args) -> int:
