@@ -118,3 +118,14 @@ def test_abort_after_a_speculative_step_frees_every_block(hf_checkpoints):
     for i in ids:
         eng.abort_request(i)
     assert eng.kv_cache_stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("draft", PROPOSERS, ids=["ngram", "draft-self", "draft-other"])
+def test_chunked_prefill_and_a_tight_token_budget(hf_checkpoints, draft):
+    """Prompts split over steps and drafts cut to the step's token budget."""
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    plain = engine(hf_checkpoints["gqa"], block_size=4, max_num_batched_tokens=7)
+    fast = engine(hf_checkpoints["gqa"], block_size=4, max_num_batched_tokens=7,
+                  speculative=spec(5, draft and hf_checkpoints[draft]))
+    assert tokens(run(fast, PROMPTS, params)) == tokens(run(plain, PROMPTS, params))
+    assert fast.spec_decode_stats().num_draft_tokens > 0
