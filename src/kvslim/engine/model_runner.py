@@ -89,26 +89,32 @@ class ModelRunner:
         `draft_probs` holds a draft model's distributions for its drafts, by seq_id."""
         hidden, entries, query_starts = self.forward(out)
         draft_probs = draft_probs or {}
-        sample_rows, requests, verified = [], [], {}
+        spec_rows, sample_rows, requests, spec = [], [], [], []
         for entry, query_start in zip(entries, query_starts):
             scored = entry.prompt_logprob_positions
             if scored:
                 record_prompt_logprobs(self.model, hidden, query_start + scored.start - entry.start,
                                        scored, entry.seq)
             if entry.draft_token_ids:        # every row scores a draft, the last one the bonus
-                rows = hidden[query_start:query_start + entry.num_tokens]
-                q = draft_probs.get(entry.seq.seq_id)
-                verified[entry.seq.seq_id] = self.sampler.verify(
-                    self.model.compute_logits(rows), entry.seq, entry.draft_token_ids,
-                    None if q is None else q[:len(entry.draft_token_ids)])
+                spec.append((entry, len(spec_rows)))
+                spec_rows.extend(range(query_start, query_start + entry.num_tokens))
             elif entry.sample:
-                sample_rows.append(query_start + entry.num_tokens - 1)
                 requests.append(SampleRequest(entry.seq, entry.num_samples))
+                sample_rows.append(query_start + entry.num_tokens - 1)
+        if not spec_rows and not sample_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[spec_rows + sample_rows])   # one lm_head call
+        results: dict[int, list[SampleResult]] = {}
+        for entry, first in spec:
+            seq, drafts = entry.seq, entry.draft_token_ids
+            q = draft_probs.get(seq.seq_id)
+            results[seq.seq_id] = self.sampler.verify(
+                logits[first:first + entry.num_tokens], seq, drafts,
+                None if q is None else q[:len(drafts)])
         if requests:
-            logits = self.model.compute_logits(hidden[sample_rows])
-            results = self.sampler(logits, requests)
-            verified.update((r.seq.seq_id, res) for r, res in zip(requests, results))
-        return verified
+            sampled = self.sampler(logits[len(spec_rows):], requests)
+            results.update((r.seq.seq_id, res) for r, res in zip(requests, sampled))
+        return results
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput
