@@ -301,8 +301,11 @@ class LLMEngine:
             self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        """Forget a finished sequence's per-sequence state outside the scheduler."""
+        """Forget a finished sequence's per-sequence state outside the scheduler (a draft
+        model's K/V for it too: freed now, not at the next step)."""
         self.runner.sampler.release(seq)
+        if self.spec is not None:
+            self.spec.release([seq.seq_id])
 
     def _output(self, state: RequestState) -> RequestOutput:
         completions = [self._completion(state, seq)

@@ -43,6 +43,9 @@ def test_greedy_output_equals_plain_decoding(hf_checkpoints, k, cache, draft):
         assert stats.num_accepted_tokens > 0
     if cache == "tiny":
         assert fast.kv_cache_stats().num_preemptions > 0
+    if draft is not None:                 # the draft's own cache is empty again too
+        assert fast.spec.draft.block_manager.num_used_blocks == 0
+        assert not fast.spec.draft.mirrors
 
 
 def test_stops_max_tokens_and_logprobs_match_plain_decoding(hf_checkpoints):
@@ -118,6 +121,18 @@ def test_abort_after_a_speculative_step_frees_every_block(hf_checkpoints):
     for i in ids:
         eng.abort_request(i)
     assert eng.kv_cache_stats().num_used_blocks == 0
+
+
+def test_abort_frees_the_draft_models_blocks(hf_checkpoints):
+    eng = engine(hf_checkpoints["gqa"], block_size=4, speculative=spec(3, hf_checkpoints["mqa"]))
+    ids = [eng.add_request(p, SamplingParams(max_tokens=40, **GREEDY)) for p in PROMPTS]
+    for _ in range(5):
+        eng.step()
+    assert eng.spec.draft.block_manager.num_used_blocks > 0
+    for i in ids:
+        eng.abort_request(i)
+    assert eng.kv_cache_stats().num_used_blocks == 0
+    assert eng.spec.draft.block_manager.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("draft", PROPOSERS, ids=["ngram", "draft-self", "draft-other"])
