@@ -36,8 +36,9 @@ ALLOWED = {
     "surgery": KERNELS | {"models", "formats", "train"},
     "train": KERNELS | {"models", "formats"},
     "eval": KERNELS | {"models", "formats", "train"},
-    # The quantization experiment times every mode it builds with the benchmarks.
-    "experiments": KERNELS | {"models", "formats", "surgery", "train", "eval", "bench"},
+    # The quantization experiment times every mode it builds with the benchmarks; experiments
+    # measure what the engine does with what surgery and training produce.
+    "experiments": KERNELS | {"models", "formats", "surgery", "train", "eval", "bench", "engine"},
     "plan": BASE | {"models"},
     # The capacity benchmark converts the reference model to GQA/MQA to compare what fits.
     "bench": KERNELS | {"models", "formats", "engine", "plan", "surgery"},

@@ -30,11 +30,29 @@ def assert_refused_before_loading(r, message):
      "cannot parse memory size 'lots'; use e.g. 512MiB, 2GiB or 1.5GB"),
     (["--block-size", "0"], "block_size must be positive, got 0"),
     (["--threads", "0"], "--threads must be at least 1, got 0"),
+    (["--speculative-config", "{method: ngram}"],
+     "--speculative-config is not valid JSON: Expecting property name enclosed in double quotes: "
+     "line 1 column 2 (char 1)"),
+    (["--speculative-config", "[3]"],
+     "--speculative-config must be a JSON object, e.g. "
+     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+     "num_speculative_tokens must be between 1 and 16, got 0"),
 ])
 def test_bad_flag_is_refused_before_loading(hf_checkpoints, flags, message):
     r = kvslim("generate", "--model", str(hf_checkpoints["gqa"]), "--prompt", "x", "--raw",
                *flags)
     assert_refused_before_loading(r, message)
+
+
+def test_generate_with_speculative_decoding(hf_checkpoints):
+    args = ["generate", "--model", str(hf_checkpoints["gqa"]), "--prompt", "a b a b a b a",
+            "--raw", "--max-tokens", "12", "--kv-cache-memory", "4MiB", "--temperature", "0"]
+    plain = kvslim(*args)
+    fast = kvslim(*args, "--speculative-config",
+                  '{"method": "ngram", "num_speculative_tokens": 4}')
+    assert plain.returncode == 0 and fast.returncode == 0, fast.stderr
+    assert fast.stdout == plain.stdout and plain.stdout.strip()
 
 
 def test_loading_is_announced(hf_checkpoints):

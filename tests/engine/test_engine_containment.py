@@ -79,7 +79,7 @@ def test_a_failing_forward_pass_raises_engine_failed(hf_checkpoints, monkeypatch
     eng = engine(hf_checkpoints["gqa"])
     eng.add_request(PROMPTS[0], SamplingParams(max_tokens=4, **GREEDY))
 
-    def execute(out):
+    def execute(out, *args):
         raise RuntimeError("simulated device fault")
 
     monkeypatch.setattr(eng.runner, "execute", execute)

@@ -69,12 +69,14 @@ def _entry(result: LatencyResult, engine, label, batch, runs: list[tuple[float, 
 def run_latency(model_dir, input_len: int = 128, output_len: int = 64,
                 batches: tuple[int, ...] = (1, 8), compare: list[str] = (),
                 show_progress: bool = True, repeats: int = 3,
-                kv_cache_dtype: str = "auto", bandwidth: Bandwidth | None = None) -> LatencyResult:
+                kv_cache_dtype: str = "auto", bandwidth: Bandwidth | None = None,
+                speculative: dict | None = None) -> LatencyResult:
     """Each engine and batch measured `repeats` times, the engines taking turns within every
     round, so that a slow spell of a shared machine does not fall on one engine only; the
     tables show medians. `bandwidth`: the machine's, measured once by a caller that runs this
     many times (default: measured here)."""
-    llm = kvslim_llm(model_dir, "1GiB", max_num_seqs=max(batches), kv_cache_dtype=kv_cache_dtype)
+    llm = kvslim_llm(model_dir, "1GiB", max_num_seqs=max(batches), kv_cache_dtype=kv_cache_dtype,
+                     speculative=speculative)
     # Counted from the checkpoint: the engine's runtime layout (packed weights) is not the
     # model's size. Every weight is read once per decode step.
     weight_bytes = (count_parameters(model_dir, llm.engine.model_config)

@@ -23,10 +23,11 @@ def parse_compare(value: str | None) -> list[str]:
 
 def kvslim_llm(model_dir, kv_cache_memory="1GiB", max_num_seqs: int = 256,
                max_num_batched_tokens: int = 2048, dtype: str = "float32",
-               kv_cache_dtype: str = "auto") -> LLM:
+               kv_cache_dtype: str = "auto", speculative: dict | None = None) -> LLM:
     return LLM(str(model_dir), dtype=dtype, device="cpu", kv_cache_memory=kv_cache_memory,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-               enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+               enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype,
+               speculative=speculative)
 
 
 def exported_gguf(model_dir: Path, dtype: str = "f32") -> Path:

@@ -55,11 +55,12 @@ def _entry(engine, label, seconds, w: Workload) -> EngineThroughput:
 
 def run_throughput(model_dir, w: Workload, compare: list[str], hf_batch_size: int = 8,
                    kv_cache_memory: str = "2GiB", show_progress: bool = True,
-                   kv_cache_dtype: str = "auto") -> ThroughputResult:
+                   kv_cache_dtype: str = "auto", speculative: dict | None = None
+                   ) -> ThroughputResult:
     result = ThroughputResult(str(model_dir), asdict(w), torch.get_num_threads(), "float32",
                               hf_batch_size)
     llm = kvslim_llm(model_dir, kv_cache_memory, max_num_seqs=max(64, w.num_prompts),
-                     kv_cache_dtype=kv_cache_dtype)
+                     kv_cache_dtype=kv_cache_dtype, speculative=speculative)
     prompts = w.prompts(llm.engine.model_config.vocab_size, special_ids(llm.tokenizer))
     params = SamplingParams(max_tokens=w.output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

@@ -13,6 +13,11 @@ def _kv_cache_dtype(p) -> None:
                    help="kvslim's KV-cache storage (default auto: the model's dtype)")
 
 
+def _speculative(p) -> None:
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="kvslim's speculative decoding, as for generate and serve")
+
+
 def _common(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) threads")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -28,6 +33,7 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--hf-batch-size", type=int, default=8)
     p.add_argument("--kv-cache-memory", default="2GiB")
     _kv_cache_dtype(p)
+    _speculative(p)
     _common(p)
     p.set_defaults(func=run_throughput_cmd)
 
@@ -40,6 +46,7 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds, engines taking turns in each; tables show medians")
     _kv_cache_dtype(p)
+    _speculative(p)
     _common(p)
     p.set_defaults(func=run_latency_cmd)
 
@@ -108,7 +115,8 @@ def run_throughput_cmd(args) -> int:
     w = Workload(args.num_prompts, args.input_len, args.output_len)
     result = run_throughput(model, w, parse_compare(args.compare), args.hf_batch_size,
                             args.kv_cache_memory, show_progress=not args.json,
-                            kv_cache_dtype=args.kv_cache_dtype)
+                            kv_cache_dtype=args.kv_cache_dtype,
+                            speculative=_speculative_config(args))
     return _emit(args, result, format_throughput)
 
 
@@ -121,8 +129,18 @@ def run_latency_cmd(args) -> int:
         raise KvslimError(f"--repeats must be at least 1, got {args.repeats}")
     result = run_latency(model, args.input_len, args.output_len, batches,
                          parse_compare(args.compare), show_progress=not args.json,
-                         repeats=args.repeats, kv_cache_dtype=args.kv_cache_dtype)
+                         repeats=args.repeats, kv_cache_dtype=args.kv_cache_dtype,
+                         speculative=_speculative_config(args))
     return _emit(args, result, format_latency)
+
+
+def _speculative_config(args) -> dict | None:
+    """Parsed and checked before any model loads."""
+    from kvslim.cli.engine_args import speculative_from_args
+    from kvslim.engine.speculative.config import SpeculativeConfig
+    value = speculative_from_args(args)
+    SpeculativeConfig.from_value(value)
+    return value
 
 
 def run_profile_cmd(args) -> int:

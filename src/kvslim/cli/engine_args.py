@@ -19,6 +19,10 @@ def add_engine_args(p, kv_cache_memory: str = "1GiB", max_num_seqs: int = 64) ->
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps without CUDA graphs")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 3}\' or \'{"method": "draft", "model": DIR, '
+                        '"num_speculative_tokens": 4}\' (options: docs/speculative.md)')
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: one per core). On cores that other busy "
                         "processes share, fewer threads (often 1) decode faster")
@@ -41,7 +45,8 @@ def llm_from_args(args):
                kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-               enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
+               enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+               speculative=speculative_from_args(args))
 
 
 def check_args(args) -> None:
@@ -74,7 +79,25 @@ def engine_config_from_args(args):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-        kv_cache_dtype=args.kv_cache_dtype)
+        kv_cache_dtype=args.kv_cache_dtype, speculative=speculative_from_args(args))
+
+
+def speculative_from_args(args) -> dict | None:
+    """--speculative-config's JSON object, or None."""
+    import json
+
+    from kvslim.errors import KvslimError
+    text = getattr(args, "speculative_config", None)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise KvslimError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise KvslimError("--speculative-config must be a JSON object, e.g. "
+                          '\'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    return value
 
 
 def add_sampling_args(p, max_tokens: int = 256) -> None:

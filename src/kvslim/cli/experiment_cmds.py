@@ -32,6 +32,8 @@ def register(sub) -> None:
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(func=run_gqa)
     _register_quant(esub)
+    from kvslim.cli.experiment_spec_cmds import register_speculative
+    register_speculative(esub)
 
 
 def _ints(text: str) -> list[int]:

@@ -165,17 +165,28 @@ class BlockManager:
         for block_id in child.block_table:
             self.blocks[block_id].ref_count += 1
 
-    # ---- release and caching -------------------------------------------------------------
-    def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references. Tail blocks are queued for eviction first, so that
-        shared prefixes survive longest."""
-        for block_id in reversed(seq.block_table):
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the blocks past the first `num_tokens` tokens (slots reserved for speculative
+        tokens that were rejected). Their contents were never entered in the prefix cache."""
+        keep = self._blocks_for(num_tokens)
+        self._release(seq.block_table[keep:])
+        del seq.block_table[keep:]
+
+    def _release(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block, last first (tails are evicted before prefixes)."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
                 self.num_cached_free_blocks += block.hash is not None
+
+    # ---- release and caching -------------------------------------------------------------
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references. Tail blocks are queued for eviction first, so that
+        shared prefixes survive longest."""
+        self._release(seq.block_table)
         seq.block_table = []
         seq.block_table_dirty_from = 0
         seq.num_registered_blocks = 0

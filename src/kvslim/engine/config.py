@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvslim.engine.speculative.config import SpeculativeConfig
 from kvslim.errors import KvslimError
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
@@ -37,9 +38,12 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0                        # for requests that sample without their own seed
     enforce_eager: bool = False          # on CUDA: no CUDA graphs for decode steps
+    # Speculative decoding: a SpeculativeConfig or a dict of its options; None: off.
+    speculative: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        self.speculative = SpeculativeConfig.from_value(self.speculative)
         for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise KvslimError(f"{name} must be positive, got {getattr(self, name)}")

@@ -27,6 +27,7 @@ class IncrementalDetokenizer:
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
+        self.num_added = 0                 # output tokens decoded so far
         self.stopped_by: str | None = None
         self._stop_at = -1
 
@@ -37,6 +38,7 @@ class IncrementalDetokenizer:
             if self.stopped_by is not None:
                 return
             self.token_ids.append(token_id)
+            self.num_added += 1
             prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
             full = self._decode(self.token_ids[self.prefix_offset:])
             if len(full) > len(prefix) and not full.endswith("\ufffd"):

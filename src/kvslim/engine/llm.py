@@ -21,7 +21,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, seed: int = 0,
-                 enforce_eager: bool = False, kv_cache_dtype: str = "auto"):
+                 enforce_eager: bool = False, kv_cache_dtype: str = "auto",
+                 speculative: dict | None = None):
         from kvslim.formats.registry import resolve_model
         self.model_dir = resolve_model(model)
         config = EngineConfig(
@@ -29,7 +30,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, dtype=dtype, device=device, seed=seed,
-            enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype)
+            enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, speculative=speculative)
         self.engine = LLMEngine(self.model_dir, config)
         self.tokenizer = self.engine.tokenizer
 

@@ -15,6 +15,8 @@ from kvslim.engine.outputs import CompletionOutput, KVCacheStats, RequestMetrics
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.engine.scheduler import Scheduler
 from kvslim.engine.sequence import Sequence
+from kvslim.engine.speculative.decoder import SpecDecodeStats, SpeculativeDecoder
+from kvslim.engine.speculative.draft import DraftModelProposer
 from kvslim.errors import EngineFailedError, InvalidRequestError, KvslimError
 from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
@@ -56,6 +58,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, eos,
                                    self.config.enable_chunked_prefill)
+        self.spec = self._speculative_decoder()
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
@@ -63,6 +66,18 @@ class LLMEngine:
         self.num_steps = 0
         self.peak_num_running = 0                    # most sequences decoded in one step
         self.peak_used_blocks = 0
+
+    def _speculative_decoder(self) -> SpeculativeDecoder | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        draft = None
+        if spec.method == "draft":
+            from kvslim.formats.registry import resolve_model
+            draft = DraftModelProposer(resolve_model(spec.model), self.config,
+                                       self.runner.num_blocks, self.max_model_len,
+                                       self.model_config.vocab_size)
+        return SpeculativeDecoder(spec, draft)
 
     def _max_model_len(self) -> int:
         """The model's context, capped by what the KV cache can hold for one sequence (a user
@@ -178,7 +193,7 @@ class LLMEngine:
             return False
         for seq in state.seqs:
             self.scheduler.finish(seq, "abort")
-            self.runner.sampler.release(seq)
+            self._release(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -187,8 +202,12 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return the requests that made progress."""
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         self.runner.release(out.released_seq_ids)
+        if self.spec is not None:
+            self.spec.release(out.released_seq_ids)
         if out.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
                 return [self._fail_unschedulable()]
@@ -197,11 +216,11 @@ class LLMEngine:
         self.peak_num_running = max(self.peak_num_running, len(out.scheduled))
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         try:                         # one forward pass for the whole batch: no single culprit
-            sampled = self.runner.execute(out)
+            sampled = self.runner.execute(out, self.spec and self.spec.draft_probs)
+            self._record_speculation(out, sampled)
             updated = self.scheduler.postprocess(out, sampled)
         except Exception as e:
             raise EngineFailedError(f"the model step failed: {type(e).__name__}: {e}") from e
-        self.num_generated_tokens += len(updated)
         touched: dict[str, RequestState] = {}
         failed: list[RequestOutput] = []
         for seq in updated:
@@ -217,6 +236,13 @@ class LLMEngine:
                 continue
             touched[state.request_id] = state
         return [self._output_or_fail(state) for state in touched.values()] + failed
+
+    def _record_speculation(self, out, sampled) -> None:
+        if self.spec is None:
+            return
+        for entry in out.scheduled:
+            if entry.draft_token_ids:
+                self.spec.record(entry.seq, entry.draft_token_ids, sampled[entry.seq.seq_id])
 
     def _advance(self, state: RequestState, seq: Sequence) -> None:
         if seq not in state.seqs:                           # a new sibling of an n > 1 request
@@ -238,7 +264,7 @@ class LLMEngine:
         self.requests.pop(state.request_id, None)
         for seq in state.seqs:
             self.scheduler.finish(seq, "abort")
-            self.runner.sampler.release(seq)
+            self._release(seq)
         completions = [CompletionOutput(index=seq.index, text="", token_ids=[],
                                         finish_reason="abort")
                        for seq in sorted(state.seqs, key=lambda s: s.index)]
@@ -258,14 +284,28 @@ class LLMEngine:
             f"more KV-cache blocks, sequences or batched tokens than the engine has; aborted"))
 
     def _detokenize(self, state: RequestState, seq: Sequence) -> None:
+        """Decode the tokens the step appended (several after a speculative step); a stop
+        string ends the sequence at the token that completed it."""
         detok = state.detokenizers[seq.index]
-        if detok.stopped_by is None:
-            detok.add_tokens([seq.last_token], seq.num_output_tokens >= seq.params.min_tokens)
+        before = detok.num_added
+        for token in seq.output_token_ids[before:]:
             if detok.stopped_by is not None:
+                break
+            detok.add_tokens([token], detok.num_added + 1 >= seq.params.min_tokens)
+            if detok.stopped_by is not None:
+                seq.truncate_output(detok.num_added)
                 seq.stop_reason = detok.stopped_by
                 self.scheduler.finish(seq, "stop")
+        self.num_generated_tokens += detok.num_added - before
         if seq.is_finished:
-            self.runner.sampler.release(seq)
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Forget a finished sequence's per-sequence state outside the scheduler (a draft
+        model's K/V for it too: freed now, not at the next step)."""
+        self.runner.sampler.release(seq)
+        if self.spec is not None:
+            self.spec.release([seq.seq_id])
 
     def _output(self, state: RequestState) -> RequestOutput:
         completions = [self._completion(state, seq)
@@ -323,6 +363,10 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             kv_cache_dtype=str(r.kv_dtype).removeprefix("torch."))
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Draft and accepted tokens so far; None when the engine does not speculate."""
+        return None if self.spec is None else self.spec.stats
 
     @property
     def num_running(self) -> int:

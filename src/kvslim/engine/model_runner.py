@@ -82,7 +82,45 @@ class ModelRunner:
             self.block_tables.release(seq_id)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, list[SampleResult]]:
+    def execute(self, out: SchedulerOutput, draft_probs: dict[int, torch.Tensor] | None = None
+                ) -> dict[int, list[SampleResult]]:
+        """Run the step and sample: per sequence, its results (n > 1 parents: one per
+        completion; speculative entries: the accepted drafts, then one more token).
+        `draft_probs` holds a draft model's distributions for its drafts, by seq_id."""
+        hidden, entries, query_starts = self.forward(out)
+        draft_probs = draft_probs or {}
+        spec_rows, sample_rows, requests, spec = [], [], [], []
+        for entry, query_start in zip(entries, query_starts):
+            scored = entry.prompt_logprob_positions
+            if scored:
+                record_prompt_logprobs(self.model, hidden, query_start + scored.start - entry.start,
+                                       scored, entry.seq)
+            if entry.draft_token_ids:        # every row scores a draft, the last one the bonus
+                spec.append((entry, len(spec_rows)))
+                spec_rows.extend(range(query_start, query_start + entry.num_tokens))
+            elif entry.sample:
+                requests.append(SampleRequest(entry.seq, entry.num_samples))
+                sample_rows.append(query_start + entry.num_tokens - 1)
+        if not spec_rows and not sample_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[spec_rows + sample_rows])   # one lm_head call
+        results: dict[int, list[SampleResult]] = {}
+        for entry, first in spec:
+            seq, drafts = entry.seq, entry.draft_token_ids
+            q = draft_probs.get(seq.seq_id)
+            results[seq.seq_id] = self.sampler.verify(
+                logits[first:first + entry.num_tokens], seq, drafts,
+                None if q is None else q[:len(drafts)])
+        if requests:
+            sampled = self.sampler(logits[len(spec_rows):], requests)
+            results.update((r.seq.seq_id, res) for r, res in zip(requests, sampled))
+        return results
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput
+                ) -> tuple[torch.Tensor, list[ScheduledSequence], list[int]]:
+        """The model over the step's tokens: final hidden states [tokens, hidden], the entries
+        in the order of their rows, and each entry's first row."""
         copies = out.block_copies
         if copies:
             src, dst = zip(*copies)
@@ -97,20 +135,7 @@ class ModelRunner:
         if hidden is None:
             meta = build_paged_metadata(layout, self.block_size, self.model.config.sliding_window)
             hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_caches, meta))
-        sample_rows, requests = [], []
-        for entry, query_start in zip(entries, query_starts):
-            scored = entry.prompt_logprob_positions
-            if scored:
-                record_prompt_logprobs(self.model, hidden, query_start + scored.start - entry.start,
-                                       scored, entry.seq)
-            if entry.sample:
-                sample_rows.append(query_start + entry.num_tokens - 1)
-                requests.append(SampleRequest(entry.seq, entry.num_samples))
-        if not requests:
-            return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
-        results = self.sampler(logits, requests)
-        return {r.seq.seq_id: res for r, res in zip(requests, results)}
+        return hidden, entries, query_starts
 
     def _prepare(self, entries: list[ScheduledSequence]):
         """Flat inputs of the step (one-token queries first, then longer chunks) and their
@@ -139,7 +164,7 @@ class ModelRunner:
             layout.prefills.append(PrefillChunk(
                 query_start=len(tokens), query_len=n, context_len=start + n,
                 block_table=self.block_tables.table[row[0], :-(-(start + n) // bs)]))
-            tokens += seq.token_ids[start:start + n]
+            tokens += entry.input_token_ids
             positions.append(pos)
             slots.append(self.block_tables.slots(row.expand(n), pos, bs))
         query_starts = list(itertools.accumulate((e.num_tokens for e in entries[:-1]), initial=0))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvslim.engine.sequence import Sequence, TokenLogprob
+from kvslim.engine.speculative.verify import verify_greedy, verify_sampled
 
 
 @dataclass
@@ -99,14 +100,7 @@ class Sampler:
         params = [requests[i].seq.params for i in rows]
         seen = torch.stack([s.seen for s in states])
         counts = torch.stack([s.output_counts for s in states])
-        rep = torch.tensor([p.repetition_penalty for p in params], device=self.device)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], device=self.device)[:, None]
-        freq = torch.tensor([p.frequency_penalty for p in params], device=self.device)[:, None]
-        sub = logits[rows]
-        penalised = torch.where(sub > 0, sub / rep, sub * rep)
-        sub = torch.where(seen, penalised, sub)
-        sub = sub - pres * (counts > 0) - freq * counts
-        logits[rows] = sub
+        logits[rows] = penalize(logits[rows], seen, counts, params)
         return logits
 
     def _ban_until_min_tokens(self, logits: torch.Tensor, requests: list[SampleRequest]) -> None:
@@ -116,6 +110,53 @@ class Sampler:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 if banned:
                     logits[i, banned] = float("-inf")
+
+    # ---- speculative decoding --------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, seq: Sequence, drafts: list[int],
+               draft_probs: torch.Tensor | None = None) -> list[SampleResult]:
+        """logits [k+1, vocab] of one sequence, row i after drafts[:i]: the accepted drafts and
+        one more token (rules in speculative/verify.py), processed as plain sampling would."""
+        logits = logits.to(torch.float32, copy=True)
+        p = seq.params
+        raw = torch.log_softmax(logits, dim=-1) if p.logprobs is not None else None
+        self._process_draft_rows(logits, seq, drafts)
+        if p.greedy:
+            tokens = verify_greedy(logits, drafts)
+        else:
+            probs = filter_probs(logits / p.temperature, [p.top_k] * len(logits),
+                                 [p.top_p] * len(logits), [p.min_p] * len(logits))
+            generator = (self._generator(seq, 0) if p.seed is not None
+                         else self.default_generator)
+            tokens = verify_sampled(probs, drafts, draft_probs, generator)
+        state = self.penalties.get(seq.seq_id)
+        for token in tokens:
+            if state is not None:
+                state.add(token)
+        return [SampleResult(t, None if raw is None else self._logprob(raw, i, t, seq))
+                for i, t in enumerate(tokens)]
+
+    def _process_draft_rows(self, logits: torch.Tensor, seq: Sequence, drafts: list[int]
+                            ) -> None:
+        """Bias, penalties and the min_tokens ban for each row as if the drafts before it had
+        been sampled: the distributions plain decoding would have used."""
+        p = seq.params
+        if p.logit_bias:
+            logits[:, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()),
+                                                          device=self.device)
+        if p.uses_penalties:
+            if seq.seq_id not in self.penalties:
+                self.penalties[seq.seq_id] = PenaltyState(seq, self.vocab_size, self.device)
+            state = self.penalties[seq.seq_id]
+            seen, counts = state.seen.clone(), state.output_counts.clone()
+            for i in range(len(logits)):
+                logits[i] = penalize(logits[i:i + 1], seen[None], counts[None], [p])[0]
+                if i < len(drafts):
+                    seen[drafts[i]] = True
+                    counts[drafts[i]] += 1
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+        for i in range(len(logits)):
+            if seq.num_output_tokens + i < p.min_tokens and banned:
+                logits[i, banned] = float("-inf")
 
     # ---- drawing -------------------------------------------------------------------------
     def _draw(self, logits: torch.Tensor, samples: list[tuple[Sequence, int]]) -> torch.Tensor:
@@ -157,6 +198,18 @@ class Sampler:
             values, ids = logprobs[row].topk(n)
             top = list(zip(ids.tolist(), values.tolist()))
         return TokenLogprob(token, float(logprobs[row, token]), top)
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, params) -> torch.Tensor:
+    """Repetition (on every seen token), presence and frequency (on output tokens) penalties
+    for rows of logits, one SamplingParams per row."""
+    device = logits.device
+    rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    return logits - pres * (counts > 0) - freq * counts
 
 
 def filter_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]

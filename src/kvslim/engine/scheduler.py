@@ -28,6 +28,14 @@ class ScheduledSequence:
     num_samples: int = 1                 # an n > 1 parent draws all n first tokens at once
     start: int = 0                       # position of the first of them
     block_copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write, before
+    # Speculative tokens fed after the sequence's last token, to be verified by this step.
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        """The tokens the model reads: the sequence's own, then any drafts."""
+        own = self.num_tokens - len(self.draft_token_ids)
+        return self.seq.token_ids[self.start:self.start + own] + self.draft_token_ids
 
     @property
     def prompt_logprob_positions(self) -> range:
@@ -116,8 +124,9 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:     # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            entry, refund = self._reserve(seq, n, out)
+            drafts = self._take_drafts(seq, budget)
+            n = min(seq.num_uncomputed_tokens, budget) + len(drafts)
+            entry, refund = self._reserve(seq, n, out, drafts)
             budget += refund
             if entry is None:
                 continue
@@ -128,7 +137,22 @@ class Scheduler:
         out.released_seq_ids, self._released = self._released, []
         return out
 
-    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput
+    def _take_drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The sequence's proposed tokens to verify this step: only while it generates, within
+        the token budget and max_tokens, and only when their slots are free without preempting
+        anyone (speculation never costs another sequence its place)."""
+        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        if not drafts or seq.num_uncomputed_tokens != 1 or seq.fork_pending:
+            return []
+        room = budget - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        drafts = drafts[:max(0, room)]
+        if drafts and not self.bm.can_append(seq, 1 + len(drafts)):
+            return []
+        return drafts
+
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput, drafts: list[int] = ()
                  ) -> tuple[ScheduledSequence | None, int]:
         """Blocks for `n` more tokens of `seq`, preempting the newest sequences if needed.
         Returns its entry (None when `seq` itself had to be preempted) and the tokens that
@@ -144,7 +168,7 @@ class Scheduler:
             if victim is seq:
                 return None, refund
         copies = self.bm.append_slots(seq, n)
-        return self._entry(seq, n, copies), refund
+        return self._entry(seq, n, copies, list(drafts)), refund
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
@@ -175,11 +199,12 @@ class Scheduler:
         return sum(s.params.n if s.fork_pending else 1 for s in seqs)
 
     @staticmethod
-    def _entry(seq: Sequence, n: int, copies: list[tuple[int, int]]) -> ScheduledSequence:
+    def _entry(seq: Sequence, n: int, copies: list[tuple[int, int]],
+               drafts: list[int] | None = None) -> ScheduledSequence:
         start = seq.num_computed_tokens
-        sample = start + n == seq.num_tokens
+        sample = start + n - len(drafts or ()) == seq.num_tokens
         num_samples = seq.params.n if sample and seq.fork_pending else 1
-        return ScheduledSequence(seq, n, sample, num_samples, start, copies)
+        return ScheduledSequence(seq, n, sample, num_samples, start, copies, drafts or [])
 
     # ---- after the model ran -------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, list]) -> list[Sequence]:
@@ -191,6 +216,10 @@ class Scheduler:
         for entry in out.scheduled:
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if entry.draft_token_ids:
+                self._accept(seq, sampled[seq.seq_id], now)
+                updated.append(seq)
                 continue
             seq.num_computed_tokens += entry.num_tokens
             self.bm.cache_computed_blocks(seq)
@@ -205,6 +234,21 @@ class Scheduler:
                 if reason:
                     self.finish(member, reason)
         return updated
+
+    def _accept(self, seq: Sequence, results: list, now: float) -> None:
+        """After verification: `results` are the accepted drafts, then the target's own next
+        token. The fed token and the accepted drafts now have valid K/V; the slots of rejected
+        drafts are released. Tokens are appended one at a time, so a stop (EOS, a stop token,
+        max_tokens) ends the sequence exactly where plain decoding would have."""
+        seq.num_computed_tokens += len(results)
+        for result in results:
+            seq.append_sample(result, now)
+            reason = self._token_stop(seq)
+            if reason:
+                self.finish(seq, reason)
+                return
+        self.bm.trim(seq, seq.num_computed_tokens)
+        self.bm.cache_computed_blocks(seq)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """n > 1: the siblings share every block of the computed prompt (copy-on-write)."""

@@ -50,6 +50,9 @@ class Sequence:
     # params.prompt_logprobs: entry i scores prompt token i given the ones before (None for 0).
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     fork_pending: bool = False             # parent of n > 1 completions, not forked yet
+    # Speculative decoding: tokens proposed for the next step, not part of token_ids until
+    # the target model has verified them.
+    spec_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -114,6 +117,18 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = now
         self.last_token_time = now
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens after the first `num_output_tokens` (a stop string ended the
+        text inside tokens that a speculative step had already appended)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop <= 0:
+            return
+        del self.token_ids[self.num_prompt_tokens + num_output_tokens:]
+        if self.params.logprobs is not None:
+            for entry in self.logprobs[-drop:]:
+                self.cumulative_logprob -= entry.logprob
+            del self.logprobs[-drop:]
 
     def fork(self, index: int) -> "Sequence":
         """A sibling completion sharing this sequence's tokens (its blocks are shared by the

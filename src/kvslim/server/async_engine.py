@@ -241,6 +241,9 @@ class AsyncEngine:
     def _observe(self, batch_size: int | None = None) -> None:
         e = self.engine
         self.metrics.observe_engine(e.num_running, e.num_waiting, e.kv_cache_stats(), batch_size)
+        spec = e.spec_decode_stats()
+        if spec is not None:
+            self.metrics.observe_speculation(spec)
 
     def _shut(self, error: EngineDeadError) -> None:
         """Fail every open stream and every queued submit; later `add` calls fail at once.

@@ -60,6 +60,22 @@ class ServerMetrics:
         Gauge("model_info", "The served model", ["model_name"], namespace=ns,
               registry=r).labels(model_name).set(1)
         self._peak = 0
+        # Speculative decoding (present, at zero, when the engine does not speculate).
+        self.spec_draft = Counter("spec_decode_draft_tokens", "Draft tokens verified",
+                                  namespace=ns, registry=r)
+        self.spec_accepted = Counter("spec_decode_accepted_tokens", "Draft tokens accepted",
+                                     namespace=ns, registry=r)
+        self.spec_verifications = Counter("spec_decode_verifications", "Sequence-steps that "
+                                          "verified drafts", namespace=ns, registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "spec_decode_accepted_tokens_per_position", "Draft tokens accepted, by position in "
+            "the draft", ["position"], namespace=ns, registry=r)
+        self.spec_acceptance = Gauge("spec_decode_acceptance_rate", "Accepted / draft tokens",
+                                     namespace=ns, registry=r)
+        self.spec_mean_length = Gauge("spec_decode_mean_accepted_length", "Tokens per "
+                                      "verification (accepted drafts + 1)", namespace=ns,
+                                      registry=r)
+        self._spec_seen = (0, 0, 0, [])
 
     # ---- engine side (engine thread) -----------------------------------------------------
     def observe_engine(self, num_running: int, num_waiting: int, stats: KVCacheStats,
@@ -78,6 +94,20 @@ class ServerMetrics:
         self.kv_usage.set(stats.num_used_blocks / stats.num_blocks if stats.num_blocks else 0)
         self.hit_rate.set(stats.prefix_cache_hit_rate)
         self.preemptions.set(stats.num_preemptions)
+
+    def observe_speculation(self, stats) -> None:
+        """Engine's SpecDecodeStats (running totals): counters advance by what is new."""
+        drafts, accepted, verifications, per_pos = self._spec_seen
+        self.spec_draft.inc(stats.num_draft_tokens - drafts)
+        self.spec_accepted.inc(stats.num_accepted_tokens - accepted)
+        self.spec_verifications.inc(stats.num_verifications - verifications)
+        for i, total in enumerate(stats.accepted_per_position):
+            before = per_pos[i] if i < len(per_pos) else 0
+            self.spec_accepted_per_pos.labels(str(i)).inc(total - before)
+        self.spec_acceptance.set(stats.acceptance_rate)
+        self.spec_mean_length.set(stats.mean_accepted_length)
+        self._spec_seen = (stats.num_draft_tokens, stats.num_accepted_tokens,
+                           stats.num_verifications, list(stats.accepted_per_position))
 
     # ---- exposition ----------------------------------------------------------------------
     def render(self) -> bytes:

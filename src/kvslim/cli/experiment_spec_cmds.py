@@ -1,0 +1,99 @@
+"""`kvslim experiment speculative`: speculative decoding measured -> docs/speculative.md."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+
+def register_speculative(esub) -> None:
+    g = esub.add_parser("speculative", help="speculative decoding (n-gram, draft models) vs "
+                                            "plain decoding at batch 1/8/32, two workloads; "
+                                            "writes docs/speculative.md")
+    g.add_argument("--ref-model", default="models/ref-mha", help="'' to skip")
+    g.add_argument("--ref-draft", default="models/ref-mha-draft")
+    g.add_argument("--skip-smollm2", action="store_true")
+    g.add_argument("--test", default="../shared/corpus/test.txt")
+    g.add_argument("--calib", default="../shared/corpus/train.txt",
+                   help="calibration text for SmolLM2's MQA conversion")
+    g.add_argument("--work-dir", default="runs/speculative")
+    g.add_argument("--report", default="docs/speculative.md")
+    g.add_argument("--batches", default="1,8,32")
+    g.add_argument("--num-speculative-tokens", type=int, default=4)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--repeats", type=int, default=2)
+    g.add_argument("--adaptive", default='{"disable_by_batch_size": 1, '
+                                         '"backoff_acceptance": 0.3}',
+                   help="speculative options of the adaptive arm (JSON)")
+    g.add_argument("--report-only", action="store_true")
+    g.add_argument("--threads", type=int)
+    g.add_argument("--json", action="store_true", help="print the summary as JSON")
+    g.set_defaults(func=run_speculative)
+
+
+def _targets(args, work_dir):
+    from pathlib import Path
+
+    from kvslim.experiments.speculative import Target, smollm2_variants
+    k = args.num_speculative_tokens
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+             "prompt_lookup_max": 4}
+    targets = []
+    if args.ref_model:
+        proposers = {"ngram": ngram}
+        if args.ref_draft and Path(args.ref_draft).is_dir():
+            proposers["ref-mha-draft"] = {"method": "draft", "model": args.ref_draft,
+                                          "num_speculative_tokens": k}
+        targets.append(Target("ref-mha", args.ref_model, proposers))
+    if not args.skip_smollm2:
+        dirs = smollm2_variants(Path(work_dir), args.calib, show_progress=not args.json)
+        draft = {"method": "draft", "num_speculative_tokens": k}
+        targets.append(Target("SmolLM2-135M", str(dirs["f32"]), {
+            "ngram": ngram, "4-bit self": {**draft, "model": str(dirs["q4"])},
+            "MQA self": {**draft, "model": str(dirs["mqa"])}}, chat=True))
+    return targets
+
+
+def _machine() -> str:
+    from kvslim.bench.machine import machine_info
+    m = machine_info()
+    return (f"{m.cpu}, {m.cores} cores, {m.memory_gib} GiB, torch {m.torch}, "
+            f"{m.torch_threads} threads")
+
+
+def run_speculative(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from kvslim.errors import KvslimError
+    from kvslim.experiments.speculative import SpecExperiment, SpecExperimentConfig
+    from kvslim.experiments.speculative_report import cells, goal_checks, thresholds, \
+        write_report
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        adaptive = json.loads(args.adaptive)
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError as e:
+        raise KvslimError(f"--adaptive must be JSON and --batches integers: {e}") from None
+    cfg = SpecExperimentConfig(_targets(args, args.work_dir), args.test, args.work_dir,
+                               batches, args.max_tokens, repeats=args.repeats, adaptive=adaptive)
+    exp = SpecExperiment(cfg, show_progress=not args.json)
+    if args.report_only:
+        exp.reload()
+    else:
+        exp.run()
+    command = "kvslim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    report = write_report(exp, Path(args.report), command, _machine())
+    table = cells(exp.runs)
+    checks = goal_checks(exp, table)
+    if args.json:
+        print(json.dumps({"report": str(report), "thresholds": thresholds(exp, table),
+                          "goals": [dict(goal=t, ok=ok, measured=d) for t, ok, d in checks]},
+                         indent=1))
+        return 0
+    for text, ok, detail in checks:
+        print(f"{'PASS' if ok else 'FAIL'}: {text} — {detail}")
+    print(f"wrote {report}")
+    return 0

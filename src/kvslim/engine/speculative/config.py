@@ -1,0 +1,66 @@
+"""`SpeculativeConfig`: how the engine speculates, with vLLM's option names where they exist
+(`method`, `model`, `num_speculative_tokens`, `prompt_lookup_min/max`,
+`disable_by_batch_size`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvslim.errors import KvslimError
+
+METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 3          # k: tokens proposed per sequence and step
+    model: str | None = None                 # method "draft": the draft model (dir or name)
+    prompt_lookup_min: int = 1               # method "ngram": shortest suffix that may match
+    prompt_lookup_max: int = 4               # and the longest, tried first
+    # No speculation in a step with more running sequences than this (None: always speculate).
+    disable_by_batch_size: int | None = None
+    # Per sequence: after `backoff_window` verified drafts with acceptance below
+    # `backoff_acceptance`, the sequence stops proposing for `backoff_steps` steps.
+    backoff_acceptance: float = 0.0
+    backoff_window: int = 16
+    backoff_steps: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise KvslimError(f"speculative method must be one of {', '.join(METHODS)}, "
+                              f"got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise KvslimError("num_speculative_tokens must be between 1 and "
+                              f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
+        if self.method == "draft" and not self.model:
+            raise KvslimError("speculative method 'draft' needs 'model', the draft model")
+        if self.method == "ngram" and self.model:
+            raise KvslimError("speculative method 'ngram' takes no 'model'")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise KvslimError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise KvslimError("disable_by_batch_size must be at least 1, got "
+                              f"{self.disable_by_batch_size}")
+        if not 0.0 <= self.backoff_acceptance <= 1.0:
+            raise KvslimError("backoff_acceptance must be in [0, 1], got "
+                              f"{self.backoff_acceptance}")
+        if self.backoff_window < 1 or self.backoff_steps < 0:
+            raise KvslimError("backoff_window must be >= 1 and backoff_steps >= 0")
+
+    @classmethod
+    def from_value(cls, value: "SpeculativeConfig | dict[str, Any] | None"
+                   ) -> "SpeculativeConfig | None":
+        """A config from what a user passed: None, a config, or a dict of its fields."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise KvslimError(f"speculative must be a dict of options, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise KvslimError(f"unknown speculative option(s): {', '.join(unknown)} "
+                              f"(known: {', '.join(sorted(known))})")
+        return cls(**value)

@@ -1,0 +1,123 @@
+"""`SpeculativeDecoder`: the engine's side of speculation. Before a step it asks the proposer
+for drafts for each generating sequence (unless the batch is too large or the sequence has
+backed off); after the step it counts what the target accepted."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvslim.engine.sequence import Sequence
+from kvslim.engine.speculative.draft import DraftModelProposer
+from kvslim.engine.speculative.config import SpeculativeConfig
+from kvslim.engine.speculative.ngram import NgramProposer
+from kvslim.errors import KvslimError
+
+
+@dataclass
+class SpecDecodeStats:
+    num_verifications: int = 0           # (sequence, step) pairs that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification step yields on average: accepted drafts plus the target's
+        own token (1.0 would be plain decoding)."""
+        if not self.num_verifications:
+            return 0.0
+        return 1 + self.num_accepted_tokens / self.num_verifications
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [a / d if d else 0.0
+                for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+
+@dataclass
+class _Backoff:
+    drafted: int = 0
+    accepted: int = 0
+    resume_at_step: int = 0
+
+
+class SpeculativeDecoder:
+    def __init__(self, config: SpeculativeConfig, draft: DraftModelProposer | None = None):
+        if config.method == "draft" and draft is None:
+            raise KvslimError("speculative method 'draft' needs its draft model loaded")
+        self.config = config
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                                   config.num_speculative_tokens)
+        self.draft = draft
+        k = config.num_speculative_tokens
+        self.stats = SpecDecodeStats(drafted_per_position=[0] * k, accepted_per_position=[0] * k)
+        self.draft_probs: dict[int, torch.Tensor] = {}      # seq_id -> q of its drafts
+        self._backoff: dict[int, _Backoff] = {}
+        self._step = 0
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set spec_token_ids (and, for a draft model, draft_probs) on the generating
+        sequences that should speculate this step."""
+        self._step += 1
+        self.draft_probs = {}
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            return
+        seqs = [seq for seq in running if self._speculates(seq)]
+        room = [self.config.num_speculative_tokens if seq.params.max_tokens is None
+                else min(self.config.num_speculative_tokens,
+                         seq.params.max_tokens - seq.num_output_tokens - 1) for seq in seqs]
+        if self.draft is None:
+            for seq, k in zip(seqs, room):
+                seq.spec_token_ids = self.ngram.propose(seq.token_ids, k)
+            return
+        drafts = self.draft.propose(seqs, room)
+        for seq in seqs:
+            if seq.seq_id in drafts:
+                seq.spec_token_ids, self.draft_probs[seq.seq_id] = drafts[seq.seq_id]
+
+    def _speculates(self, seq: Sequence) -> bool:
+        if seq.num_uncomputed_tokens != 1 or seq.fork_pending:
+            return False
+        backoff = self._backoff.get(seq.seq_id)
+        return backoff is None or backoff.resume_at_step <= self._step
+
+    def record(self, seq: Sequence, drafts: list[int], results: list) -> None:
+        """One sequence's verification: its drafts and the tokens the target returned (the
+        accepted drafts, then its own token)."""
+        accepted = len(results) - 1
+        s = self.stats
+        s.num_verifications += 1
+        s.num_draft_tokens += len(drafts)
+        s.num_accepted_tokens += accepted
+        for i in range(len(drafts)):
+            s.drafted_per_position[i] += 1
+            s.accepted_per_position[i] += i < accepted
+        self._update_backoff(seq, len(drafts), accepted)
+
+    def _update_backoff(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A sequence whose acceptance over the last `backoff_window` drafted tokens is below
+        `backoff_acceptance` stops proposing for `backoff_steps` steps."""
+        cfg = self.config
+        if cfg.backoff_acceptance <= 0:
+            return
+        b = self._backoff.setdefault(seq.seq_id, _Backoff())
+        b.drafted += drafted
+        b.accepted += accepted
+        if b.drafted >= cfg.backoff_window:
+            if b.accepted < cfg.backoff_acceptance * b.drafted:
+                b.resume_at_step = self._step + cfg.backoff_steps + 1
+            b.drafted = b.accepted = 0
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Forget finished or preempted sequences (a draft model frees their draft K/V)."""
+        for seq_id in seq_ids:
+            self._backoff.pop(seq_id, None)
+        if self.draft is not None:
+            self.draft.release(seq_ids)

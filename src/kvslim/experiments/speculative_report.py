@@ -1,0 +1,209 @@
+"""docs/speculative.md from the speculative experiment's runs: tables of speedup and acceptance,
+the measured thresholds for adaptivity, goal lines and a plot of speedup vs batch size."""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from kvslim.experiments.speculative import WORKLOADS, Run, SpecExperiment
+
+NOISE = 0.95        # "never slower" allows this much: repeated plain runs differ by about it
+
+
+def _median_tps(runs: list[Run]) -> float:
+    return statistics.median(r.tokens_per_s for r in runs)
+
+
+def cells(runs: list[Run]) -> dict[tuple, dict]:
+    """(target, proposer, workload, batch, arm) -> median tokens/s, speedup over plain in the
+    same repeats, acceptance, tokens per verification, whether outputs matched."""
+    groups: dict[tuple, list[Run]] = defaultdict(list)
+    for r in runs:
+        groups[(r.target, r.proposer, r.workload, r.batch, r.arm)].append(r)
+    out = {}
+    for key, group in groups.items():
+        target, _, workload, batch, _ = key
+        plain = groups[(target, "plain", workload, batch, "plain")]
+        speedups = [g.tokens_per_s / p.tokens_per_s for g, p in zip(
+            sorted(group, key=lambda r: r.repeat), sorted(plain, key=lambda r: r.repeat))]
+        drafts = sum(r.draft_tokens for r in group)
+        verifications = sum(r.verifications for r in group)
+        out[key] = dict(
+            tokens_per_s=_median_tps(group), speedup=statistics.median(speedups),
+            speedup_min=min(speedups), speedup_max=max(speedups),
+            acceptance=sum(r.accepted_tokens for r in group) / drafts if drafts else None,
+            tokens_per_verification=(1 + sum(r.accepted_tokens for r in group) / verifications
+                                     if verifications else None),
+            identical=all(r.identical for r in group),
+            seconds_per_step=statistics.median(r.seconds / r.steps for r in group if r.steps))
+    return out
+
+
+def break_even_acceptance(cost_ratio: float, k: int) -> float | None:
+    """Per-token acceptance a at which a verification step yields `cost_ratio` tokens, with
+    independent acceptances: (1 - a^(k+1)) / (1 - a) = cost_ratio. None if unreachable."""
+    if cost_ratio <= 1:
+        return 0.0
+    if cost_ratio >= k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        if sum(a ** i for i in range(k + 1)) < cost_ratio:
+            lo = a
+        else:
+            hi = a
+    return (lo + hi) / 2
+
+
+def thresholds(exp: SpecExperiment, table: dict) -> list[dict]:
+    """Per target and proposer: the largest batch where speculation still wins on every
+    workload (-> disable_by_batch_size), and the break-even acceptance at batch 1 from the
+    measured step costs (-> backoff_acceptance)."""
+    rows = []
+    for target in exp.cfg.targets:
+        for label, spec in target.proposers.items():
+            k = spec.get("num_speculative_tokens", 3)
+            wins = [b for b in sorted(exp.cfg.batch_sizes)
+                    if all(table.get((target.name, label, w, b, "spec"), {}).get("speedup", 0)
+                           >= 1 for w in WORKLOADS)]
+            ratios = [table[(target.name, label, w, 1, "spec")]["seconds_per_step"]
+                      / table[(target.name, "plain", w, 1, "plain")]["seconds_per_step"]
+                      for w in WORKLOADS if (target.name, label, w, 1, "spec") in table]
+            cost = statistics.median(ratios) if ratios else None
+            rows.append(dict(target=target.name, proposer=label, k=k,
+                             largest_winning_batch=max(wins) if wins else None,
+                             step_cost_ratio=cost,
+                             break_even_acceptance=None if cost is None
+                             else break_even_acceptance(cost, k)))
+    return rows
+
+
+def goal_checks(exp: SpecExperiment, table: dict) -> list[tuple[str, bool, str]]:
+    """The issue's goals, from the measured cells."""
+    checks = []
+    for target in exp.cfg.targets:
+        for label in target.proposers:
+            cell = table.get((target.name, label, "grounded", 1, "spec"))
+            if label == "ngram" and cell:
+                checks.append((f"{target.name}: n-gram >= 2x batch-1 decode on the "
+                               "input-grounded workload", cell["speedup"] >= 2,
+                               f"{cell['speedup']:.2f}x"))
+            cell = table.get((target.name, label, "free", 1, "spec"))
+            if label != "ngram" and cell:
+                checks.append((f"{target.name}: draft {label} >= 1.5x batch-1 decode on free "
+                               "generation", cell["speedup"] >= 1.5, f"{cell['speedup']:.2f}x"))
+    adaptive = {k: v for k, v in table.items() if k[4] == "adaptive"}
+    if adaptive:
+        worst_key = min(adaptive, key=lambda k: adaptive[k]["speedup"])
+        worst = adaptive[worst_key]["speedup"]
+        checks.append((f"with adaptivity on, never slower than plain decoding (>= {NOISE}x, "
+                       "the noise of repeated runs)", worst >= NOISE,
+                       f"worst {worst:.2f}x ({', '.join(map(str, worst_key[:4]))})"))
+    mismatched = [k for k, v in table.items() if not v["identical"]]
+    checks.append(("greedy speculative output identical to plain decoding in every run",
+                   not mismatched, f"{len(mismatched)} cells differ" if mismatched else "all"))
+    return checks
+
+
+def _fmt(value, spec: str = ".2f", none: str = "–") -> str:
+    return none if value is None else format(value, spec)
+
+
+def speedup_table(exp: SpecExperiment, table: dict) -> str:
+    lines = ["| target | proposer | workload | batch | plain tok/s | spec tok/s | speedup "
+             "(min–max) | acceptance | tokens / verification | adaptive speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for target in exp.cfg.targets:
+        for label in target.proposers:
+            for w in WORKLOADS:
+                for b in exp.cfg.batch_sizes:
+                    plain = table.get((target.name, "plain", w, b, "plain"))
+                    spec = table.get((target.name, label, w, b, "spec"))
+                    adaptive = table.get((target.name, label, w, b, "adaptive"))
+                    if not plain or not spec:
+                        continue
+                    lines.append(
+                        f"| {target.name} | {label} | {w} | {b} | {plain['tokens_per_s']:.1f} | "
+                        f"{spec['tokens_per_s']:.1f} | {spec['speedup']:.2f}x "
+                        f"({spec['speedup_min']:.2f}–{spec['speedup_max']:.2f}) | "
+                        f"{_fmt(spec['acceptance'])} | {_fmt(spec['tokens_per_verification'])} | "
+                        f"{_fmt(adaptive and adaptive['speedup'])}x |")
+    return "\n".join(lines)
+
+
+def threshold_table(rows: list[dict]) -> str:
+    lines = ["| target | proposer | k | largest batch where it wins (every workload) | "
+             "verify step / plain step at batch 1 | break-even acceptance per draft token |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['target']} | {r['proposer']} | {r['k']} | "
+                     f"{_fmt(r['largest_winning_batch'], 'd', 'none')} | "
+                     f"{_fmt(r['step_cost_ratio'])} | {_fmt(r['break_even_acceptance'])} |")
+    return "\n".join(lines)
+
+
+def plot(exp: SpecExperiment, table: dict, path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    targets = exp.cfg.targets
+    fig, axes = plt.subplots(1, len(targets), figsize=(6 * len(targets), 4), squeeze=False)
+    for ax, target in zip(axes[0], targets):
+        for label in target.proposers:
+            for w in WORKLOADS:
+                for arm, style in (("spec", "-o"), ("adaptive", "--x")):
+                    pts = [(b, table[(target.name, label, w, b, arm)]["speedup"])
+                           for b in exp.cfg.batch_sizes if (target.name, label, w, b, arm) in table]
+                    if pts:
+                        ax.plot(*zip(*pts), style, label=f"{label}, {w}, {arm}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (concurrent sequences)")
+        ax.set_ylabel("speedup over plain decoding")
+        ax.set_title(target.name)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(exp: SpecExperiment, report: Path, command: str, machine: str) -> Path:
+    table = cells(exp.runs)
+    rows = thresholds(exp, table)
+    image = plot(exp, table, report.parent / "img" / "speculative_speedup.png")
+    goals = "\n".join(f"- {'PASS' if ok else 'FAIL'}: {text} — {detail}"
+                      for text, ok, detail in goal_checks(exp, table))
+    cfg = exp.cfg
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(f"""# Speculative decoding: measured
+
+Written by `{command}` on {machine}. Greedy decoding of the same prompts with and without
+speculation, {cfg.max_tokens} new tokens at most, {cfg.repeats} repeats taking turns (tables:
+medians; the speedup's min–max over repeats shows the noise). Adaptive arm: {cfg.adaptive}.
+Workloads: free generation (chat questions; passage openings for a base model) and
+input-grounded (rewrite a passage or edit code; for a base model, continue a passage it has
+just read). Raw runs: `{exp.results_path}` (not committed).
+
+## Goals
+
+{goals}
+
+## Speedup
+
+![speedup vs batch size]({image.relative_to(report.parent)})
+
+{speedup_table(exp, table)}
+
+## Thresholds for adaptivity
+
+A verification step scores k + 1 tokens per sequence; where it costs c plain steps, it pays
+off once it yields c tokens, i.e. above the break-even acceptance per draft token (independent
+acceptances: 1 + a + … + a^k = c).
+
+{threshold_table(rows)}
+""")
+    return report

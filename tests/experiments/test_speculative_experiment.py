@@ -1,0 +1,49 @@
+"""`kvslim experiment speculative` end to end on tiny random models: every cell measured, greedy
+outputs identical, the report's tables, thresholds and goal lines computed from the runs."""
+import json
+
+from checkpoints import TOKENIZER_TEXT
+from kvslim.experiments.speculative import SpecExperiment, SpecExperimentConfig, Target
+from kvslim.experiments.speculative_report import (break_even_acceptance, cells, goal_checks,
+                                                   thresholds, write_report)
+
+
+def test_break_even_acceptance_solves_the_geometric_sum():
+    assert break_even_acceptance(1.0, 4) == 0.0
+    assert break_even_acceptance(5.5, 4) is None                  # more than k + 1 tokens
+    a = break_even_acceptance(2.0, 3)
+    assert abs(1 + a + a ** 2 + a ** 3 - 2.0) < 1e-9
+
+
+def test_experiment_runs_and_reports(hf_checkpoints, tmp_path):
+    text = tmp_path / "test.txt"
+    text.write_text(TOKENIZER_TEXT)
+    target = Target("gqa", str(hf_checkpoints["gqa"]), {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+        "self": {"method": "draft", "model": str(hf_checkpoints["gqa"]),
+                 "num_speculative_tokens": 3}})
+    cfg = SpecExperimentConfig([target], str(text), str(tmp_path / "work"), batch_sizes=[1, 2],
+                               max_tokens=8, passage_tokens=20, repeats=2)
+    exp = SpecExperiment(cfg, show_progress=False)
+    exp.run()
+    # plain + 2 proposers x (spec, adaptive), x 2 workloads x 2 batches x 2 repeats
+    assert len(exp.runs) == 5 * 2 * 2 * 2
+    assert all(r.identical for r in exp.runs)
+    self_runs = [r for r in exp.runs if r.proposer == "self" and r.arm == "spec"]
+    assert sum(r.accepted_tokens for r in self_runs) > 0
+    table = cells(exp.runs)
+    assert table[("gqa", "self", "free", 1, "spec")]["acceptance"] > 0.9
+    rows = thresholds(exp, table)
+    assert {r["proposer"] for r in rows} == {"ngram", "self"}
+    goals = goal_checks(exp, table)
+    assert goals[-1] == ("greedy speculative output identical to plain decoding in every run",
+                         True, "all")
+    report = write_report(exp, tmp_path / "docs" / "speculative.md", "kvslim experiment x", "m")
+    body = report.read_text()
+    assert "| gqa | self | free | 1 |" in body and "## Thresholds for adaptivity" in body
+    assert (tmp_path / "docs" / "img" / "speculative_speedup.png").stat().st_size > 0
+    saved = json.loads(exp.results_path.read_text())
+    assert len(saved["runs"]) == len(exp.runs)
+    exp2 = SpecExperiment(cfg, show_progress=False)
+    exp2.reload()
+    assert cells(exp2.runs).keys() == table.keys()
