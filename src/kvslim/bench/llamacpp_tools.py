@@ -77,15 +77,17 @@ class LlamaCppTools:
                               f"{context}")
         c = context - stride // 2
         for _ in range(3):
+            # One window more than needed: its log is written by a thread that may drop the
+            # last values at exit (seen under load), and the running value after `windows`
+            # windows is what is wanted.
             out = self._run("llama-perplexity", "-m", gguf, "-f", text, "-c", c, "-b", c,
-                            "--ppl-stride", stride, "--chunks", windows, "-t", self.threads)
+                            "--ppl-stride", stride, "--chunks", windows + 1, "-t", self.threads)
             have = re.search(r"have (\d+) tokens\. Calculation chunk = (\d+)", out)
             if have is None or int(have.group(2)) != context:
                 ran = have.group(2) if have else "no"
                 raise KvslimError(f"llama-perplexity ran {ran}-token windows, not {context} "
                                   "(it rounds its context up to a multiple of 256)")
-            values = re.findall(r"\[(\d+)\]([0-9.]+),", out)
-            # Its log is written by a thread that may not flush the last value before exit.
-            if values and int(values[-1][0]) == windows:
-                return float(values[-1][1]), int(have.group(1))
+            values = dict(re.findall(r"\[(\d+)\]([0-9.]+),", out))
+            if str(windows) in values:
+                return float(values[str(windows)]), int(have.group(1))
         raise KvslimError(f"llama-perplexity printed fewer than {windows} windows")
