@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 CHUNK_ROWS = 256              # output rows dequantized at a time by the fallback (stays in cache)
+CUDA_INT_MM_MIN_ROWS = 24     # torch._int_mm on CUDA: more than 16 rows, a multiple of 8
 
 
 def _native(name: str) -> bool:
@@ -173,9 +174,25 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """Quantizes each row of x to int8, multiplies in integers, rescales to x's dtype."""
     rows = _rows(x, qweight.shape[1])
     xq, sx = quantize_per_token(rows)
-    if rows.device.type == "cpu" and hasattr(torch, "_int_mm"):
-        acc = torch._int_mm(xq, qweight.t()).float()
-    else:                       # exact while |sums| < 2^24, float rounding beyond
+    acc = _int_mm(xq, qweight)
+    if acc is None:             # exact while |sums| < 2^24, float rounding beyond
         acc = F.linear(xq.float(), qweight.float())
-    out = acc.mul_(sx).mul_(scales.float()).to(rows.dtype)
+    out = acc.float().mul_(sx).mul_(scales.float()).to(rows.dtype)
     return _finish(out, x, bias)
+
+
+def _int_mm(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor | None:
+    """xq [M, in] @ qweight^T in int32, or None where torch._int_mm cannot run it. On CUDA it
+    needs more than 16 rows and in and out multiples of 8: fewer rows are padded with zero rows
+    (each output row depends on its own input row only, so the padding changes nothing)."""
+    if not hasattr(torch, "_int_mm"):
+        return None
+    if xq.device.type == "cpu":
+        return torch._int_mm(xq, qweight.t())
+    if xq.device.type != "cuda" or xq.shape[1] % 8 or qweight.shape[0] % 8:
+        return None
+    m = xq.shape[0]
+    padded = max(CUDA_INT_MM_MIN_ROWS, -(-m // 8) * 8)
+    if padded != m:
+        xq = torch.cat((xq, xq.new_zeros(padded - m, xq.shape[1])))
+    return torch._int_mm(xq, qweight.t())[:m]

@@ -36,7 +36,8 @@ class QuantSpec:
     desc_act: bool = False
     sym: bool = True
     checkpoint_format: str = "gptq"    # "gptq" (v1) stores zero - 1, "gptq_v2" the zero itself
-    method: str = "gptq"               # "gguf": 4-bit blocks of 32 read from a GGUF file
+    method: str = "gptq"               # "gguf": 4-bit blocks of 32 read from a GGUF file;
+                                       # "w8a8": compressed-tensors int-quantized (w8a8_linear.py)
     file: str | None = None            # method "gguf": the file, relative to the model dir
 
     @classmethod
@@ -48,9 +49,12 @@ class QuantSpec:
                 raise ConfigError("config.json: quantization_config quant_method 'gguf' needs "
                                   "'file', the GGUF file's name")
             return cls(4, 32, sym=False, checkpoint_format="gguf", method="gguf", file=file)
+        if method == "compressed-tensors":
+            from kvslim.layers.w8a8_linear import spec_from_compressed_tensors   # imports us
+            return spec_from_compressed_tensors(cfg)
         if method != "gptq":
             raise ConfigError(f"config.json: quantization_config quant_method {method!r} is not "
-                              "supported ('gptq' or 'gguf')")
+                              "supported ('gptq', 'gguf' or 'compressed-tensors')")
         fmt = cfg.get("checkpoint_format", "gptq")
         bits, group = cfg.get("bits"), cfg.get("group_size", -1)
         if bits not in (4, 8):
