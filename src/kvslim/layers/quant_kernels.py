@@ -41,6 +41,12 @@ import torch.nn.functional as F
 
 CHUNK_ROWS = 256              # output rows dequantized at a time by the fallback (stays in cache)
 CUDA_INT_MM_MIN_ROWS = 24     # torch._int_mm on CUDA: more than 16 rows, a multiple of 8
+# From how many rows a W8A8 layer runs the integer product rather than int8 weight-only on the
+# same weight: 1, every M. `kvslim bench kernels` ("w8a8 layer" column) had w8a8_linear faster
+# at M = 8..64 on every SmolLM2 shape (qkv 102 / 146 / 307 µs at M = 8 / 16 / 64 against
+# int8_linear's 142 / 261 / 1023) and even at M = 1 (qkv 56 vs 48, gate_up 129 vs 189, down
+# 74 vs 84: noise). One kernel at every M also keeps results independent of the batch.
+W8A8_MIN_ROWS = 1
 
 
 def _native(name: str) -> bool:
