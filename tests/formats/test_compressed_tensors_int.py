@@ -102,3 +102,17 @@ def test_zero_points_are_refused_by_name(hf_checkpoints, tmp_path):
     save_file(tensors, str(tmp_path / "ct" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(WeightsError, match=f"unexpected weight '{name}'"):
         load_model(tmp_path / "ct", dtype=torch.float32)
+
+
+def test_weight_bytes_count_int8_codes_as_one_byte(written):
+    from kvslim.formats.info import count_parameters, weight_bytes
+    from kvslim.models.config import ModelConfig
+    config = ModelConfig.from_dir(written)
+    stored = load_file(str(written / "model.safetensors"))
+    codes = sum(t.numel() for t in stored.values() if t.dtype == torch.int8)
+    assert codes > 0
+    assert count_parameters(written, config) == sum(t.numel() for t in stored.values())
+    assert weight_bytes(written, config, 4) == codes + 4 * (count_parameters(written, config)
+                                                            - codes)
+    assert weight_bytes(written, config, 2) == codes + 2 * (count_parameters(written, config)
+                                                            - codes)

@@ -89,3 +89,15 @@ def test_config_is_parsed_and_what_is_not_read_is_named():
         QuantSpec.from_hf(bad)
     with pytest.raises(ConfigError, match="format 'float-quantized' is not supported"):
         QuantSpec.from_hf({**quantization_config_w8a8(), "format": "float-quantized"})
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 25])
+def test_padding_for_cuda_int_mm_changes_no_row(rows):
+    """CUDA's torch._int_mm wants more than 16 rows, a multiple of 8: the padded product (run
+    here on the CPU) is the unpadded one, row for row."""
+    from kvslim.layers.quant_kernels import padded_int_mm
+    g = torch.Generator().manual_seed(rows)
+    xq = torch.randint(-127, 128, (rows, 64), generator=g, dtype=torch.int8)
+    w = torch.randint(-127, 128, (40, 64), generator=g, dtype=torch.int8)
+    got = padded_int_mm(xq, w)
+    assert got.shape == (rows, 40) and torch.equal(got, xq.long().mm(w.long().t()).int())
