@@ -94,14 +94,25 @@ def test_hand_built_checkpoint_loads_and_runs_w8a8(hf_checkpoints, tmp_path):
     assert ((got - ref).norm() / ref.norm()).item() < 0.05
 
 
-def test_zero_points_are_refused_by_name(hf_checkpoints, tmp_path):
+@pytest.mark.parametrize("zero", [0, 3])
+def test_zero_points_must_be_zero_and_are_dropped(hf_checkpoints, tmp_path, zero):
+    """Some compressed-tensors versions store weight_zero_point (int8 [out, 1]) for symmetric
+    schemes too: all zeros load as if absent; anything else is refused by name."""
     tensors = hand_built(hf_checkpoints["gqa"], tmp_path / "ct")
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        tensors[name.replace("weight_scale", "weight_zero_point")] = torch.zeros(
+            tensors[name].shape, dtype=torch.int8)
     name = "model.layers.0.mlp.down_proj.weight_zero_point"
-    tensors[name] = torch.zeros(tensors["model.layers.0.mlp.down_proj.weight_scale"].shape,
-                                dtype=torch.int8)
+    tensors[name][1] = zero
     save_file(tensors, str(tmp_path / "ct" / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(WeightsError, match=f"unexpected weight '{name}'"):
-        load_model(tmp_path / "ct", dtype=torch.float32)
+    if zero:
+        with pytest.raises(WeightsError, match=f"{name} is not all zeros, but the "
+                                               "quantization_config says symmetric: true"):
+            load_model(tmp_path / "ct", dtype=torch.float32)
+        return
+    model = load_model(tmp_path / "ct", dtype=torch.float32)
+    down = model.model.layers[0].mlp.down_proj
+    assert torch.equal(down.weight, tensors["model.layers.0.mlp.down_proj.weight"])
 
 
 def test_weight_bytes_count_int8_codes_as_one_byte(written):

@@ -5,15 +5,32 @@ config.json's `quantization_config` and each quantized linear's tensors.
     <module>.weight_scale  float32 [out, 1]    one scale per output channel: w = weight * scale
 
 Activations are quantized per token at run time (`dynamic: true`), so nothing is stored for them.
+Some compressed-tensors versions also store `<module>.weight_zero_point` for symmetric schemes,
+all zeros: read and checked, then dropped (`is_symmetric_zero_point`).
 The layer that reads these tensors, and the parsing of the config, is
 `kvslim.layers.w8a8_linear` (config parsing sits with `QuantSpec`, below the formats folder)."""
 from __future__ import annotations
 
 import torch
 
+from kvslim.errors import WeightsError
 from kvslim.formats.gptq import QuantizedWeight
 from kvslim.layers.quant_linear import QuantSpec
 from kvslim.layers.w8a8_linear import FORMAT, INPUTS, WEIGHTS
+
+
+ZERO_POINT = ".weight_zero_point"
+
+
+def is_symmetric_zero_point(spec: QuantSpec | None, name: str, read) -> bool:
+    """True for a W8A8 checkpoint's `weight_zero_point` tensor, which the loader then skips
+    (`read()` gives the tensor); one that is not all zeros contradicts `symmetric: true`."""
+    if spec is None or spec.method != "w8a8" or not name.endswith(ZERO_POINT):
+        return False
+    if bool(read().ne(0).any()):
+        raise WeightsError(f"{name} is not all zeros, but the quantization_config says "
+                           "symmetric: true")
+    return True
 
 
 def quantization_config_w8a8() -> dict:

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from kvslim.errors import WeightsError
+from kvslim.formats.compressed_tensors_int import is_symmetric_zero_point
 from kvslim.models.config import ModelConfig, parse_dtype
 from kvslim.models.llama import LlamaForCausalLM
 from kvslim.layers.rope import RotaryEmbedding
@@ -106,6 +107,8 @@ def _checked_weights(model_dir: Path, config: ModelConfig, expected: dict[str, t
             for name in f.keys():
                 if name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings
                                                        and name == "lm_head.weight"):
+                    continue
+                if is_symmetric_zero_point(config.quantization, name, lambda: f.get_tensor(name)):
                     continue
                 _check(path, name, tuple(f.get_slice(name).get_shape()), config, expected)
                 yield name, f.get_tensor(name)
