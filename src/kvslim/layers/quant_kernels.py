@@ -23,8 +23,9 @@ So:
   10-20x slower, and every pure-torch dequant (also torch.compile'd: 1.1 s to compile, no faster
   than eager for int8, 280 µs for int4 qkv at M=1) is slower than float32. The price is bfloat16
   rounding of x and of the output (about 4e-3 of the largest output, measured).
-- w8a8_linear uses torch._int_mm (oneDNN VNNI; any M works on the CPU, the M > 16 and multiple-
-  of-8 limits are CUDA's) at every M: the fastest kernel in the table from one row on.
+- w8a8_linear uses torch._int_mm (oneDNN VNNI; any M works on the CPU; on CUDA it needs M > 16
+  and multiples of 8, so rows are padded there) at every M: the fastest kernel in the table
+  from one row on; a later per-M run against int8 weight-only is at W8A8_MIN_ROWS.
 - 4-bit layers keep int4_linear at every M, although it loses to float32's packed kernel from
   about 8 rows (qkv g64: 160 / 738 µs at M = 8 / 64 against 148 / 329; o 178 / 1535 against
   149 / 776; the run of W8A8_MIN_ROWS). Probed for large M (`int4-g<N>.bf16_copy_mm` and
