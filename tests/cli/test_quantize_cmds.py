@@ -23,7 +23,17 @@ def quantize(capsys, *argv):
     (["--method", "gptq", "--group-size", "32"], "--method gptq needs calibration text: --calib FILE"),
     (["--method", "awq", "--group-size", "32"],
      "--method awq needs calibration text: --calib FILE"),
-    (["--method", "hqq"], "unknown --method 'hqq'; choose one of rtn, gptq, awq, int8"),
+    (["--method", "hqq"], "unknown --method 'hqq'; choose one of rtn, gptq, awq, w8a8, int8"),
+    (["--method", "w8a8", "--smooth-alpha", "1.5", "--calib", "x.txt"],
+     "--smooth-alpha must lie in [0, 1], got 1.5"),
+    (["--method", "w8a8", "--smooth-alpha", "-0.1", "--calib", "x.txt"],
+     "--smooth-alpha must lie in [0, 1], got -0.1"),
+    (["--method", "w8a8", "--smooth-alpha", "0.5"],
+     "--smooth-alpha needs calibration text: --calib FILE"),
+    (["--method", "w8a8", "--calib", "x.txt"],
+     "--method w8a8 uses --calib only for SmoothQuant: add --smooth-alpha"),
+    (["--method", "rtn", "--smooth-alpha", "0.5", "--group-size", "32"],
+     "--smooth-alpha is SmoothQuant's, for --method w8a8, not rtn"),
     (["--method", "awq", "--act-order", "--group-size", "32", "--calib", "x.txt"],
      "--act-order orders GPTQ's columns; --method awq has none to order"),
     (["--method", "rtn", "--act-order", "--group-size", "32"], "--act-order orders GPTQ's columns"),
@@ -74,3 +84,20 @@ def test_int8_is_one_symmetric_scale_per_output_channel(hf_checkpoints, tmp_path
     model.prepare_for_inference()
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert layers and all(m.kernel.func.__name__ == "int8_linear" for m in layers)
+
+
+@pytest.mark.parametrize("flags", [[], ["--smooth-alpha", "0.5"]])
+def test_w8a8_writes_compressed_tensors_and_runs_the_integer_kernel(hf_checkpoints, calib_file,
+                                                                    tmp_path, capsys, flags):
+    calib = ["--calib", calib_file, "--calib-samples", "4", "--seq-len", "32"] if flags else []
+    rc, out = quantize(capsys, hf_checkpoints["gqa"], tmp_path / "w", "--method", "w8a8",
+                       *calib, *flags)
+    assert rc == 0, out.err
+    assert "w8a8" in out.out and ("SmoothQuant alpha 0.5" in out.out) == bool(flags)
+    config = json.loads((tmp_path / "w" / "config.json").read_text())["quantization_config"]
+    assert (config["quant_method"], config["format"]) == ("compressed-tensors", "int-quantized")
+    model = load_model(tmp_path / "w", dtype=torch.float32)
+    model.prepare_for_inference()
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 4 * len(model.model.layers)
+    assert all(m.kernel.func.__name__ == "w8a8_linear" for m in layers)

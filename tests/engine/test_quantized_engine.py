@@ -1,5 +1,5 @@
-"""A GPTQ-quantized model through the paged engine: greedy tokens do not depend on which
-requests share a batch, nor on prefix-cache hits, and match the dense forward pass."""
+"""Quantized models (GPTQ 4-bit, W8A8) through the paged engine: greedy tokens do not depend on
+which requests share a batch, nor on prefix-cache hits, and match the dense forward pass."""
 import pytest
 import torch
 
@@ -8,6 +8,7 @@ from engine_helpers import GREEDY, engine, run, tokens
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.formats.loader import load_model
 from kvslim.layers.quant_linear import QuantSpec
+from kvslim.layers.w8a8_linear import W8A8_SPEC
 from kvslim.surgery.quantize.model import quantize_model
 
 PARAMS = SamplingParams(max_tokens=12, **GREEDY)
@@ -18,11 +19,12 @@ def prompts(lengths, seed, prefix=()):
     return [list(prefix) + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module")
-def quantized(hf_checkpoints, tmp_path_factory):
-    return quantize_model(hf_checkpoints["gqa"], tmp_path_factory.mktemp("q") / "gqa-4bit", "rtn",
-                          QuantSpec(4, 32, sym=False, checkpoint_format="gptq_v2"),
-                          show_progress=False)
+@pytest.fixture(scope="module", params=["gptq-4bit", "w8a8"])
+def quantized(request, hf_checkpoints, tmp_path_factory):
+    method, spec = (("w8a8", W8A8_SPEC) if request.param == "w8a8" else
+                    ("rtn", QuantSpec(4, 32, sym=False, checkpoint_format="gptq_v2")))
+    return quantize_model(hf_checkpoints["gqa"], tmp_path_factory.mktemp("q") / request.param,
+                          method, spec, show_progress=False)
 
 
 def test_batch_composition_does_not_change_tokens(quantized):

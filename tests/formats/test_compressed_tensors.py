@@ -128,8 +128,8 @@ def scheme(cfg):
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda c: c.update(format="int-quantized"),
-     "quantization_config format 'int-quantized' is not supported"),
+    (lambda c: c.update(format="marlin-24"),
+     "quantization_config format 'marlin-24' is not supported"),
     (lambda c: c.update(format="float-quantized"), "format 'float-quantized'"),
     (lambda c: c.update(format="naive-quantized"), "format 'naive-quantized'"),
     (lambda c: scheme(c).update(input_activations={"num_bits": 8, "type": "int"}),
@@ -204,3 +204,12 @@ def test_the_stored_tensors_follow_the_scheme(sym, actorder):
     assert shapes["weight_packed"][0] == (128, 8) and shapes["weight_scale"][0] == (128, 2)
     assert ("weight_zero_point" in shapes) == (not sym)
     assert ("weight_g_idx" in shapes) == (actorder == "group")
+
+
+def test_int_quantized_with_4_bit_weights_names_the_field():
+    """int-quantized is read for W8A8 only: another scheme in it is refused by field."""
+    from kvslim.formats.compressed_tensors_int import quantization_config_w8a8
+    cfg = quantization_config_w8a8()
+    cfg["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+    with pytest.raises(ConfigError, match="group_0.weights.num_bits is 4; kvslim reads 8"):
+        QuantSpec.from_hf(cfg)

@@ -173,6 +173,41 @@ def int4_candidates(w: torch.Tensor, group: int, compile_: bool) -> list[Candida
         compiled = torch.compile(unpack_dequant, dynamic=True)
         cands.append(Candidate(f"{fam}.compiled_unpack_dequant", fam, nbytes,
                                lambda x: compiled(x, nib, scales, zs), ref, compile_s=0.0))
+    return cands + int4_large_m_candidates(q, scales, zeros, group, w_deq)
+
+
+def int4_large_m_candidates(q, scales, zeros, group, w_deq) -> list[Candidate]:
+    """Ways to run a 4-bit layer at many rows, probed against the native op (which scales
+    poorly with M): a bfloat16 copy of the dequantized weight (4x the 4-bit bytes) through
+    oneDNN's bf16 GEMM; and W8A8 per group, exact in the weight when zero points are integers
+    (q - zero fits int8) but one torch._int_mm per group, because a per-group scale cannot be
+    applied after a single integer product over all inputs."""
+    fam = f"int4-g{group}"
+    w_bf16 = w_deq.bfloat16()
+    cands = [Candidate(f"{fam}.bf16_copy_mm", fam, w_bf16.numel() * 2,
+                       lambda x: torch.mm(x.bfloat16(), w_bf16.t()).float(),
+                       _bf16_input_ref(w_deq), rtol=BF16_RTOL)]
+    if not hasattr(torch, "_int_mm"):
+        return cands
+    zero_int = torch.round(zeros)
+    codes = (q.float().view(q.shape[0], -1, group) - zero_int[..., None]).to(torch.int8)
+    blocks = [codes[:, k].t().contiguous() for k in range(codes.shape[1])]      # [group, out]
+    scales_t = scales.t().contiguous()                                           # [groups, out]
+    w_int = (codes.float() * scales[..., None]).reshape(q.shape)
+
+    def grouped_int_mm(x):
+        xq, sx = quantize_tokens(x)
+        acc = torch.zeros(x.shape[0], q.shape[0])
+        for k, block in enumerate(blocks):
+            part = torch._int_mm(xq[:, k * group:(k + 1) * group].contiguous(), block)
+            acc.addcmul_(part.float(), scales_t[k])
+        return acc.mul_(sx)
+
+    def ref(x):
+        xq, sx = quantize_tokens(x)
+        return F.linear(xq.float() * sx, w_int)
+    cands.append(Candidate(f"{fam}.w8a8_per_group_int_mm", fam,
+                           q.numel() + scales.numel() * 4, grouped_int_mm, ref, rtol=1e-4))
     return cands
 
 

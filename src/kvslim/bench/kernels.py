@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvslim.bench.kernel_candidates import Candidate, build_candidates
+from kvslim.bench.kernel_choice import KernelChoice, choose, format_choices
 from kvslim.bench.machine import machine_info
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536, vocabulary 49152.
@@ -48,6 +49,7 @@ class KernelsResult:
     compile_s: dict[str, float]          # compiled candidate @ shape -> first-call seconds
     torchao: str                         # version, or why it was not measured
     skipped: dict[str, str]              # candidate -> why it could not be built
+    choices: list[KernelChoice] = field(default_factory=list)   # per shape and M (kernel_choice)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,7 +133,8 @@ def run_kernels(shapes: dict[str, tuple[int, int]] | None = None, batches=BATCHE
                                       target_ms / 1e3)
             compile_s.update({f"{c.name}@{name}": round(c.compile_s, 2) for c in cands
                               if c.compile_s is not None})
-    return KernelsResult(machine_info().to_dict(), rounds, timings, compile_s, status, skipped)
+    return KernelsResult(machine_info().to_dict(), rounds, timings, compile_s, status, skipped,
+                         choose(timings))
 
 
 def format_kernels(r: KernelsResult) -> str:
@@ -151,7 +154,7 @@ def format_kernels(r: KernelsResult) -> str:
         lines += ["", "compile (first call) seconds: " +
                   ", ".join(f"{k} {v}" for k, v in r.compile_s.items())]
     lines += [f"not measured: {k}: {v}" for k, v in r.skipped.items()]
-    return "\n".join(lines)
+    return "\n".join(lines + format_choices(r.choices))
 
 
 def _cell(t: KernelTiming | None) -> str:

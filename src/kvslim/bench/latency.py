@@ -14,7 +14,7 @@ from kvslim.bench.machine import Bandwidth, memory_bandwidth
 from kvslim.bench.runners import kvslim_llm, peers
 from kvslim.bench.workload import Workload, special_ids
 from kvslim.engine.sampling_params import SamplingParams
-from kvslim.formats.info import count_parameters
+from kvslim.formats.info import weight_bytes as stored_weight_bytes
 
 
 @dataclass
@@ -79,8 +79,8 @@ def run_latency(model_dir, input_len: int = 128, output_len: int = 64,
                      speculative=speculative)
     # Counted from the checkpoint: the engine's runtime layout (packed weights) is not the
     # model's size. Every weight is read once per decode step.
-    weight_bytes = (count_parameters(model_dir, llm.engine.model_config)
-                    * llm.engine.runner.dtype.itemsize)
+    weight_bytes = stored_weight_bytes(model_dir, llm.engine.model_config,
+                                       llm.engine.runner.dtype.itemsize)
     result = LatencyResult(str(model_dir), input_len, output_len, torch.get_num_threads(),
                            bandwidth or memory_bandwidth(), weight_bytes,
                            llm.engine.runner.bytes_per_block // llm.engine.config.block_size,

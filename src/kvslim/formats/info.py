@@ -79,10 +79,34 @@ def count_parameters(model_dir: str | Path, config: ModelConfig) -> int:
     if spec is not None and spec.method == "gguf":
         from kvslim.formats.gguf_weights import gguf_parameter_count
         return gguf_parameter_count(Path(model_dir) / spec.file, config)
+    return sum(numel for numel, _ in _stored(model_dir, config))
+
+
+def weight_bytes(model_dir: str | Path, config: ModelConfig, float_itemsize: int) -> int:
+    """Bytes of the weights as a model running with floats of `float_itemsize` bytes holds
+    them: integer tensors (quantized codes, packed or not) at their stored size, float ones at
+    the runtime's. A GGUF-backed model counts every element at `float_itemsize`."""
+    spec = config.quantization
+    if spec is not None and spec.method == "gguf":
+        return count_parameters(model_dir, config) * float_itemsize
+    return sum(numel * (float_itemsize if dtype.is_floating_point else dtype.itemsize)
+               for numel, dtype in _stored(model_dir, config))
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def _stored(model_dir: str | Path, config: ModelConfig):
+    """(elements, dtype) of every stored weight, a tied LM head's copy left out."""
     skip = ("lm_head.weight",) if config.tie_word_embeddings else ()
-    total = 0
     for path in weight_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys()
-                         if name not in skip and not name.endswith(IGNORED_SUFFIXES))
-    return total
+            for name in f.keys():
+                if name in skip or name.endswith(IGNORED_SUFFIXES):
+                    continue
+                sl = f.get_slice(name)
+                yield (math.prod(sl.get_shape()),
+                       _SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.float32))

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from kvslim.errors import WeightsError
 from kvslim.formats.quant_layouts import LAYOUTS, gptq_weights
+from kvslim.formats.compressed_tensors_int import is_symmetric_zero_point
 from kvslim.models.config import ModelConfig, parse_dtype
 from kvslim.models.llama import LlamaForCausalLM
 from kvslim.layers.rope import RotaryEmbedding
@@ -121,9 +122,12 @@ def _stored(model_dir: Path, config: ModelConfig) -> Iterator[tuple[Path, Any, s
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if not (name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings
-                                                            and name == "lm_head.weight")):
-                    yield path, f, name
+                if name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings
+                                                       and name == "lm_head.weight"):
+                    continue
+                if is_symmetric_zero_point(config.quantization, name, lambda: f.get_tensor(name)):
+                    continue
+                yield path, f, name
 
 
 def _checked_gguf_weights(path: Path, config: ModelConfig, expected: dict[str, torch.Size]

@@ -78,11 +78,34 @@ def _group_size(w: dict[str, Any], where: str) -> int:
     return group
 
 
+def int8_weights_and_activations(scheme: dict[str, Any], where: str) -> QuantSpec:
+    """A scheme in format "int-quantized": W8A8, int8 per-channel weights and int8 activations
+    quantized per token at run time (layers/w8a8_linear.py), the only such scheme read."""
+    from kvslim.layers.w8a8_linear import INPUTS, W8A8_SPEC, WEIGHTS
+    where = f"{PREFIX} {where}"
+    if scheme.get("output_activations") is not None:
+        raise ConfigError(f"{where}.output_activations is not supported (must be null)")
+    for part, want in (("weights", WEIGHTS), ("input_activations", INPUTS)):
+        args = scheme.get(part)
+        if not isinstance(args, dict):
+            raise ConfigError(f"{where}.{part} is missing (W8A8 needs weights and "
+                              "input_activations)")
+        for key, value in want.items():
+            if args.get(key, False if key == "dynamic" else None) != value:
+                raise ConfigError(f"{where}.{part}.{key} is {args.get(key)!r}; kvslim reads "
+                                  f"{value!r} (int8 per-channel weights, dynamic per-token "
+                                  "activations)")
+    if scheme["weights"].get("group_size") not in (None, -1):
+        raise ConfigError(f"{where}.weights.group_size must be null for strategy 'channel'")
+    return W8A8_SPEC
+
+
 # Storage format -> the check of one config group's scheme stored in it. Formats that store
-# other tensors (int-quantized, float-quantized, naive-quantized, nvfp4-pack-quantized,
-# marlin-24, ...) are added here with their own check and tensor reader.
+# other tensors (float-quantized, naive-quantized, nvfp4-pack-quantized, marlin-24, ...) are
+# added here with their own check and tensor reader.
 FORMATS: dict[str, Callable[[dict[str, Any], str], QuantSpec]] = {
     "pack-quantized": weight_only_int,
+    "int-quantized": int8_weights_and_activations,
 }
 
 
@@ -91,6 +114,10 @@ def compressed_tensors_spec(cfg: dict[str, Any]) -> QuantSpec:
     for key, what in UNSUPPORTED_KEYS.items():
         if cfg.get(key):
             raise ConfigError(f"{PREFIX} {key} is set: {what} are not supported")
+    status = cfg.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise ConfigError(f"{PREFIX} quantization_status {status!r} is not supported "
+                          "('compressed': the stored tensors are the quantized ones)")
     groups = cfg.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ConfigError(f"{PREFIX} config_groups must be a non-empty object of schemes")

@@ -9,6 +9,9 @@ from torch import nn
 from kvslim.layers.block_quant_linear import BlockQuantLinear
 from kvslim.layers.linear import Linear, MergedLinear
 from kvslim.layers.quant_linear import QuantLinear, QuantMergedLinear, QuantSpec
+from kvslim.layers.w8a8_linear import W8A8Linear
+
+ROW_MAJOR = {"gguf": BlockQuantLinear, "w8a8": W8A8Linear}   # shards stacked as rows
 
 
 class SwiGLUMLP(nn.Module):
@@ -19,10 +22,11 @@ class SwiGLUMLP(nn.Module):
         if quant is None:
             self.gate_up_proj = MergedLinear(hidden, ("gate", "up"), intermediate, bias=bias)
             self.down_proj = Linear(intermediate, hidden, bias=bias)
-        elif quant.method == "gguf":
-            self.gate_up_proj = BlockQuantLinear(hidden, 0, bias, quant,
-                                                 {"gate": intermediate, "up": intermediate})
-            self.down_proj = BlockQuantLinear(intermediate, hidden, bias, quant)
+        elif quant.method in ROW_MAJOR:
+            cls = ROW_MAJOR[quant.method]
+            self.gate_up_proj = cls(hidden, 0, bias, quant,
+                                    {"gate": intermediate, "up": intermediate})
+            self.down_proj = cls(intermediate, hidden, bias, quant)
         else:
             self.gate_up_proj = QuantMergedLinear(hidden, ("gate", "up"), intermediate, bias,
                                                   quant)

@@ -23,8 +23,22 @@ So:
   10-20x slower, and every pure-torch dequant (also torch.compile'd: 1.1 s to compile, no faster
   than eager for int8, 280 µs for int4 qkv at M=1) is slower than float32. The price is bfloat16
   rounding of x and of the output (about 4e-3 of the largest output, measured).
-- w8a8_linear uses torch._int_mm (oneDNN VNNI; any M works on the CPU, the M > 16 and multiple-
-  of-8 limits are CUDA's) at every M: the fastest kernel in the table from one row on.
+- w8a8_linear uses torch._int_mm (oneDNN VNNI; any M works on the CPU; on CUDA it needs M > 16
+  and multiples of 8, so rows are padded there) at every M: the fastest kernel in the table
+  from one row on; a later per-M run against int8 weight-only is at W8A8_MIN_ROWS.
+- 4-bit layers keep int4_linear at every M, although it loses to float32's packed kernel from
+  about 8 rows (qkv g64: 160 / 738 µs at M = 8 / 64 against 148 / 329; o 178 / 1535 against
+  149 / 776; the run of W8A8_MIN_ROWS). Probed for large M (`int4-g<N>.bf16_copy_mm` and
+  `.w8a8_per_group_int_mm` in `kvslim bench kernels`), neither wins clearly while keeping
+  memory low: a bfloat16 copy of the dequantized weight through oneDNN's bf16 GEMM (this CPU
+  has avx512_bf16) beats the int4 op from 16 rows (qkv 122 vs 231 at M = 32, gate_up 2465 vs
+  5497 at 64) but stores 2 bytes per weight, 4x the 4-bit form; W8A8 on int8 codes q - zero
+  (exact in the weight only with integer zero points, so not for GGUF Q4_1's float minimums)
+  needs one torch._int_mm per group, because a per-group scale cannot be applied after one
+  integer product over all inputs, and was slower than float32 (qkv 296 vs 148 at M = 8, 441
+  vs 329 at 64); it would also quantize the activations of a model whose numerics are
+  bfloat16's, per batch size. Dequantizing 256 output rows at a time to bfloat16 for a bf16 mm
+  (probed by hand) was 5-10x slower than the int4 op at every M (the nibble unpacking).
 - torchao 0.18 imports with torch 2.13, but its int8 weight-only is a dequant+mm (no faster than
   ours), its W8A8 was 5-10x slower than torch._int_mm, and its int4 CPU format is refused.
 - The fallback dequantizes CHUNK_ROWS output rows at a time: for lm_head 10x faster than
@@ -40,6 +54,17 @@ import torch
 import torch.nn.functional as F
 
 CHUNK_ROWS = 256              # output rows dequantized at a time by the fallback (stays in cache)
+CUDA_INT_MM_MIN_ROWS = 24     # torch._int_mm on CUDA: more than 16 rows, a multiple of 8
+# From how many rows a W8A8 layer runs the integer product rather than int8 weight-only on the
+# same weight: 1, every M. `kvslim bench kernels --threads 1 --no-compile --no-torchao --groups
+# 64 --rounds 3 --target-ms 10 --json` ("choices"; busy shared cores, cells noisy up to 2x),
+# µs of one decoder layer's four linears (qkv + o + gate_up + down), int8_linear vs
+# w8a8_linear: M=1 328 vs 306, M=2 503 vs 675, M=4 1250 vs 641, M=8 1076 vs 762, M=16 2346
+# vs 759, M=32 5412 vs 990, M=64 12487 vs 2609. W8A8 wins from 4 rows by 1.4-5x and ties at 1;
+# int8 weight-only won only at M=2, by 25% in this one run. Switching kernels by M would
+# make a request's tokens depend on how many rows its step has (bfloat16 vs int8
+# activations), so one kernel runs at every M and results do not depend on the batch.
+W8A8_MIN_ROWS = 1
 
 
 def _native(name: str) -> bool:
@@ -173,9 +198,30 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """Quantizes each row of x to int8, multiplies in integers, rescales to x's dtype."""
     rows = _rows(x, qweight.shape[1])
     xq, sx = quantize_per_token(rows)
-    if rows.device.type == "cpu" and hasattr(torch, "_int_mm"):
-        acc = torch._int_mm(xq, qweight.t()).float()
-    else:                       # exact while |sums| < 2^24, float rounding beyond
+    acc = _int_mm(xq, qweight)
+    if acc is None:             # exact while |sums| < 2^24, float rounding beyond
         acc = F.linear(xq.float(), qweight.float())
-    out = acc.mul_(sx).mul_(scales.float()).to(rows.dtype)
+    out = acc.float().mul_(sx).mul_(scales.float()).to(rows.dtype)
     return _finish(out, x, bias)
+
+
+def _int_mm(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor | None:
+    """xq [M, in] @ qweight^T in int32, or None where torch._int_mm cannot run it. On CUDA it
+    needs more than 16 rows and in and out multiples of 8: fewer rows are padded with zero rows
+    (each output row depends on its own input row only, so the padding changes nothing)."""
+    if not hasattr(torch, "_int_mm"):
+        return None
+    if xq.device.type == "cpu":
+        return torch._int_mm(xq, qweight.t())
+    if xq.device.type != "cuda" or xq.shape[1] % 8 or qweight.shape[0] % 8:
+        return None
+    return padded_int_mm(xq, qweight)
+
+
+def padded_int_mm(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm over xq padded with zero rows to CUDA's row rule, the padding cut off."""
+    m = xq.shape[0]
+    padded = max(CUDA_INT_MM_MIN_ROWS, -(-m // 8) * 8)
+    if padded != m:
+        xq = torch.cat((xq, xq.new_zeros(padded - m, xq.shape[1])))
+    return torch._int_mm(xq, qweight.t())[:m]

@@ -36,8 +36,9 @@ class QuantSpec:
     desc_act: bool = False
     sym: bool = True
     checkpoint_format: str = "gptq"    # "gptq" (v1) stores zero - 1; the others the zero itself
-    method: str = "gptq"               # "gguf": 4-bit blocks of 32 read from a GGUF file; "awq",
-                                       # "compressed-tensors": converted to this layout at load
+    method: str = "gptq"               # "gguf": blocks read from a GGUF file; "awq",
+                                       # "compressed-tensors": converted to this layout at load;
+                                       # "w8a8": compressed-tensors int-quantized (w8a8_linear.py)
     file: str | None = None            # method "gguf": the file, relative to the model dir
 
     @classmethod

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvslim.layers.block_quant_linear import BlockQuantLinear
 from kvslim.layers.linear import Linear, QKVLinear
+from kvslim.layers.mlp import ROW_MAJOR
 from kvslim.layers.quant_linear import QuantLinear, QuantQKVLinear, QuantSpec
 from kvslim.layers.rope import apply_rope
 
@@ -23,11 +23,12 @@ class Attention(nn.Module):
         if quant is None:
             self.qkv_proj = QKVLinear(hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias)
             self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
-        elif quant.method == "gguf":
-            self.qkv_proj = BlockQuantLinear(hidden_size, 0, qkv_bias, quant, {
+        elif quant.method in ROW_MAJOR:
+            cls = ROW_MAJOR[quant.method]
+            self.qkv_proj = cls(hidden_size, 0, qkv_bias, quant, {
                 "q": num_heads * head_dim, "k": num_kv_heads * head_dim,
                 "v": num_kv_heads * head_dim})
-            self.o_proj = BlockQuantLinear(num_heads * head_dim, hidden_size, o_bias, quant)
+            self.o_proj = cls(num_heads * head_dim, hidden_size, o_bias, quant)
         else:
             self.qkv_proj = QuantQKVLinear(hidden_size, head_dim, num_heads, num_kv_heads,
                                            qkv_bias, quant)

@@ -8,7 +8,9 @@ collects its Hessian while the layer runs. The fused q/k/v and gate/up matrices 
 input, so one Hessian (and one act-order permutation, one g_idx) serves all their shards;
 quantizing them together is quantizing each shard, GPTQ treats output rows independently.
 AWQ (`awq.py`) first folds its activation-aware scales into each layer's float weights (and its
-norms) on the inputs that layer sees, clips each group's range, then rounds to nearest.
+norms) on the inputs that layer sees, clips each group's range, then rounds to nearest. W8A8
+(`smoothquant.py`) rounds each output row to int8, after folding SmoothQuant's scales in when
+asked, and is written in the compressed-tensors int-quantized layout.
 Embeddings, norms and lm_head stay in the source dtype."""
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from kvslim.errors import KvslimError
+from kvslim.formats.compressed_tensors_int import pack_w8a8, quantization_config_w8a8
 from kvslim.formats.gptq import QuantizedWeight, pack_gptq, quantization_config
 from kvslim.formats.loader import load_model
 from kvslim.formats.writer import save_model
@@ -27,8 +30,10 @@ from kvslim.models.llama import LlamaForCausalLM
 from kvslim.surgery.quantize.awq import clip_layer, fold_layer
 from kvslim.surgery.quantize.gptq import Hessian, gptq_quantize
 from kvslim.surgery.quantize.rtn import rtn_quantize
+from kvslim.surgery.quantize.smoothquant import int8_per_channel, smooth_layer
 
-METHODS = ("rtn", "gptq", "awq")
+METHODS = ("rtn", "gptq", "awq", "w8a8")
+CALIBRATED = ("gptq", "awq")         # methods that always need calibration text
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -37,7 +42,7 @@ class _Captured(Exception):
 
 
 def check_options(config: ModelConfig, method: str, spec: QuantSpec,
-                  calib: str | Path | None) -> None:
+                  calib: str | Path | None, smooth_alpha: float | None = None) -> None:
     bits, group_size = spec.bits, spec.group_size
     if config.raw.get("quantization_config") is not None:
         method_name = config.raw["quantization_config"].get("quant_method")
@@ -45,6 +50,9 @@ def check_options(config: ModelConfig, method: str, spec: QuantSpec,
                           f"(quantization_config quant_method {method_name!r})")
     if method not in METHODS:
         raise KvslimError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
+    _check_smoothing(method, calib, smooth_alpha)
+    if (method == "w8a8") != (spec.method == "w8a8"):
+        raise KvslimError(f"--method {method} does not write a {spec.method} checkpoint")
     if bits not in (4, 8):
         raise KvslimError(f"--bits must be 4 or 8, got {bits}")
     sizes = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
@@ -54,13 +62,24 @@ def check_options(config: ModelConfig, method: str, spec: QuantSpec,
             raise KvslimError(f"--group-size {group_size} does not divide the input features of "
                               f"the model's linear layers ({name} = {size})")
     kv_out = config.num_key_value_heads * config.head_dim
-    if kv_out % (32 // bits):
+    if method != "w8a8" and kv_out % (32 // bits):
         raise KvslimError(f"{bits}-bit packing needs output features divisible by {32 // bits}, "
                           f"the k/v projections have {kv_out}")
-    if method in ("gptq", "awq") and calib is None:
+    if method in CALIBRATED and calib is None:
         raise KvslimError(f"--method {method} needs calibration text: --calib FILE")
     if method in ("rtn", "awq") and spec.desc_act:
         raise KvslimError(f"--act-order orders GPTQ's columns; --method {method} has none to order")
+
+
+def _check_smoothing(method: str, calib, smooth_alpha: float | None) -> None:
+    if smooth_alpha is not None and method != "w8a8":
+        raise KvslimError(f"--smooth-alpha is SmoothQuant's, for --method w8a8, not {method}")
+    if smooth_alpha is not None and not 0 <= smooth_alpha <= 1:
+        raise KvslimError(f"--smooth-alpha must lie in [0, 1], got {smooth_alpha}")
+    if smooth_alpha is not None and calib is None:
+        raise KvslimError("--smooth-alpha needs calibration text: --calib FILE")
+    if method == "w8a8" and smooth_alpha is None and calib is not None:
+        raise KvslimError("--method w8a8 uses --calib only for SmoothQuant: add --smooth-alpha")
 
 
 @torch.no_grad()
@@ -115,11 +134,13 @@ def linear_inputs(layer: torch.nn.Module, inputs: list[tuple]) -> dict[str, torc
 @torch.no_grad()
 def quantize_layers(model: LlamaForCausalLM, spec: QuantSpec, windows: torch.Tensor | None,
                     batch_size: int = 4, show_progress: bool = True, method: str | None = None,
-                    awq_clip: bool = True) -> dict[str, QuantizedWeight]:
+                    awq_clip: bool = True, smooth_alpha: float | None = None
+                    ) -> dict[str, QuantizedWeight]:
     """Quantize every decoder linear in place (its weight becomes the dequantized one, so later
     layers see the quantized model); returns the quantized form by module name. RTN needs no
-    `windows`; GPTQ and AWQ need [N, T] token windows. `method` defaults to GPTQ with windows,
-    RTN without; `awq_clip` adds AWQ's clipping search to its scales."""
+    `windows`; GPTQ, AWQ and SmoothQuant (W8A8 with `smooth_alpha`) need [N, T] token windows.
+    `method` defaults to GPTQ with windows, RTN without; `awq_clip` adds AWQ's clipping search
+    to its scales."""
     method = method or ("rtn" if windows is None else "gptq")
     inputs = layer0_inputs(model, windows, batch_size) if windows is not None else None
     norm_dtype = parse_dtype(model.config.torch_dtype)
@@ -131,9 +152,13 @@ def quantize_layers(model: LlamaForCausalLM, spec: QuantSpec, windows: torch.Ten
                        spec.sym, norm_dtype)
         if method == "awq" and awq_clip:
             clip_layer(layer, linear_inputs(layer, inputs), spec.bits, spec.group_size, spec.sym)
+        if method == "w8a8" and smooth_alpha is not None:
+            smooth_layer(layer, linear_inputs(layer, inputs), smooth_alpha, norm_dtype)
         for sub in LINEARS:
             linear = layer.get_submodule(sub)
-            if method in ("rtn", "awq"):
+            if method == "w8a8":
+                result = int8_per_channel(linear.weight)
+            elif method in ("rtn", "awq"):
                 result = rtn_quantize(linear.weight, spec.bits, spec.group_size, spec.sym)
             else:
                 result = gptq_quantize(linear.weight, _hessian(layer, linear, inputs).matrix,
@@ -151,6 +176,7 @@ def quantized_state_dict(model: LlamaForCausalLM, results: dict[str, QuantizedWe
     weight (a fused one split into its checkpoint shards), everything else as it is."""
     fused = {hf_part: part_shard for hf_part, part_shard in model.packed_modules_mapping.items()}
     dtype = parse_dtype(model.config.torch_dtype)
+    pack = pack_w8a8 if spec.method == "w8a8" else pack_gptq
     out = {}
     for name, tensor in model.hf_state_dict().items():
         prefix, _, leaf = name.rpartition(".")
@@ -160,7 +186,7 @@ def quantized_state_dict(model: LlamaForCausalLM, results: dict[str, QuantizedWe
         if module_name in results and leaf == "weight":
             module = model.get_submodule(module_name)
             rows = slice(None) if shard is None else module.shard_rows(shard)
-            packed = pack_gptq(results[module_name].rows(rows), spec)
+            packed = pack(results[module_name].rows(rows), spec)
             out.update({f"{prefix}.{k}": v for k, v in packed.items()})
         else:
             out[name] = tensor.detach().to(dtype)
@@ -169,18 +195,20 @@ def quantized_state_dict(model: LlamaForCausalLM, results: dict[str, QuantizedWe
 
 def quantize_model(src: str | Path, dst: str | Path, method: str, spec: QuantSpec,
                    calib: str | Path | None = None, calib_samples: int = 128,
-                   seq_len: int = 512, show_progress: bool = True, awq_clip: bool = True) -> Path:
+                   seq_len: int = 512, show_progress: bool = True, awq_clip: bool = True,
+                   smooth_alpha: float | None = None) -> Path:
     """Write `dst`: the model at `src` with its decoder linears quantized by `method`."""
-    check_options(ModelConfig.from_dir(src), method, spec, calib)
+    check_options(ModelConfig.from_dir(src), method, spec, calib, smooth_alpha)
     model = load_model(src, dtype=torch.float32)
     windows = None
-    if method in ("gptq", "awq"):
+    if method in CALIBRATED or smooth_alpha is not None:
         from kvslim.tokenizer.tokenizer import Tokenizer
         from kvslim.train.data import eval_windows, tokenize_file
         tokens = tokenize_file(calib, Tokenizer.from_dir(src), show_progress)
         windows = eval_windows(tokens, seq_len, calib_samples)[:, :seq_len]
     results = quantize_layers(model, spec, windows, show_progress=show_progress, method=method,
-                              awq_clip=awq_clip)
+                              awq_clip=awq_clip, smooth_alpha=smooth_alpha)
     state = quantized_state_dict(model, results, spec)
-    raw = {**model.config.raw, "quantization_config": quantization_config(spec)}
+    qcfg = quantization_config_w8a8() if method == "w8a8" else quantization_config(spec)
+    raw = {**model.config.raw, "quantization_config": qcfg}
     return save_model(state, model.config.replace(raw=raw), dst, tokenizer_from=src)
