@@ -38,6 +38,8 @@ class QuantSpec:
     checkpoint_format: str = "gptq"    # "gptq" (v1) stores zero - 1, "gptq_v2" the zero itself
     method: str = "gptq"               # "gguf": 4-bit blocks of 32 read from a GGUF file
     file: str | None = None            # method "gguf": the file, relative to the model dir
+    embedding: bool = False            # method "gguf": token embeddings (and a tied LM head)
+    lm_head: bool = False              # method "gguf": an untied LM head, quantized in the file
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "QuantSpec":
@@ -47,7 +49,9 @@ class QuantSpec:
             if not isinstance(file, str) or not file:
                 raise ConfigError("config.json: quantization_config quant_method 'gguf' needs "
                                   "'file', the GGUF file's name")
-            return cls(4, 32, sym=False, checkpoint_format="gguf", method="gguf", file=file)
+            return cls(4, 32, sym=False, checkpoint_format="gguf", method="gguf", file=file,
+                       embedding=bool(cfg.get("embedding", False)),
+                       lm_head=bool(cfg.get("lm_head", False)))
         if method != "gptq":
             raise ConfigError(f"config.json: quantization_config quant_method {method!r} is not "
                               "supported ('gptq' or 'gguf')")
