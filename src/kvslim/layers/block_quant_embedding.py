@@ -3,10 +3,10 @@ head tied to them.
 
 The lookup dequantizes only the rows it gathers (exact, formats/gguf_blocks.py), so the table
 stays 1 byte per weight plus its group scales and offsets: for SmolLM2-135M 28 MB + 14 MB
-instead of 113 MB of float32. The tied head multiplies with the whole table; it runs the
-group-wise int8 kernel (layers/int8_group_kernel.py: for a table that large, dequantized once
-to bfloat16, 57 MB, 2x faster than float32) when the table is an 8-bit type, and the 4-bit
-kernel for a 4-bit one."""
+instead of 113 MB of float32. The tied head multiplies with the whole table through the kernel a
+BlockQuantLinear of the table's type would run: for an 8-bit table (Q8_0) the exact float32 one
+(layers/int8_group_kernel.py says why bfloat16 is not good enough for logits), 113 MB built by
+`prepare_for_inference`; for a 4-bit table the int4 kernel."""
 from __future__ import annotations
 
 from functools import partial

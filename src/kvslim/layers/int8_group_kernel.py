@@ -18,21 +18,23 @@ other work, so cells are noisy by ~30%), µs per call at M = 1 / 8 rows:
     1536->576 (down)      float32 46 / 209, bfloat16 71 / 90, per-channel int8 27 / 88
 (errors: max abs error / max abs reference, against F.linear over the block weights in float32)
 
-So the per-channel requantization is fastest but moves every weight to a grid of row max / 127,
-which is coarser than the file's own grid of block max / 127 (Q8_0) or group max / 31 (Q6_K):
-it adds about as much error again as the file's quantization itself, so it is not used. Between
-the exact forms: a weight with at least BF16_MIN_ELEMENTS elements (the LM head, memory-bound)
-is dequantized once to bfloat16, half the bytes of float32 and 2x faster (the bf16 rounding of a
-weight is at most 2^-9 of it, below the file's own quantization step); smaller ones, where
-bfloat16's per-call conversion of x costs more than it saves at one row, to float32, exact."""
+So every fast candidate rounds: the per-channel requantization moves every weight to a grid of
+row max / 127, coarser than the file's own grid of block max / 127 (Q8_0) or group max / 31
+(Q6_K), adding about as much error again as the file's quantization; and bfloat16 (both the
+native int8 op and a bf16 matmul) also rounds its output to 8 bits of mantissa, which for the LM
+head means logits near 25 come back in steps of 0.125. That is not noise: SmolLM2's greedy
+answer to "What is the capital of France?" starts with "The" by a float32 margin of 0.08 over
+"L", and the bfloat16 head (3.6 ms) answered "L'Étoile, la Marseillaise," where the float32 head
+(7.4 ms) answers "The capital of France is Paris." (torch 2.13 has no bf16 x bf16 -> float32 mm
+on the CPU). So the kernel is the exact one: the weight dequantized once to float32 and F.linear,
+as fast as the float model's own layer and no slower; the int8 form is kept for reading back
+(checkpoint tensors, the embedding rows)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-BF16_MIN_ELEMENTS = 4 << 20       # lm_head (28M) above, decoder linears (< 2M) below
 
 
 @dataclass
@@ -64,8 +66,6 @@ def pack_int8_group(values: torch.Tensor, scales: torch.Tensor, group: int) -> I
         raise ValueError(f"{values.shape[1]} inputs, groups of {group}, scales "
                          f"{tuple(scales.shape)}")
     w = dequantize_int8_group(values, scales, group)
-    if values.device.type == "cpu" and w.numel() >= BF16_MIN_ELEMENTS:
-        w = w.to(torch.bfloat16)
     return Int8GroupWeight(values.contiguous(), scales.float().contiguous(), group, w)
 
 
