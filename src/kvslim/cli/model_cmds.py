@@ -18,8 +18,9 @@ def register(sub) -> None:
     p = sub.add_parser("export-gguf", help="write a model as a llama.cpp / Ollama GGUF file")
     p.add_argument("model", metavar="MODEL", help="model directory, .gguf file or 'default'")
     p.add_argument("out", metavar="FILE", help="output .gguf file")
-    p.add_argument("--dtype", default="f16",
-                   help="tensor type: f32, f16, bf16 or q8_0 (default f16; norms stay f32)")
+    p.add_argument("--dtype", "--outtype", dest="dtype", default="f16",
+                   help="tensor type: f32, f16, bf16, q8_0, q4_0 or q4_1 (default f16; norms "
+                        "stay f32; q4_0/q4_1 keep the token embeddings at q8_0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_export_gguf)
 
