@@ -124,12 +124,16 @@ def _greedy(eng, prompts, params):
 
 
 def test_other_linear_types_import_as_float_with_a_note(tmp_path, capsys):
-    write_tiny_gguf(tmp_path / "f16.gguf", qtype=Q.Q4_1, types={"ffn_down": Q.F16})
-    out = import_gguf(tmp_path / "f16.gguf", tmp_path / "f16", show_progress=False,
+    write_tiny_gguf(tmp_path / "q5.gguf", qtype=Q.Q4_1, types={"ffn_down": Q.Q5_0})
+    out = import_gguf(tmp_path / "q5.gguf", tmp_path / "q5", show_progress=False,
                       keep_quantized=True)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     assert list(out.glob("*.safetensors"))
-    assert "'blk.0.ffn_down.weight' is F16" in capsys.readouterr().err
+    assert "'blk.0.ffn_down.weight' is Q5_0, which kvslim does not keep quantized; importing " \
+        "every weight as float32" in capsys.readouterr().err
+    write_tiny_gguf(tmp_path / "f32.gguf")                   # a float file: no note
+    import_gguf(tmp_path / "f32.gguf", tmp_path / "f32", show_progress=False, keep_quantized=True)
+    assert capsys.readouterr().err == ""
 
 
 def test_quantized_only_names_the_tensor_and_type(tmp_path):

@@ -40,6 +40,7 @@ LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+FLOAT_TYPES = ("F32", "F16", "BF16")
 LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
@@ -61,7 +62,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool 
     if other is not None and require_quantized:
         raise ConfigError(f"{gguf.path.name}: tensor {other[0]!r} is {other[1]}, which kvslim "
                           f"does not keep quantized (kept: {', '.join(TYPE_IDS)})")
-    if other is not None:
+    if other is not None and other[1] not in FLOAT_TYPES:      # a float file needs no note
         print(f"note: {gguf.path.name}: tensor {other[0]!r} is {other[1]}, which kvslim does not "
               "keep quantized; importing every weight as float32", file=sys.stderr)
     if (keep_quantized or require_quantized) and other is None and _has_linears(gguf):
