@@ -235,3 +235,13 @@ def test_cli_outtype_q4_0(hf_checkpoints, tmp_path, capsys):
                  "--quiet"]) == 0
     assert gguf.GGUFReader(out).fields["general.file_type"].contents() == \
         gguf.LlamaFileType.MOSTLY_Q4_0
+
+
+def test_a_quantized_import_is_refused(tmp_path):
+    from gguf_files import write_tiny_gguf
+    write_tiny_gguf(tmp_path / "q.gguf", qtype=Q.Q4_0)
+    kept = import_gguf(tmp_path / "q.gguf", tmp_path / "kept", show_progress=False,
+                       keep_quantized=True)
+    with pytest.raises(ConfigError, match="holds quantized weights .gguf.; export-gguf writes"):
+        export_gguf(kept, tmp_path / "out.gguf", "q4_0")
+    assert not (tmp_path / "out.gguf").exists()

@@ -50,6 +50,10 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "f16",
         raise ConfigError(f"unknown GGUF dtype {dtype!r}; choose one of {', '.join(EXPORT_DTYPES)}")
     model_dir, out_path = Path(model_dir), Path(out_path)
     config = ModelConfig.from_dir(model_dir)
+    if config.quantization is not None:
+        raise ConfigError(f"{model_dir} holds quantized weights ({config.quantization.method}); "
+                          "export-gguf writes from float weights: export its float32 import "
+                          "(import-gguf --dtype float32) instead")
     vocab = gguf_vocab(model_dir, config)
     model = load_model(model_dir, dtype=parse_dtype(config.torch_dtype))
     tensors = tensor_plan(model.hf_state_dict(), config, dtype)
