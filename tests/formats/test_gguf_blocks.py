@@ -33,3 +33,13 @@ def test_decoding_is_bit_exact(kind):
     ref = torch.from_numpy(gguf.quants.dequantize(raw, getattr(Q, kind)).reshape(rows, cols))
     assert torch.equal(w.view(rows, cols), ref)
     assert int(b["qvalues"].max()) <= {"Q8_0": 255, "Q6_K": 63}.get(kind, 15)
+
+
+def test_the_layers_read_the_same_type_ids():
+    """layers/ cannot import formats/, so BlockQuantLinear keeps its own copy of the ids."""
+    from kvslim.formats.gguf_blocks import BITS, ZERO
+    from kvslim.layers import block_quant_linear as layer
+    assert layer.GROUP == GROUP
+    assert set(layer.FOUR_BIT_TYPES) == {TYPE_IDS[k] for k, b in BITS.items() if b == 4}
+    assert layer.EIGHT_BIT_ZEROS == {TYPE_IDS[k]: z for k, z in ZERO.items()}
+    assert {int(getattr(Q, k)) for k in TYPE_IDS} == set(TYPE_IDS.values())

@@ -30,7 +30,6 @@ GROUP = 16
 QK_K = 256
 # GGML type ids (gguf.GGMLQuantizationType) and the integer width their q values need.
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-TYPE_NAMES = {v: k for k, v in TYPE_IDS.items()}
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q6_K": 8}
 # q - ZERO is the signed 8-bit value of the 8-bit types (w = s * (q - ZERO)).
 ZERO = {"Q8_0": 128, "Q6_K": 32}

@@ -34,7 +34,8 @@ GROUP = 16                  # storage group: Q6_K's sub-block; the others repeat
 INT4_GROUP = 32
 NATIVE_INT4_ROWS = 16
 BLOCK_LEAVES = ("qvalues", "scales", "mins", "qtype", "bias")
-# GGML type ids whose values fit 4 bits (Q4_0, Q4_1, Q4_K) and 8 bits with their zero (Q8_0, Q6_K).
+# GGML type ids whose values fit 4 bits (Q4_0, Q4_1, Q4_K) and 8 bits with their zero (Q8_0,
+# Q6_K): formats/gguf_blocks.py names them (tests/formats/test_gguf_blocks.py keeps the two equal).
 FOUR_BIT_TYPES = (2, 3, 12)
 EIGHT_BIT_ZEROS = {8: 128, 14: 32}
 
