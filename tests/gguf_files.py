@@ -63,19 +63,57 @@ def stored(w: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
     return q, gguf.quants.dequantize(q, qtype).reshape(w.shape)
 
 
+# Bytes per block and where the float16 fields sit, for random K-quant blocks (gguf.quants
+# cannot quantize to them): any byte pattern is a valid block once its float16 fields are finite.
+K_BLOCKS = {Q.Q4_K: (144, (0, 2)), Q.Q6_K: (210, (208,))}
+
+
+def random_blocks(rows: int, cols: int, qtype: Q, rng) -> np.ndarray:
+    """Random raw blocks of a K-quant type [rows, bytes], with small positive d (and dmin)."""
+    size, f16_at = K_BLOCKS[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    scale = 1e-3 if qtype == Q.Q4_K else 2e-4
+    d = (scale * (0.5 + rng.random((rows, cols // 256, 1)))).astype(np.float16)
+    for at in f16_at:                   # Q4_K: dmin = d
+        raw[..., at:at + 2] = d.view(np.uint8)
+    if qtype == Q.Q4_K:
+        raw[..., 4:16] = q4_k_scales(rng.integers(1, 9, size=(rows, cols // 256, 8)))
+    return raw.reshape(rows, -1)
+
+
+def q4_k_scales(sc: np.ndarray) -> np.ndarray:
+    """Q4_K's 12 bytes of 6-bit sub-block scales and mins, with min = round(7.5 sc) so each
+    sub-block's weights d * sc * (q - 7.5) are centred, as a real quantizer's roughly are."""
+    mn = np.round(7.5 * sc).astype(np.uint8)
+    sc = sc.astype(np.uint8)
+    out = np.empty(sc.shape[:-1] + (12,), dtype=np.uint8)
+    out[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    out[..., 4:8] = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    return out
+
+
 def write_tiny_gguf(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: bool = False,
-                    add_bos: bool | None = False, seed: int = 0, vocab: str = "gpt2"
+                    add_bos: bool | None = False, seed: int = 0, vocab: str = "gpt2",
+                    types: dict[str, Q] | None = None, hidden: int = HIDDEN, ffn: int = FFN
                     ) -> dict[str, np.ndarray]:
     """Write a 2-layer GQA model with a byte-level BPE ("gpt2") or SentencePiece ("llama")
     vocabulary; return the HF state dict (float32) it should import to. add_bos=None leaves
-    the flag out, as older files do."""
+    the flag out, as older files do. `types` overrides qtype per tensor ("attn_v",
+    "token_embd", "output", ...); Q4_K and Q6_K tensors are random blocks (hidden and ffn must
+    then be multiples of 256)."""
     rng = np.random.default_rng(seed)
+    types = types or {}
+    head_dim = hidden // HEADS
+    shapes = {"attn_q": (HEADS * head_dim, hidden), "attn_k": (KV_HEADS * head_dim, hidden),
+              "attn_v": (KV_HEADS * head_dim, hidden), "attn_output": (hidden, HEADS * head_dim),
+              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
     tokens = tiny_tokens() if vocab == "gpt2" else spm_vocabulary()[0]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
     w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_rope_freq_base(10000.0)
@@ -87,9 +125,9 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: boo
         w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
         w.add_token_merges(MERGES)
     else:
-        _, scores, types = spm_vocabulary()
+        _, scores, token_types = spm_vocabulary()
         w.add_token_scores(scores)
-        w.add_token_types(types)
+        w.add_token_types(token_types)
         w.add_unk_token_id(0)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -100,7 +138,13 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: boo
 
     def add(gguf_name: str, hf_name: str, value: np.ndarray, permute_heads: int = 0) -> None:
         value = value.astype(np.float32)
-        kind = qtype if value.ndim == 2 else Q.F32          # norms stay F32, as in llama.cpp
+        kind = types.get(gguf_name.split(".")[-2], qtype) if value.ndim == 2 else Q.F32
+        if kind in K_BLOCKS:
+            raw = random_blocks(*value.shape, kind, rng)
+            expected[hf_name] = gguf.quants.dequantize(raw, kind).reshape(value.shape)
+            w.add_tensor(gguf_name, llama_cpp_permute(raw, permute_heads) if permute_heads
+                         else raw, raw_dtype=kind)
+            return
         data, _ = stored(llama_cpp_permute(value, permute_heads) if permute_heads else value, kind)
         quantized = data.dtype == np.uint8
         w.add_tensor(gguf_name, data, raw_dtype=kind if quantized else None)
@@ -108,18 +152,18 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: boo
         # expected weight is the unpermuted value as storage decodes it.
         expected[hf_name] = stored(value, kind)[1]
 
-    add("token_embd.weight", "model.embed_tokens.weight", rng.normal(size=(len(tokens), HIDDEN)))
+    add("token_embd.weight", "model.embed_tokens.weight", rng.normal(size=(len(tokens), hidden)))
     for i in range(LAYERS):
-        for part, shape in LAYER_SHAPES.items():
+        for part, shape in shapes.items():
             heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(part, 0)
             add(f"blk.{i}.{part}.weight", f"model.layers.{i}.{HF_NAMES[part]}.weight",
                 rng.normal(size=shape) * 0.2, heads)
         for part in ("attn_norm", "ffn_norm"):
             add(f"blk.{i}.{part}.weight", f"model.layers.{i}.{HF_NAMES[part]}.weight",
-                1 + 0.1 * rng.normal(size=HIDDEN))
-    add("output_norm.weight", "model.norm.weight", 1 + 0.1 * rng.normal(size=HIDDEN))
+                1 + 0.1 * rng.normal(size=hidden))
+    add("output_norm.weight", "model.norm.weight", 1 + 0.1 * rng.normal(size=hidden))
     if not tied:
-        add("output.weight", "lm_head.weight", rng.normal(size=(len(tokens), HIDDEN)))
+        add("output.weight", "lm_head.weight", rng.normal(size=(len(tokens), hidden)))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

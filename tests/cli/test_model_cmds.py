@@ -55,3 +55,13 @@ def test_info_counts_the_int8_cache_with_its_scales(hf_checkpoints, capsys):
     # 2 layers x K/V x 2 KV heads: head_dim 8 int8 elements + one float16 scale each
     assert info["kv_bytes_per_token"] == 2 * 2 * 2 * (8 + 2)
     assert info["kv_cache_dtype"] == "int8"
+
+
+def test_import_gguf_quantized_only_is_a_one_line_error(tmp_path, capsys):
+    from gguf import GGMLQuantizationType as Q
+    write_tiny_gguf(tmp_path / "q5.gguf", qtype=Q.Q8_0, types={"attn_k": Q.Q5_1})
+    assert main(["import-gguf", str(tmp_path / "q5.gguf"), str(tmp_path / "out"), "--quiet",
+                 "--dtype", "quantized"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tensor 'blk.0.attn_k.weight' is Q5_1" in err[0]
+    assert not (tmp_path / "out").exists()

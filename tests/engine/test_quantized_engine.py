@@ -55,3 +55,35 @@ def test_prefix_cache_does_not_change_tokens(quantized):
     uncached = tokens(run(engine(quantized, enable_prefix_caching=False), batch, PARAMS))
     assert first[0] == cached[0]
     assert cached == uncached
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    """A GGUF model kept quantized with Q4_K, Q4_1, Q6_K, Q8_0 and Q4_0 linears (q/k/v of three
+    types in one layer) and a Q8_0 tied embedding table."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf_files import write_tiny_gguf
+    from kvslim.formats.gguf_import import import_gguf
+    root = tmp_path_factory.mktemp("mixed")
+    types = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_1, "attn_v": Q.Q6_K, "attn_output": Q.Q8_0,
+             "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_0, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0}
+    write_tiny_gguf(root / "mixed.gguf", types=types, hidden=256, ffn=256, tied=True)
+    return str(import_gguf(root / "mixed.gguf", root / "kept", show_progress=False,
+                           keep_quantized=True))
+
+
+def test_mixed_gguf_greedy_does_not_depend_on_batch_or_prefix_cache(mixed_gguf):
+    g = torch.Generator().manual_seed(4)
+    shared = torch.randint(3, 260, (40,), generator=g).tolist()
+    batch = [shared + torch.randint(3, 260, (n,), generator=g).tolist() for n in (3, 11, 1)]
+    batch.append(torch.randint(3, 260, (7,), generator=g).tolist())
+    together = tokens(run(engine(mixed_gguf, enable_prefix_caching=False), batch, PARAMS))
+    alone = [tokens(run(engine(mixed_gguf, enable_prefix_caching=False), [p], PARAMS))[0]
+             for p in batch]
+    small = tokens(run(engine(mixed_gguf, max_num_seqs=2, max_num_batched_tokens=16,
+                              enable_prefix_caching=False), batch, PARAMS))
+    cached_engine = engine(mixed_gguf, enable_prefix_caching=True)
+    run(cached_engine, batch[:1], PARAMS)
+    cached = tokens(run(cached_engine, batch, PARAMS))         # the shared blocks are hits now
+    assert together == alone == small == cached
+    assert len({tuple(t) for t in together}) > 1               # not one constant answer

@@ -197,3 +197,51 @@ def test_cli_export(hf_checkpoints, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     assert gguf.GGUFReader(out).fields["general.file_type"].contents() == \
         gguf.LlamaFileType.MOSTLY_BF16
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+def test_4bit_export_round_trips_bit_exact(hf_checkpoints, exported, tmp_path, dtype):
+    """Linears in llama.cpp's Q4_0/Q4_1 blocks (gguf.quants' port of quantize_row_q4_*_ref),
+    token embeddings in Q8_0; kvslim's kept-quantized import decodes exactly what
+    gguf.quants.dequantize does, so its logits equal the float import's bit for bit."""
+    cfg = ModelConfig.from_dir(hf_checkpoints["gqa"])
+    state = load_model(hf_checkpoints["gqa"], dtype=torch.float32).hf_state_dict()
+    path = exported("gqa", dtype)
+    qtype = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1}[dtype]
+    for name, (stored, got) in read_back(path).items():
+        if got.ndim == 1:
+            continue
+        want = gguf_layout(name, state[gguf_names(name)], cfg)
+        expect_type = Q.Q8_0 if name in ("token_embd.weight", "output.weight") else qtype
+        assert stored == expect_type, name
+        ref = gguf.quants.dequantize(gguf.quants.quantize(want, expect_type), expect_type)
+        np.testing.assert_array_equal(got, ref.reshape(want.shape), err_msg=name)
+    kept = import_gguf(path, tmp_path / "kept", show_progress=False, keep_quantized=True)
+    dense = import_gguf(path, tmp_path / "float", show_progress=False)
+    assert json.loads((kept / "config.json").read_text())["quantization_config"]["embedding"]
+    with torch.no_grad():
+        assert torch.equal(load_model(kept, dtype=torch.float32).logits(IDS),
+                           load_model(dense, dtype=torch.float32).logits(IDS))
+
+
+def gguf_names(name: str) -> str:
+    return {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+            "output_norm.weight": "model.norm.weight"}.get(name) or hf_tensor_name(name)
+
+
+def test_cli_outtype_q4_0(hf_checkpoints, tmp_path, capsys):
+    out = tmp_path / "q4.gguf"
+    assert main(["export-gguf", str(hf_checkpoints["gqa"]), str(out), "--outtype", "q4_0",
+                 "--quiet"]) == 0
+    assert gguf.GGUFReader(out).fields["general.file_type"].contents() == \
+        gguf.LlamaFileType.MOSTLY_Q4_0
+
+
+def test_a_quantized_import_is_refused(tmp_path):
+    from gguf_files import write_tiny_gguf
+    write_tiny_gguf(tmp_path / "q.gguf", qtype=Q.Q4_0)
+    kept = import_gguf(tmp_path / "q.gguf", tmp_path / "kept", show_progress=False,
+                       keep_quantized=True)
+    with pytest.raises(ConfigError, match="holds quantized weights .gguf.; export-gguf writes"):
+        export_gguf(kept, tmp_path / "out.gguf", "q4_0")
+    assert not (tmp_path / "out.gguf").exists()

@@ -1,7 +1,8 @@
-"""GGUF files whose linear layers are Q4_0 or Q4_1 import with those layers kept 4-bit: the loaded
-blocks decode to exactly what gguf.quants.dequantize gives (Q/K rows unpermuted), the model's
-logits equal the float import's, and the int4 kernel chosen by prepare_for_inference stays within
-its bfloat16 bound; greedy decoding through the engine does not depend on the batch."""
+"""GGUF files whose linear layers are Q4_0, Q4_1, Q8_0, Q4_K or Q6_K (mixed within a file and within
+a fused layer) import with those layers kept quantized: the loaded blocks decode to exactly what
+gguf.quants.dequantize gives (Q/K rows unpermuted), the model's logits equal the float import's,
+and the kernels chosen by prepare_for_inference stay within their bfloat16 bound; greedy decoding
+through the engine does not depend on the batch or on prefix-cache hits."""
 import json
 
 import pytest
@@ -12,11 +13,13 @@ from gguf_files import write_tiny_gguf
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.llm_engine import LLMEngine
 from kvslim.engine.sampling_params import SamplingParams
-from kvslim.errors import WeightsError
+from kvslim.errors import ConfigError, WeightsError
 from kvslim.formats.gguf_import import import_gguf
 from kvslim.formats.info import model_info
 from kvslim.formats.loader import load_model
+from kvslim.layers.block_quant_embedding import BlockQuantEmbedding, TiedBlockQuantHead
 from kvslim.layers.block_quant_linear import BlockQuantLinear
+from kvslim.layers.quant_linear import QuantLinear
 
 # The int4 kernel multiplies in bfloat16 (8 bits of mantissa): 1% of the largest output per
 # layer (tests/layers/test_quant_kernels.py); two layers and the LM head, 3% of the logits.
@@ -27,20 +30,29 @@ SHARDS = {"q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj"
           "down_proj": ("mlp.down_proj", None)}
 
 
-@pytest.fixture(scope="module", params=[Q.Q4_0, Q.Q4_1], ids=["Q4_0", "Q4_1"])
+# A Q4_K_M-like mix: q/k/v of three types in one fused layer, gate/up of two, a Q8_0 tied table.
+MIXED = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_1, "attn_v": Q.Q6_K, "attn_output": Q.Q8_0,
+         "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_0, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0}
+FILES = {"Q4_0": {"qtype": Q.Q4_0}, "Q4_1": {"qtype": Q.Q4_1},
+         "mixed": {"types": MIXED, "hidden": 256, "ffn": 256, "tied": True}}
+
+
+@pytest.fixture(scope="module", params=list(FILES))
 def imported(request, tmp_path_factory):
     """(kept-quantized dir, float dir, expected HF weights) for one tiny file."""
-    root = tmp_path_factory.mktemp(request.param.name)
-    expected = write_tiny_gguf(root / "tiny.gguf", qtype=request.param)
+    root = tmp_path_factory.mktemp(request.param)
+    expected = write_tiny_gguf(root / "tiny.gguf", **FILES[request.param])
     kept = import_gguf(root / "tiny.gguf", root / "kept", show_progress=False, keep_quantized=True)
     dense = import_gguf(root / "tiny.gguf", root / "float", show_progress=False)
     return kept, dense, expected
 
 
 def test_import_keeps_the_gguf_file(imported):
-    kept, dense, _ = imported
+    kept, dense, expected = imported
     cfg = json.loads((kept / "config.json").read_text())
-    assert cfg["quantization_config"] == {"quant_method": "gguf", "file": "tiny.gguf"}
+    tied = "lm_head.weight" not in expected
+    assert cfg["quantization_config"] == {"quant_method": "gguf", "file": "tiny.gguf",
+                                          "embedding": True, **({} if tied else {"lm_head": True})}
     assert (kept / "tiny.gguf").is_file() and not list(kept.glob("*.safetensors"))
     assert "quantization_config" not in json.loads((dense / "config.json").read_text())
     assert model_info(kept).num_parameters == model_info(dense).num_parameters
@@ -62,7 +74,16 @@ def test_blocks_decode_to_the_gguf_dequantization(imported):
             part = "self_attn" if module_name.startswith("self_attn") else "mlp"
             ref = torch.from_numpy(expected[f"model.layers.{i}.{part}.{hf}.weight"])
             assert torch.equal(weight, ref), (i, hf)
-            assert int(module.qvalues.max()) <= 15
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, BlockQuantEmbedding)
+    assert torch.equal(embedding.dequantized_weight(),
+                       torch.from_numpy(expected["model.embed_tokens.weight"]))
+    if "lm_head.weight" in expected:
+        assert isinstance(model.lm_head, BlockQuantLinear)
+        assert torch.equal(model.lm_head.dequantized_weight(),
+                           torch.from_numpy(expected["lm_head.weight"]))
+    else:
+        assert isinstance(model.lm_head, TiedBlockQuantHead)
 
 
 @torch.no_grad()
@@ -73,7 +94,7 @@ def test_logits_match_the_float_import(imported):
     model = load_model(kept, dtype=torch.float32)
     torch.testing.assert_close(model.logits(ids), ref, rtol=0, atol=1e-5)
     model.prepare_for_inference()
-    assert all(m.kernel is not None for m in model.modules() if isinstance(m, BlockQuantLinear))
+    assert all(m.kernel is not None for m in model.modules() if isinstance(m, QuantLinear))
     err = float((model.logits(ids) - ref).abs().max())
     assert err <= KERNEL_RTOL * float(ref.abs().max()), err / float(ref.abs().max())
 
@@ -102,12 +123,26 @@ def _greedy(eng, prompts, params):
     return [done[i].outputs[0].token_ids for i in ids]
 
 
-def test_other_linear_types_import_as_float(tmp_path):
-    write_tiny_gguf(tmp_path / "q8.gguf", qtype=Q.Q8_0)
-    out = import_gguf(tmp_path / "q8.gguf", tmp_path / "q8", show_progress=False,
+def test_other_linear_types_import_as_float_with_a_note(tmp_path, capsys):
+    write_tiny_gguf(tmp_path / "q5.gguf", qtype=Q.Q4_1, types={"ffn_down": Q.Q5_0})
+    out = import_gguf(tmp_path / "q5.gguf", tmp_path / "q5", show_progress=False,
                       keep_quantized=True)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     assert list(out.glob("*.safetensors"))
+    assert "'blk.0.ffn_down.weight' is Q5_0, which kvslim does not keep quantized; importing " \
+        "every weight as float32" in capsys.readouterr().err
+    write_tiny_gguf(tmp_path / "f32.gguf")                   # a float file: no note
+    import_gguf(tmp_path / "f32.gguf", tmp_path / "f32", show_progress=False, keep_quantized=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_quantized_only_names_the_tensor_and_type(tmp_path):
+    write_tiny_gguf(tmp_path / "f16.gguf", qtype=Q.Q8_0, types={"attn_v": Q.F16})
+    with pytest.raises(ConfigError, match=r"^f16.gguf: tensor 'blk.0.attn_v.weight' is F16, "
+                                          r"which kvslim does not keep quantized"):
+        import_gguf(tmp_path / "f16.gguf", tmp_path / "f16", show_progress=False,
+                    require_quantized=True)
+    assert not (tmp_path / "f16").exists()
 
 
 def test_missing_gguf_file_is_a_clear_error(imported, tmp_path):

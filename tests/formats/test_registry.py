@@ -3,6 +3,7 @@ import importlib.util
 import os
 
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from gguf_files import write_tiny_gguf
 from kvslim.errors import ConfigError
@@ -23,8 +24,8 @@ def fake_import(monkeypatch):
     """Replace the 15 s import with one that writes a marker; records the files imported."""
     calls = []
 
-    def write_marker(gguf_path, out_dir, show_progress=True):
-        calls.append(gguf_path)
+    def write_marker(gguf_path, out_dir, show_progress=True, keep_quantized=False):
+        calls.append((gguf_path, True) if keep_quantized else gguf_path)
         (out_dir / "config.json").write_text("{}")
         return out_dir
 
@@ -43,7 +44,7 @@ def test_default_model_is_imported_once(home, fake_import, smollm2_gguf):
 
 
 def test_interrupted_import_leaves_nothing(home, monkeypatch, smollm2_gguf):
-    def fail_halfway(gguf_path, out_dir, show_progress=True):
+    def fail_halfway(gguf_path, out_dir, show_progress=True, keep_quantized=False):
         (out_dir / "model.safetensors").write_bytes(b"partial")
         raise KeyboardInterrupt
 
@@ -86,3 +87,20 @@ def test_unknown_names_and_files(home, tmp_path):
     with pytest.raises(ConfigError, match="architecture 'gpt2'"):
         resolve_model(str(tmp_path / "gpt2.gguf"), show_progress=False)
     assert os.listdir(home / "models" / "gguf") == []
+
+
+def test_quantized_and_float_imports_are_cached_side_by_side(home, tmp_path):
+    write_tiny_gguf(tmp_path / "tiny.gguf", qtype=Q.Q4_1)
+    dense = resolve_model(tmp_path / "tiny.gguf", show_progress=False)
+    kept = resolve_model(tmp_path / "tiny.gguf", show_progress=False, quantized=True)
+    assert kept == dense.with_name(dense.name + "-quantized")
+    assert ModelConfig.from_dir(kept).quantization.method == "gguf"
+    assert ModelConfig.from_dir(dense).quantization is None
+    assert resolve_model(tmp_path / "tiny.gguf", quantized=True) == kept
+
+
+def test_default_model_quantized_import(home, fake_import, smollm2_gguf):
+    kept = default_model_dir(show_progress=False, quantized=True)
+    assert kept == home / "models" / "SmolLM2-135M-Instruct.Q4_1"
+    assert resolve_model("default", show_progress=False, quantized=True) == kept
+    assert fake_import == [(smollm2_gguf, True)]

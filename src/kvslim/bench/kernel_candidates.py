@@ -140,6 +140,44 @@ def int8_candidates(w: torch.Tensor, compile_: bool) -> list[Candidate]:
     return cands
 
 
+INT8_GROUPS = (32, 16)           # GGUF Q8_0 and Q6_K (layers/int8_group_kernel.py)
+REQUANT_RTOL = 5e-2              # the per-channel requantization's own error, reported as err
+
+
+def int8_group_candidates(w: torch.Tensor, group: int) -> list[Candidate]:
+    """Group-wise int8 weights (one float scale per `group` inputs, as GGUF Q8_0 / Q6_K decode)
+    and the ways to run them; the reference is F.linear over those exact block weights, so the
+    per-channel requantization's err column is the error it adds to the file's own."""
+    out_f, in_f = w.shape
+    g = w.reshape(out_f, -1, group)
+    d = (g.abs().amax(-1) / 127).half().float().clamp(min=1e-8)
+    q = torch.round(g / d[..., None]).clamp(-127, 127).to(torch.int8)
+    w_deq = (q.float() * d[..., None]).reshape(out_f, in_f)
+    ref: Fn = lambda x: F.linear(x, w_deq)                            # noqa: E731
+    fam, nbytes = f"int8-g{group}", q.numel() + d.numel() * 4
+    w_bf16 = w_deq.bfloat16()
+
+    def chunked(x):
+        out = torch.empty(x.shape[0], out_f)
+        for start in range(0, out_f, CHUNK_ROWS):
+            rows = slice(start, min(start + CHUNK_ROWS, out_f))
+            part = (q[rows].float() * d[rows, :, None]).reshape(-1, in_f)
+            torch.mm(x, part.t(), out=out[:, rows])
+        return out
+
+    cands = [Candidate(f"{fam}.dequant_fp32", fam, nbytes, lambda x: F.linear(x, w_deq), ref),
+             Candidate(f"{fam}.dequant_bf16", fam, nbytes,
+                       lambda x: F.linear(x.bfloat16(), w_bf16).float(), ref, rtol=BF16_RTOL),
+             Candidate(f"{fam}.chunked_dequant", fam, nbytes, chunked, ref)]
+    if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        qc, sc = quantize_int8(w_deq)
+        sc16 = sc.bfloat16()
+        cands.append(Candidate(f"{fam}.requant_int8pack_bf16", fam, qc.numel() + sc.numel() * 4,
+                               lambda x: torch.ops.aten._weight_int8pack_mm(
+                                   x.bfloat16(), qc, sc16).float(), ref, rtol=REQUANT_RTOL))
+    return cands
+
+
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
 
@@ -282,6 +320,9 @@ def build_candidates(w: torch.Tensor, groups: tuple[int, ...], compile_: bool,
     for g in fits:
         cands += int4_candidates(w, g, compile_ and g == fits[0])
     cands += w8a8_candidates(w)
+    for g in INT8_GROUPS:
+        if w.shape[1] % g == 0:
+            cands += int8_group_candidates(w, g)
     if torchao and torchao_available():
         cands += torchao_candidates(w, tuple(fits), skipped)
     return cands

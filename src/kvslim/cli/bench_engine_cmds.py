@@ -18,6 +18,12 @@ def _speculative(p) -> None:
                    help="kvslim's speculative decoding, as for generate and serve")
 
 
+def _model_dtype(p) -> None:
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32"),
+                   help="auto: the default model and .gguf files run their quantized import; "
+                        "float32: their float32 import")
+
+
 def _common(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) threads")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -34,6 +40,7 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--kv-cache-memory", default="2GiB")
     _kv_cache_dtype(p)
     _speculative(p)
+    _model_dtype(p)
     _common(p)
     p.set_defaults(func=run_throughput_cmd)
 
@@ -47,6 +54,7 @@ def register_engine_benchmarks(kinds) -> None:
                    help="rounds, engines taking turns in each; tables show medians")
     _kv_cache_dtype(p)
     _speculative(p)
+    _model_dtype(p)
     _common(p)
     p.set_defaults(func=run_latency_cmd)
 
@@ -56,6 +64,7 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--steps", type=int, default=16, help="decode steps profiled per batch")
+    _model_dtype(p)
     _common(p)
     p.set_defaults(func=run_profile_cmd)
 
@@ -99,7 +108,8 @@ def _setup(args):
     from kvslim.formats.registry import resolve_model
     if args.threads:
         torch.set_num_threads(args.threads)
-    return resolve_model(getattr(args, "model", None))
+    return resolve_model(getattr(args, "model", None),
+                         quantized=getattr(args, "dtype", "float32") == "auto")
 
 
 def _emit(args, result, fmt) -> int:

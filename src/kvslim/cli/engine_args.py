@@ -5,7 +5,9 @@ from __future__ import annotations
 def add_engine_args(p, kv_cache_memory: str = "1GiB", max_num_seqs: int = 64) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto "
-                                                   "(float32 on CPU)")
+                                                   "(float32 on CPU; the default model and "
+                                                   ".gguf files run their quantized import, "
+                                                   "any other value their float one)")
     g.add_argument("--device", default="auto", help="cpu, cuda or auto")
     g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"),
                    help="KV-cache storage: auto (the model's dtype), int8 or fp8_e4m3, with a "
@@ -39,7 +41,7 @@ def llm_from_args(args):
     check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model, quantized=args.dtype == "auto")
     print(f"kvslim: loading {model_dir} ...", file=sys.stderr, flush=True)
     return LLM(str(model_dir), dtype=args.dtype, device=args.device,
                kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,

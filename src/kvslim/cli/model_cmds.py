@@ -8,18 +8,21 @@ def register(sub) -> None:
     p = sub.add_parser("import-gguf", help="convert a llama GGUF file to an HF model directory")
     p.add_argument("gguf", metavar="FILE", help="GGUF file (llama architecture)")
     p.add_argument("out", metavar="OUT_DIR", help="output model directory")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32"),
-                   help="auto (default): a file whose linear layers are all Q4_0/Q4_1 keeps "
-                        "them 4-bit (the .gguf goes into OUT_DIR, the layers run the int4 "
-                        "kernel); float32: every tensor dequantized to float32 safetensors")
+    p.add_argument("--dtype", default="auto", choices=("auto", "quantized", "float32"),
+                   help="auto (default): a file whose linear layers are all Q4_0, Q4_1, Q8_0, "
+                        "Q4_K or Q6_K (any mix) keeps them quantized (the .gguf goes into "
+                        "OUT_DIR), else float32 with a note; quantized: the same, but a linear "
+                        "of another type is an error; float32: every tensor dequantized to "
+                        "float32 safetensors")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_import_gguf)
 
     p = sub.add_parser("export-gguf", help="write a model as a llama.cpp / Ollama GGUF file")
     p.add_argument("model", metavar="MODEL", help="model directory, .gguf file or 'default'")
     p.add_argument("out", metavar="FILE", help="output .gguf file")
-    p.add_argument("--dtype", default="f16",
-                   help="tensor type: f32, f16, bf16 or q8_0 (default f16; norms stay f32)")
+    p.add_argument("--dtype", "--outtype", dest="dtype", default="f16",
+                   help="tensor type: f32, f16, bf16, q8_0, q4_0 or q4_1 (default f16; norms "
+                        "stay f32; q4_0/q4_1 keep the token embeddings at q8_0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_export_gguf)
 
@@ -38,9 +41,10 @@ def run_import_gguf(args) -> int:
     from kvslim.formats.gguf_import import import_gguf
     from kvslim.formats.info import model_info
     out = import_gguf(args.gguf, args.out, show_progress=not args.quiet,
-                      keep_quantized=args.dtype == "auto")
+                      keep_quantized=args.dtype == "auto",
+                      require_quantized=args.dtype == "quantized")
     info = model_info(out)
-    kind = "4-bit linears read from the GGUF file" if _gguf_backed(out) else "float32"
+    kind = "quantized linears read from the GGUF file" if _gguf_backed(out) else "float32"
     print(f"wrote {out} ({info.architecture}, {info.num_parameters:,} parameters, {kind})")
     return 0
 

@@ -27,7 +27,10 @@ from kvslim.formats.loader import load_model
 from kvslim.layers.rope import rope_inv_freq
 from kvslim.tokenizer.tokenizer import Tokenizer
 
-EXPORT_DTYPES = ("f32", "f16", "bf16", "q8_0")
+EXPORT_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+# 4-bit exports keep the token embeddings (and an untied output) at Q8_0, as llama.cpp's own
+# Q4_0/Q4_1 files keep them at a higher precision (SmolLM2's Q4_1 file: Q8_0 token_embd).
+EMBEDDING_TENSORS = ("token_embd.weight", "output.weight")
 NORMAL, UNUSED = 1, 5                 # llama.cpp token types (gguf.TokenType)
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -47,6 +50,10 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "f16",
         raise ConfigError(f"unknown GGUF dtype {dtype!r}; choose one of {', '.join(EXPORT_DTYPES)}")
     model_dir, out_path = Path(model_dir), Path(out_path)
     config = ModelConfig.from_dir(model_dir)
+    if config.quantization is not None:
+        raise ConfigError(f"{model_dir} holds quantized weights ({config.quantization.method}); "
+                          "export-gguf writes from float weights: export its float32 import "
+                          "(import-gguf --dtype float32) instead")
     vocab = gguf_vocab(model_dir, config)
     model = load_model(model_dir, dtype=parse_dtype(config.torch_dtype))
     tensors = tensor_plan(model.hf_state_dict(), config, dtype)
@@ -80,7 +87,8 @@ def add_model_metadata(writer, config: ModelConfig, name: str, dtype: str) -> No
     runs such models with full attention, as its own converter does."""
     import gguf
     file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                  "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}
     writer.add_name(name)
     writer.add_file_type(file_types[dtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -240,7 +248,8 @@ class TensorPlan:
 def tensor_plan(state: dict[str, torch.Tensor], config: ModelConfig, dtype: str
                 ) -> list[TensorPlan]:
     from gguf import GGMLQuantizationType as Q
-    target = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[dtype]
+    target = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0,
+              "q4_1": Q.Q4_1}[dtype]
     plan = []
     if (config.rope_scaling or {}).get("rope_type") == "llama3":
         plan.append(TensorPlan("rope_freqs.weight", llama3_rope_factors(config), Q.F32))
@@ -248,8 +257,8 @@ def tensor_plan(state: dict[str, torch.Tensor], config: ModelConfig, dtype: str
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue                   # llama.cpp reuses token_embd when `output` is absent
         name = gguf_tensor_name(hf_name)
-        plan.append(TensorPlan(name, permute_qk(name, value, config),
-                               storage_type(value, target)))
+        kind = Q.Q8_0 if target in (Q.Q4_0, Q.Q4_1) and name in EMBEDDING_TENSORS else target
+        plan.append(TensorPlan(name, permute_qk(name, value, config), storage_type(value, kind)))
     return plan
 
 

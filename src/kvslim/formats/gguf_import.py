@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from tqdm import tqdm
 
 from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig
+from kvslim.formats.gguf_blocks import TYPE_IDS, kept_type
 from kvslim.formats.gguf_file import GGUFFile, dequantize_tensor
 from kvslim.formats.gguf_tokenizer import tokenizer_files, write_tokenizer_files
 from kvslim.formats.writer import save_model
@@ -38,23 +40,32 @@ LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-# Linear layers of these types can stay quantized (formats/gguf_weights.py); others are float.
-BLOCK_TYPES = ("Q4_0", "Q4_1")
+FLOAT_TYPES = ("F32", "F16", "BF16")
 LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool = True,
-                keep_quantized: bool = False) -> Path:
-    """keep_quantized: when every decoder linear is Q4_0 or Q4_1, write config.json and the
-    tokenizer beside the GGUF file itself (hard-linked, else copied) instead of float weights;
-    the loader then reads the linears as 4-bit blocks (formats/gguf_weights.py)."""
+                keep_quantized: bool = False, require_quantized: bool = False) -> Path:
+    """keep_quantized: when every decoder linear is of a type kvslim keeps quantized (Q4_0, Q4_1,
+    Q8_0, Q4_K, Q6_K, any mix), write config.json and the tokenizer beside the GGUF file itself
+    (hard-linked, else copied) instead of float weights; the loader then reads those linears,
+    and the token embeddings and LM head when they are of such a type too, as blocks
+    (formats/gguf_weights.py). A linear of another type makes it a float32 import, with a note on
+    stderr, or, with require_quantized, an error naming the tensor and its type."""
     gguf = GGUFFile.open(gguf_path)
     config = config_from_gguf(gguf)
     tok_files = tokenizer_files(gguf)
     names = {t.name: hf_tensor_name(t.name) for t in gguf.tensors}
-    if keep_quantized and linears_block_quantized(gguf):
+    other = first_unkept_linear(gguf) if keep_quantized or require_quantized else None
+    if other is not None and require_quantized:
+        raise ConfigError(f"{gguf.path.name}: tensor {other[0]!r} is {other[1]}, which kvslim "
+                          f"does not keep quantized (kept: {', '.join(TYPE_IDS)})")
+    if other is not None and other[1] not in FLOAT_TYPES:      # a float file needs no note
+        print(f"note: {gguf.path.name}: tensor {other[0]!r} is {other[1]}, which kvslim does not "
+              "keep quantized; importing every weight as float32", file=sys.stderr)
+    if (keep_quantized or require_quantized) and other is None and _has_linears(gguf):
         out = _write_gguf_backed(gguf, config, Path(out_dir))
     else:
         state = {}
@@ -73,9 +84,22 @@ def is_linear(gguf_name: str) -> bool:
     return m is not None and m.group(2) in LINEAR_PARTS and m.group(3) == "weight"
 
 
-def linears_block_quantized(gguf: GGUFFile) -> bool:
-    types = {t.tensor_type.name for t in gguf.tensors if is_linear(t.name)}
-    return bool(types) and types <= set(BLOCK_TYPES)
+def _has_linears(gguf: GGUFFile) -> bool:
+    return any(is_linear(t.name) for t in gguf.tensors)
+
+
+def first_unkept_linear(gguf: GGUFFile) -> tuple[str, str] | None:
+    """(name, type) of the first decoder linear kvslim cannot keep quantized (F32/F16 count:
+    the block layers hold quantized values only)."""
+    for t in gguf.tensors:
+        if is_linear(t.name) and not kept_type(t.tensor_type.name, int(t.shape[0])):
+            return t.name, t.tensor_type.name
+    return None
+
+
+def _kept(gguf: GGUFFile, name: str) -> bool:
+    return any(t.name == name and kept_type(t.tensor_type.name, int(t.shape[0]))
+               for t in gguf.tensors)
 
 
 def _write_gguf_backed(gguf: GGUFFile, config: ModelConfig, out: Path) -> Path:
@@ -88,6 +112,10 @@ def _write_gguf_backed(gguf: GGUFFile, config: ModelConfig, out: Path) -> Path:
         shutil.copyfile(gguf.path, target)
     cfg = config.replace(torch_dtype="float32").to_hf_dict()
     cfg["quantization_config"] = {"quant_method": "gguf", "file": target.name}
+    if _kept(gguf, "token_embd.weight"):
+        cfg["quantization_config"]["embedding"] = True
+    if _kept(gguf, "output.weight"):
+        cfg["quantization_config"]["lm_head"] = True
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
 

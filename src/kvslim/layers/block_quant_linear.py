@@ -1,15 +1,21 @@
-"""Linear layers holding llama.cpp's 4-bit block weights (Q4_0, Q4_1) as they are stored, so a
-GGUF file's linear layers load without re-quantizing (docs/quantization-formats.md):
+"""Linear layers holding llama.cpp's block-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) in
+one decoded form, so a GGUF file's linear layers load without re-quantizing
+(docs/quantization-formats.md, formats/gguf_blocks.py for the decoding):
 
-    qvalues uint8 [out, in]        4-bit values 0..15, one per byte
-    scales        [out, in / 32]   d of each block of 32 inputs
-    mins          [out, in / 32]   m of each block: Q4_1 stores it, Q4_0's is -8 * d
+    qvalues uint8 [out, in]        the integer of each weight (0..15, 0..63 or 0..255)
+    scales        [out, in / 16]   s of each group of 16 inputs
+    mins          [out, in / 16]   m of each group
+    qtype   int32 [shards]         each shard's GGML type id (formats/gguf_blocks.TYPE_IDS)
 
-w[o, i] = qvalues[o, i] * scales[o, i // 32] + mins[o, i // 32], which is llama.cpp's own
-dequantization (Q4_0: d * (q - 8); Q4_1: d * q + m) in the same float32 arithmetic. Blocks run
-along the input dim, so every tensor is row-major over the outputs: fused layers (q/k/v,
-gate/up) concatenate their shards' rows. `prepare_for_inference` packs the weight for
-`int4_linear` with scale d and the float zero point -m / d (0 where d is 0)."""
+w[o, i] = qvalues[o, i] * scales[o, i // 16] + mins[o, i // 16], llama.cpp's dequantization bit
+for bit. Blocks run along the input dim, so every tensor is row-major over the outputs: fused
+layers (q/k/v, gate/up) concatenate their shards' rows, and each shard keeps its own type (a
+Q4_K_M file stores attn_v as Q6_K beside Q4_K q and k).
+
+`prepare_for_inference` packs each run of 4-bit shards (Q4_0, Q4_1, Q4_K: 32 inputs share s and
+m) for `int4_linear` with scale s and offset m (`pack_int4_offsets`), and each run of 8-bit shards
+(Q8_0, Q6_K) for `int8_group_linear` (layers/int8_group_kernel.py); a layer whose shards are
+all one width runs one kernel."""
 from __future__ import annotations
 
 from functools import partial
@@ -20,16 +26,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvslim.errors import ConfigError
-from kvslim.layers.quant_kernels import pack_int4
+from kvslim.layers.int8_group_kernel import int8_group_linear, pack_int8_group
+from kvslim.layers.quant_kernels import pack_int4_offsets
 from kvslim.layers.quant_linear import QuantLinear, QuantSpec, _int4_forward
 
-BLOCK = 32
-BLOCK_LEAVES = ("qvalues", "scales", "mins", "bias")
+GROUP = 16                  # storage group: Q6_K's sub-block; the others repeat over 32
+INT4_GROUP = 32
+NATIVE_INT4_ROWS = 16
+BLOCK_LEAVES = ("qvalues", "scales", "mins", "qtype", "bias")
+# GGML type ids whose values fit 4 bits (Q4_0, Q4_1, Q4_K) and 8 bits with their zero (Q8_0,
+# Q6_K): formats/gguf_blocks.py names them (tests/formats/test_gguf_blocks.py keeps the two equal).
+FOUR_BIT_TYPES = (2, 3, 12)
+EIGHT_BIT_ZEROS = {8: 128, 14: 32}
 
 
 class BlockQuantLinear(QuantLinear):
-    """A linear layer of 4-bit blocks; shards (named as in QuantQKVLinear and QuantMergedLinear:
-    "q"/"k"/"v", or "gate"/"up" also reachable as 0/1) are stacked along the output."""
+    """A linear layer of decoded GGUF blocks; shards (named as in QuantQKVLinear and
+    QuantMergedLinear: "q"/"k"/"v", or "gate"/"up" also reachable as 0/1) are stacked along the
+    output."""
     LEAVES = BLOCK_LEAVES
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
@@ -37,40 +51,33 @@ class BlockQuantLinear(QuantLinear):
         nn.Module.__init__(self)
         if spec is None:
             raise ValueError("BlockQuantLinear needs a QuantSpec")
-        if in_features % BLOCK:
-            raise ConfigError(f"a 4-bit block layer needs inputs divisible by {BLOCK}, "
+        if in_features % INT4_GROUP:
+            raise ConfigError(f"a GGUF block layer needs inputs divisible by {INT4_GROUP}, "
                               f"got {in_features}")
         self.spec = spec
         self.shard_sizes = dict(shard_sizes or {None: out_features})
         self.in_features, self.out_features = in_features, sum(self.shard_sizes.values())
-        out, blocks = self.out_features, in_features // BLOCK
+        out, groups = self.out_features, in_features // GROUP
         self.register_buffer("qvalues", torch.zeros(out, in_features, dtype=torch.uint8))
-        self.register_buffer("scales", torch.zeros(out, blocks))
-        self.register_buffer("mins", torch.zeros(out, blocks))
+        self.register_buffer("scales", torch.zeros(out, groups))
+        self.register_buffer("mins", torch.zeros(out, groups))
+        self.register_buffer("qtype", torch.zeros(len(self.shard_sizes), dtype=torch.int32))
         self.bias = nn.Parameter(torch.zeros(out)) if bias else None
         self.kernel = None
 
     def dequantized_weight(self) -> torch.Tensor:
         """[out, in] in the scales' dtype."""
-        q = self.qvalues.to(self.scales.dtype).view(self.out_features, -1, BLOCK)
-        w = q * self.scales.unsqueeze(-1) + self.mins.unsqueeze(-1)
-        return w.view(self.out_features, self.in_features)
-
-    def zero_points(self) -> torch.Tensor:
-        """-m / d per block (0 where d is 0: such a block is all m, which is 0 in Q4_0 and, in
-        Q4_1, what llama.cpp's quantizer stores only for an all-zero block)."""
-        d, m = self.scales.float(), self.mins.float()
-        return torch.where(d == 0, torch.zeros_like(d), -m / torch.where(d == 0, 1.0, d))
+        return dequantize_groups(self.qvalues, self.scales, self.mins)
 
     @torch.no_grad()
     def prepare_for_inference(self) -> None:
-        """Pack for `int4_linear` (bfloat16 activations on CPU, see layers/quant_kernels.py)."""
+        """Choose the kernels (see the module docstring); off the CPU, one dense weight."""
         if self.qvalues.device.type != "cpu":
             dense = self.dequantized_weight()
             self.kernel = partial(_dense_forward, weight=dense, bias=self.bias)
             return
-        weight = pack_int4(self.qvalues, self.scales.float(), self.zero_points(), BLOCK)
-        self.kernel = partial(_int4_forward, weight=weight, perm=None, bias=self.bias)
+        self.kernel = block_kernel(self.qvalues, self.scales, self.mins, self.qtype.tolist(),
+                                   list(self.shard_sizes.values()), self.bias)
 
     def shard_key(self, shard_id: Hashable) -> Hashable:
         if isinstance(shard_id, int):
@@ -79,10 +86,72 @@ class BlockQuantLinear(QuantLinear):
 
     def shard_view(self, leaf: str, shard_id: Hashable) -> torch.Tensor:
         """The rows of buffer `leaf` that hold one shard, as a view."""
-        _, rows = self._shard(shard_id)
+        i, rows = self._shard(shard_id)
+        if leaf == "qtype":
+            return self.qtype[i:i + 1]
         return getattr(self, leaf)[rows]
 
 
+def block_kernel(qvalues: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                 qtypes: list[int], sizes: list[int], bias: torch.Tensor | None):
+    """x -> x @ w^T + bias for decoded blocks whose shards (row runs of `sizes`) have GGML types
+    `qtypes`: one kernel per run of shards of one width, concatenated when there are several."""
+    unknown = [t for t in qtypes if t not in (*FOUR_BIT_TYPES, *EIGHT_BIT_ZEROS)]
+    if unknown:
+        raise ConfigError(f"GGUF block weights of unsupported type id {unknown[0]}")
+    zeros = torch.cat([torch.full((n,), EIGHT_BIT_ZEROS.get(t, 0), dtype=torch.int16)
+                       for t, n in zip(qtypes, sizes)])
+    kernels = []
+    for rows, four_bit in _runs(qtypes, sizes):
+        if (rows.stop - rows.start) % NATIVE_INT4_ROWS:
+            # torch's int4 packing needs the outputs in multiples of 16 (a tiny vocabulary's
+            # LM head may not be): dequantized once, exact.
+            dense = dequantize_groups(qvalues[rows], scales[rows], mins[rows])
+            kernels.append(partial(_dense_forward, weight=dense))
+        elif four_bit:
+            weight = pack_int4_offsets(qvalues[rows], scales[rows, ::2].float(),
+                                       mins[rows, ::2].float(), INT4_GROUP)
+            kernels.append(partial(_int4_forward, weight=weight, perm=None))
+        else:
+            values = (qvalues[rows].to(torch.int16) - zeros[rows, None]).to(torch.int8)
+            weight = pack_int8_group(values, scales[rows].float(), GROUP)
+            kernels.append(partial(_int8_group_forward, weight=weight))
+    if len(kernels) == 1:
+        return partial(kernels[0], bias=bias)
+    return partial(_concat_forward, kernels=kernels, bias=bias)
+
+
+def _runs(qtypes: list[int], sizes: list[int]) -> list[tuple[slice, bool]]:
+    """Consecutive shards of one width as (rows, is 4-bit)."""
+    runs: list[tuple[slice, bool]] = []
+    start = 0
+    for qtype, size in zip(qtypes, sizes):
+        four = qtype in FOUR_BIT_TYPES
+        if runs and runs[-1][1] == four:
+            runs[-1] = (slice(runs[-1][0].start, start + size), four)
+        else:
+            runs.append((slice(start, start + size), four))
+        start += size
+    return runs
+
+
+def dequantize_groups(qvalues: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+                      ) -> torch.Tensor:
+    """q * s + m over groups of GROUP inputs: [rows, in] in the scales' dtype."""
+    rows = qvalues.shape[0]
+    q = qvalues.to(scales.dtype).view(rows, -1, GROUP)
+    return (q * scales.unsqueeze(-1) + mins.unsqueeze(-1)).view(rows, -1)
+
+
+def _int8_group_forward(x, weight, bias=None):
+    return int8_group_linear(x, weight, bias)
+
+
+def _concat_forward(x: torch.Tensor, kernels, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.cat([k(x, bias=None) for k in kernels], dim=-1)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
 def _dense_forward(x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight.to(x.dtype), bias)

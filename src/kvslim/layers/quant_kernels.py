@@ -171,6 +171,20 @@ def pack_int4(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return packed
 
 
+def pack_int4_offsets(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                      group_size: int) -> Int4Weight:
+    """The same for w = q * scale + offset (llama.cpp's Q4_1 / Q4_K form): an offset cannot
+    always be written as a zero point, -offset / scale, because a block's scale may be 0
+    (Q4_K sub-block scales are 6-bit integers) while its offset is not."""
+    packed = pack_int4(values, scales, torch.zeros_like(scales), group_size)
+    offsets = offsets.float().contiguous()
+    packed.zeros_x_scales = -offsets
+    if packed.native is not None:
+        packed.native_scales_zeros = torch.stack(
+            (packed.scales, 8 * packed.scales + offsets), dim=-1).transpose(0, 1).contiguous()
+    return packed
+
+
 def int4_linear(x: torch.Tensor, packed: Int4Weight,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = _rows(x, packed.in_features)

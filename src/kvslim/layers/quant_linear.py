@@ -40,6 +40,8 @@ class QuantSpec:
                                        # "compressed-tensors": converted to this layout at load;
                                        # "w8a8": compressed-tensors int-quantized (w8a8_linear.py)
     file: str | None = None            # method "gguf": the file, relative to the model dir
+    embedding: bool = False            # method "gguf": token embeddings (and a tied LM head)
+    lm_head: bool = False              # method "gguf": an untied LM head, quantized in the file
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "QuantSpec":
@@ -49,7 +51,9 @@ class QuantSpec:
             if not isinstance(file, str) or not file:
                 raise ConfigError("config.json: quantization_config quant_method 'gguf' needs "
                                   "'file', the GGUF file's name")
-            return cls(4, 32, sym=False, checkpoint_format="gguf", method="gguf", file=file)
+            return cls(4, 32, sym=False, checkpoint_format="gguf", method="gguf", file=file,
+                       embedding=bool(cfg.get("embedding", False)),
+                       lm_head=bool(cfg.get("lm_head", False)))
         # Other tools' layouts: parsed beside this class, converted to this layout at load.
         if method == "awq":
             from kvslim.layers.awq_config import awq_spec

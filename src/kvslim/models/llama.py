@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from kvslim.attention import DenseAttention
+from kvslim.layers.block_quant_embedding import BlockQuantEmbedding, TiedBlockQuantHead
+from kvslim.layers.block_quant_linear import BlockQuantLinear
 from kvslim.layers.linear import Linear, ShardedLinear, prepare_linears_for_inference
 from kvslim.layers.mlp import SwiGLUMLP
 from kvslim.layers.quant_linear import QuantLinear
@@ -38,7 +40,11 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        quant = config.quantization
+        # A GGUF file's quantized token embeddings stay in their block form.
+        self.embed_tokens = (BlockQuantEmbedding(config.vocab_size, config.hidden_size)
+                             if quant is not None and quant.embedding
+                             else nn.Embedding(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -65,9 +71,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = _lm_head(config, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attn=None, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,6 +149,19 @@ class LlamaForCausalLM(nn.Module):
         """Once the weights are loaded: choose each linear layer's kernel (see
         `prepare_linears_for_inference`). The model is for inference only afterwards."""
         return prepare_linears_for_inference(self)
+
+
+def _lm_head(config: ModelConfig, embed_tokens: nn.Module) -> nn.Module:
+    """Tied to the embeddings (the same tensor, or the same blocks), else its own weight."""
+    quant = config.quantization
+    if config.tie_word_embeddings and isinstance(embed_tokens, BlockQuantEmbedding):
+        return TiedBlockQuantHead(embed_tokens, quant)
+    if not config.tie_word_embeddings and quant is not None and quant.lm_head:
+        return BlockQuantLinear(config.hidden_size, config.vocab_size, False, quant)
+    head = Linear(config.hidden_size, config.vocab_size, bias=False)
+    if config.tie_word_embeddings:
+        head.weight = embed_tokens.weight
+    return head
 
 
 def default_positions(input_ids: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
