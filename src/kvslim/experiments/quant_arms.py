@@ -156,8 +156,11 @@ def plan(group_sizes: list[int]) -> list[Arm]:
                      quantized("gptq", 4, g, act_order=True), group_size=g, method="gptq")]
     arms += [
         Arm("w8a8", "W8A8 (int8 weights and activations)", "w8a8", "kvslim",
-            ("quantize", "{src}", "{dst}", "--method", "w8a8", "--calib", "{calib}",
-             "--calib-samples", "{calib_samples}", "--seq-len", "{seq_len}", "--quiet")),
+            ("quantize", "{src}", "{dst}", "--method", "w8a8", "--quiet")),
+        Arm("w8a8-sq", "W8A8, SmoothQuant alpha 0.5", "w8a8", "kvslim",
+            ("quantize", "{src}", "{dst}", "--method", "w8a8", "--smooth-alpha", "0.5",
+             "--calib", "{calib}", "--calib-samples", "{calib_samples}", "--seq-len",
+             "{seq_len}", "--quiet")),
         Arm("gguf-shipped", "GGUF file kept quantized (shipped file)", "4bit", "kvslim",
             gguf_kept("shipped")),
         Arm("gguf-q4_1", "GGUF Q4_1 kept quantized (llama-quantize)", "4bit", "kvslim",
