@@ -4,8 +4,8 @@ import json
 
 from checkpoints import TOKENIZER_TEXT
 from kvslim.experiments.speculative import SpecExperiment, SpecExperimentConfig, Target
-from kvslim.experiments.speculative_report import (break_even_acceptance, cells, goal_checks,
-                                                   thresholds, write_report)
+from kvslim.experiments.speculative_report import goal_checks, write_report
+from kvslim.experiments.speculative_thresholds import break_even_acceptance, cells
 
 
 def test_break_even_acceptance_solves_the_geometric_sum():
@@ -26,15 +26,19 @@ def test_experiment_runs_and_reports(hf_checkpoints, tmp_path):
                                max_tokens=8, passage_tokens=20, repeats=2)
     exp = SpecExperiment(cfg, show_progress=False)
     exp.run()
-    # plain + 2 proposers x (spec, adaptive), x 2 workloads x 2 batches x 2 repeats
-    assert len(exp.runs) == 5 * 2 * 2 * 2
+    # two phases of (plain + 2 proposers), x 2 workloads x 2 batches x 2 repeats
+    assert len(exp.runs) == 2 * 3 * 2 * 2 * 2
     assert all(r.identical for r in exp.runs)
     self_runs = [r for r in exp.runs if r.proposer == "self" and r.arm == "spec"]
     assert sum(r.accepted_tokens for r in self_runs) > 0
     table = cells(exp.runs)
     assert table[("gqa", "self", "free", 1, "spec")]["acceptance"] > 0.9
-    rows = thresholds(exp, table)
-    assert {r["proposer"] for r in rows} == {"ngram", "self"}
+    measured = exp.thresholds["gqa"]
+    assert set(measured) == {"ngram", "self"}
+    for values in measured.values():         # the adaptive arm ran with what was measured
+        assert values["settings"]["disable_by_batch_size"] in (1, 2)
+        assert 0 <= values["settings"]["backoff_acceptance"] <= 1
+    assert {r.arm for r in exp.runs if r.phase == 2} == {"plain", "adaptive"}
     goals = goal_checks(exp, table)
     assert goals[-1] == ("greedy speculative output identical to plain decoding in every run",
                          True, "all")
@@ -46,4 +50,4 @@ def test_experiment_runs_and_reports(hf_checkpoints, tmp_path):
     assert len(saved["runs"]) == len(exp.runs)
     exp2 = SpecExperiment(cfg, show_progress=False)
     exp2.reload()
-    assert cells(exp2.runs).keys() == table.keys()
+    assert cells(exp2.runs).keys() == table.keys() and exp2.thresholds == exp.thresholds

@@ -22,9 +22,9 @@ def register_speculative(esub) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=4)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--repeats", type=int, default=2)
-    g.add_argument("--adaptive", default='{"disable_by_batch_size": 1, '
-                                         '"backoff_acceptance": 0.3}',
-                   help="speculative options of the adaptive arm (JSON)")
+    g.add_argument("--adaptive", default="{}",
+                   help="speculative options of the adaptive arm over the measured thresholds "
+                        "(JSON), e.g. '{\"backoff_window\": 32}'")
     g.add_argument("--report-only", action="store_true")
     g.add_argument("--threads", type=int)
     g.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -68,8 +68,8 @@ def run_speculative(args) -> int:
 
     from kvslim.errors import KvslimError
     from kvslim.experiments.speculative import SpecExperiment, SpecExperimentConfig
-    from kvslim.experiments.speculative_report import cells, goal_checks, thresholds, \
-        write_report
+    from kvslim.experiments.speculative_report import goal_checks, write_report
+    from kvslim.experiments.speculative_thresholds import cells
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -89,7 +89,7 @@ def run_speculative(args) -> int:
     table = cells(exp.runs)
     checks = goal_checks(exp, table)
     if args.json:
-        print(json.dumps({"report": str(report), "thresholds": thresholds(exp, table),
+        print(json.dumps({"report": str(report), "thresholds": exp.thresholds,
                           "goals": [dict(goal=t, ok=ok, measured=d) for t, ok, d in checks]},
                          indent=1))
         return 0

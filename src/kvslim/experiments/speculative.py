@@ -4,9 +4,11 @@ For each target model and proposer (n-gram prompt lookup, or a draft model), on 
 free generation and an input-grounded one (rewriting or continuing a given passage, editing
 code) — at each batch size: greedy plain decoding and speculative decoding of the same prompts
 in the same run, taking turns in every repeat. Recorded per run: wall time, output tokens,
-draft and accepted tokens; the greedy outputs must be identical. A third arm runs with the
-adaptivity settings (no speculation above a batch size, per-sequence back-off) to check that
-speculation is then never slower. Results go to WORK_DIR/results.json; the report module writes
+draft and accepted tokens; the greedy outputs must be identical. From these runs the adaptivity
+thresholds are measured per proposer (the largest batch where it still wins, and the
+acceptance at which a verification step breaks even at batch 1); a second phase then runs
+plain decoding again beside each proposer with those thresholds on, to check that speculation
+is then never slower. Results go to WORK_DIR/results.json; the report module writes
 docs/speculative.md from them."""
 from __future__ import annotations
 
@@ -59,9 +61,8 @@ class SpecExperimentConfig:
     max_tokens: int = 64
     passage_tokens: int = 120
     repeats: int = 2
-    # The adaptive arm: these settings on top of each proposer's config.
-    adaptive: dict = field(default_factory=lambda: {"disable_by_batch_size": 1,
-                                                    "backoff_acceptance": 0.3})
+    # The adaptive arm: the measured thresholds, then these settings over them.
+    adaptive: dict = field(default_factory=dict)
     seed: int = 0
 
 
@@ -73,6 +74,7 @@ class Run:
     batch: int
     arm: str                           # "plain", "spec" or "adaptive"
     repeat: int
+    phase: int                         # 1: plain and spec; 2: plain and adaptive
     seconds: float
     output_tokens: int
     draft_tokens: int = 0
@@ -120,6 +122,7 @@ class SpecExperiment:
         self.work = Path(cfg.work_dir)
         self.show_progress = show_progress
         self.runs: list[Run] = []
+        self.thresholds: dict[str, dict[str, dict]] = {}     # target -> proposer -> values
 
     @property
     def results_path(self) -> Path:
@@ -129,18 +132,20 @@ class SpecExperiment:
         if self.results_path.exists():
             data = json.loads(self.results_path.read_text())
             self.runs = [Run(**r) for r in data["runs"]]
+            self.thresholds = data.get("thresholds", {})
 
     def _save(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
         self.results_path.write_text(json.dumps(
-            {"config": _config_dict(self.cfg), "runs": [asdict(r) for r in self.runs]},
+            {"config": _config_dict(self.cfg), "thresholds": self.thresholds,
+             "runs": [asdict(r) for r in self.runs]},
             indent=1) + "\n")
 
     def run(self) -> None:
         from tqdm import tqdm
         cfg = self.cfg
         text = Path(cfg.test_text).read_text(encoding="utf-8")
-        total = sum(len(t.proposers) * 2 + 1 for t in cfg.targets) * len(WORKLOADS) \
+        total = sum(len(t.proposers) + 1 for t in cfg.targets) * 2 * len(WORKLOADS) \
             * len(cfg.batch_sizes) * cfg.repeats
         self.runs = []
         with tqdm(total=total, desc="speculative", unit="run",
@@ -149,27 +154,41 @@ class SpecExperiment:
                 self._run_target(target, text, bar)
         self._save()
 
-    def _engines(self, target: Target) -> dict[tuple[str, str], LLM]:
+    def _engines(self, target: Target, specs: dict[str, dict], arm: str
+                 ) -> dict[tuple[str, str], LLM]:
         """(proposer, arm) -> an engine; ("plain", "plain") is the baseline."""
         cfg = self.cfg
         kwargs = dict(dtype="float32", max_num_seqs=max(cfg.batch_sizes),
                       kv_cache_memory="1GiB", enable_prefix_caching=False, seed=cfg.seed)
         engines = {("plain", "plain"): LLM(target.model, **kwargs)}
-        for label, spec in target.proposers.items():
-            engines[(label, "spec")] = LLM(target.model, speculative=spec, **kwargs)
-            engines[(label, "adaptive")] = LLM(target.model, speculative={**spec, **cfg.adaptive},
-                                               **kwargs)
+        for label, spec in specs.items():
+            engines[(label, arm)] = LLM(target.model, speculative=spec, **kwargs)
         for llm in engines.values():             # warm-up: first-call costs out of the runs
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0),
                          use_tqdm=False)
         return engines
 
     def _run_target(self, target: Target, text: str, bar) -> None:
+        from kvslim.experiments.speculative_thresholds import adaptive_settings
+        prompts = None
+        for phase, arm in ((1, "spec"), (2, "adaptive")):
+            specs = dict(target.proposers)
+            if phase == 2:
+                self.thresholds[target.name] = adaptive_settings(self, target)
+                specs = {label: {**spec, **self.thresholds[target.name][label]["settings"],
+                                 **self.cfg.adaptive} for label, spec in specs.items()}
+            engines = self._engines(target, specs, arm)
+            if prompts is None:
+                tokenizer = engines[("plain", "plain")].tokenizer
+                prompts = {w: workload_prompts(target, tokenizer, w, text,
+                                               max(self.cfg.batch_sizes),
+                                               self.cfg.passage_tokens, self.cfg.seed)
+                           for w in WORKLOADS}
+            self._rounds(target, engines, prompts, phase, bar)
+            del engines
+
+    def _rounds(self, target: Target, engines: dict, prompts: dict, phase: int, bar) -> None:
         cfg = self.cfg
-        engines = self._engines(target)
-        tokenizer = engines[("plain", "plain")].tokenizer
-        prompts = {w: workload_prompts(target, tokenizer, w, text, max(cfg.batch_sizes),
-                                       cfg.passage_tokens, cfg.seed) for w in WORKLOADS}
         params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0)
         for repeat in range(cfg.repeats):
             for workload in WORKLOADS:
@@ -179,7 +198,7 @@ class SpecExperiment:
                         run, tokens = _timed(llm, prompts[workload][:batch], params)
                         reference = tokens if reference is None else reference
                         self.runs.append(Run(target.name, label, workload, batch, arm, repeat,
-                                             identical=tokens == reference, **run))
+                                             phase, identical=tokens == reference, **run))
                         bar.update(1)
                     self._save()
 

@@ -2,82 +2,12 @@
 the measured thresholds for adaptivity, goal lines and a plot of speedup vs batch size."""
 from __future__ import annotations
 
-import statistics
-from collections import defaultdict
 from pathlib import Path
 
-from kvslim.experiments.speculative import WORKLOADS, Run, SpecExperiment
+from kvslim.experiments.speculative import WORKLOADS, SpecExperiment
+from kvslim.experiments.speculative_thresholds import cells
 
 NOISE = 0.95        # "never slower" allows this much: repeated plain runs differ by about it
-
-
-def _median_tps(runs: list[Run]) -> float:
-    return statistics.median(r.tokens_per_s for r in runs)
-
-
-def cells(runs: list[Run]) -> dict[tuple, dict]:
-    """(target, proposer, workload, batch, arm) -> median tokens/s, speedup over plain in the
-    same repeats, acceptance, tokens per verification, whether outputs matched."""
-    groups: dict[tuple, list[Run]] = defaultdict(list)
-    for r in runs:
-        groups[(r.target, r.proposer, r.workload, r.batch, r.arm)].append(r)
-    out = {}
-    for key, group in groups.items():
-        target, _, workload, batch, _ = key
-        plain = groups[(target, "plain", workload, batch, "plain")]
-        speedups = [g.tokens_per_s / p.tokens_per_s for g, p in zip(
-            sorted(group, key=lambda r: r.repeat), sorted(plain, key=lambda r: r.repeat))]
-        drafts = sum(r.draft_tokens for r in group)
-        verifications = sum(r.verifications for r in group)
-        out[key] = dict(
-            tokens_per_s=_median_tps(group), speedup=statistics.median(speedups),
-            speedup_min=min(speedups), speedup_max=max(speedups),
-            acceptance=sum(r.accepted_tokens for r in group) / drafts if drafts else None,
-            tokens_per_verification=(1 + sum(r.accepted_tokens for r in group) / verifications
-                                     if verifications else None),
-            identical=all(r.identical for r in group),
-            seconds_per_step=statistics.median(r.seconds / r.steps for r in group if r.steps))
-    return out
-
-
-def break_even_acceptance(cost_ratio: float, k: int) -> float | None:
-    """Per-token acceptance a at which a verification step yields `cost_ratio` tokens, with
-    independent acceptances: (1 - a^(k+1)) / (1 - a) = cost_ratio. None if unreachable."""
-    if cost_ratio <= 1:
-        return 0.0
-    if cost_ratio >= k + 1:
-        return None
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        a = (lo + hi) / 2
-        if sum(a ** i for i in range(k + 1)) < cost_ratio:
-            lo = a
-        else:
-            hi = a
-    return (lo + hi) / 2
-
-
-def thresholds(exp: SpecExperiment, table: dict) -> list[dict]:
-    """Per target and proposer: the largest batch where speculation still wins on every
-    workload (-> disable_by_batch_size), and the break-even acceptance at batch 1 from the
-    measured step costs (-> backoff_acceptance)."""
-    rows = []
-    for target in exp.cfg.targets:
-        for label, spec in target.proposers.items():
-            k = spec.get("num_speculative_tokens", 3)
-            wins = [b for b in sorted(exp.cfg.batch_sizes)
-                    if all(table.get((target.name, label, w, b, "spec"), {}).get("speedup", 0)
-                           >= 1 for w in WORKLOADS)]
-            ratios = [table[(target.name, label, w, 1, "spec")]["seconds_per_step"]
-                      / table[(target.name, "plain", w, 1, "plain")]["seconds_per_step"]
-                      for w in WORKLOADS if (target.name, label, w, 1, "spec") in table]
-            cost = statistics.median(ratios) if ratios else None
-            rows.append(dict(target=target.name, proposer=label, k=k,
-                             largest_winning_batch=max(wins) if wins else None,
-                             step_cost_ratio=cost,
-                             break_even_acceptance=None if cost is None
-                             else break_even_acceptance(cost, k)))
-    return rows
 
 
 def goal_checks(exp: SpecExperiment, table: dict) -> list[tuple[str, bool, str]]:
@@ -133,14 +63,18 @@ def speedup_table(exp: SpecExperiment, table: dict) -> str:
     return "\n".join(lines)
 
 
-def threshold_table(rows: list[dict]) -> str:
-    lines = ["| target | proposer | k | largest batch where it wins (every workload) | "
-             "verify step / plain step at batch 1 | break-even acceptance per draft token |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['target']} | {r['proposer']} | {r['k']} | "
-                     f"{_fmt(r['largest_winning_batch'], 'd', 'none')} | "
-                     f"{_fmt(r['step_cost_ratio'])} | {_fmt(r['break_even_acceptance'])} |")
+def threshold_table(exp: SpecExperiment) -> str:
+    lines = ["| target | proposer | k | largest batch where it wins (some workload) | "
+             "verify step / plain step at batch 1 | break-even acceptance per draft token | "
+             "adaptive settings used |", "|---|---|---|---|---|---|---|"]
+    for target, proposers in exp.thresholds.items():
+        for label, r in proposers.items():
+            settings = ", ".join(f"{k}={v}" for k, v in r["settings"].items())
+            lines.append(f"| {target} | {label} | {r['k']} | "
+                         f"{_fmt(r['largest_winning_batch'], 'd', 'none')} | "
+                         f"{_fmt(r['step_cost_ratio'])} | "
+                         f"{_fmt(r['break_even_acceptance'], '.3f', 'unreachable')} | "
+                         f"{settings} |")
     return "\n".join(lines)
 
 
@@ -173,7 +107,6 @@ def plot(exp: SpecExperiment, table: dict, path: Path) -> Path:
 
 def write_report(exp: SpecExperiment, report: Path, command: str, machine: str) -> Path:
     table = cells(exp.runs)
-    rows = thresholds(exp, table)
     image = plot(exp, table, report.parent / "img" / "speculative_speedup.png")
     goals = "\n".join(f"- {'PASS' if ok else 'FAIL'}: {text} — {detail}"
                       for text, ok, detail in goal_checks(exp, table))
@@ -183,7 +116,9 @@ def write_report(exp: SpecExperiment, report: Path, command: str, machine: str) 
 
 Written by `{command}` on {machine}. Greedy decoding of the same prompts with and without
 speculation, {cfg.max_tokens} new tokens at most, {cfg.repeats} repeats taking turns (tables:
-medians; the speedup's min–max over repeats shows the noise). Adaptive arm: {cfg.adaptive}.
+medians; the speedup's min–max over repeats shows the noise). The adaptive arm runs in a second
+phase, beside plain decoding again, with each proposer's thresholds measured in the first
+(table below){f" and these settings over them: {cfg.adaptive}" if cfg.adaptive else ""}.
 Workloads: free generation (chat questions; passage openings for a base model) and
 input-grounded (rewrite a passage or edit code; for a base model, continue a passage it has
 just read). Raw runs: `{exp.results_path}` (not committed).
@@ -202,8 +137,11 @@ just read). Raw runs: `{exp.results_path}` (not committed).
 
 A verification step scores k + 1 tokens per sequence; where it costs c plain steps, it pays
 off once it yields c tokens, i.e. above the break-even acceptance per draft token (independent
-acceptances: 1 + a + … + a^k = c).
+acceptances: 1 + a + … + a^k = c). The adaptive arm sets `disable_by_batch_size` to the largest
+batch size measured where the proposer still won on some workload (1 if none) and
+`backoff_acceptance` to the break-even acceptance (window {cfg.adaptive.get("backoff_window", 16)}
+drafted tokens, then {cfg.adaptive.get("backoff_steps", 16)} steps without proposals).
 
-{threshold_table(rows)}
+{threshold_table(exp)}
 """)
     return report
