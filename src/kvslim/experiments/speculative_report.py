@@ -64,7 +64,7 @@ def speedup_table(exp: SpecExperiment, table: dict) -> str:
 
 
 def threshold_table(exp: SpecExperiment) -> str:
-    lines = ["| target | proposer | k | largest batch where it wins (some workload) | "
+    lines = ["| target | proposer | k | largest batch where it wins (every workload) | "
              "verify step / plain step at batch 1 | break-even acceptance per draft token | "
              "adaptive settings used |", "|---|---|---|---|---|---|---|"]
     for target, proposers in exp.thresholds.items():
@@ -138,9 +138,10 @@ just read). Raw runs: `{exp.results_path}` (not committed).
 A verification step scores k + 1 tokens per sequence; where it costs c plain steps, it pays
 off once it yields c tokens, i.e. above the break-even acceptance per draft token (independent
 acceptances: 1 + a + … + a^k = c). The adaptive arm sets `disable_by_batch_size` to the largest
-batch size measured where the proposer still won on some workload (1 if none) and
-`backoff_acceptance` to the break-even acceptance (window {cfg.adaptive.get("backoff_window", 16)}
-drafted tokens, then {cfg.adaptive.get("backoff_steps", 16)} steps without proposals).
+batch size measured where the proposer still won on every workload (1 if none) and
+`backoff_acceptance` to the break-even acceptance (window {cfg.adaptive.get("backoff_window", 8)}
+drafted tokens, then {cfg.adaptive.get("backoff_steps", 16)} steps without proposals, doubling
+while windows stay below it).
 
 {threshold_table(exp)}
 """)

@@ -2,7 +2,7 @@
 thresholds each proposer gets measured, not guessed:
 
 - `disable_by_batch_size`: the largest batch size measured at which speculation still won on
-  some workload (1 when it won nowhere: then only the per-sequence back-off decides);
+  every workload (1 when there is none: then only the per-sequence back-off decides);
 - `backoff_acceptance`: the acceptance per draft token at which a verification step yields as
   many tokens as it costs plain steps, from the step times measured at batch 1."""
 from __future__ import annotations
@@ -66,7 +66,7 @@ def adaptive_settings(exp, target) -> dict[str, dict]:
     for label, spec in target.proposers.items():
         k = spec.get("num_speculative_tokens", 3)
         wins = [b for b in sorted(exp.cfg.batch_sizes)
-                if any(table.get((target.name, label, w, b, "spec"), {}).get("speedup", 0) >= 1
+                if all(table.get((target.name, label, w, b, "spec"), {}).get("speedup", 0) >= 1
                        for w in WORKLOADS)]
         ratios = [table[(target.name, label, w, 1, "spec")]["seconds_per_step"]
                   / table[(target.name, "plain", w, 1, "plain")]["seconds_per_step"]

@@ -21,10 +21,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4               # and the longest, tried first
     # No speculation in a step with more running sequences than this (None: always speculate).
     disable_by_batch_size: int | None = None
-    # Per sequence: after `backoff_window` verified drafts with acceptance below
-    # `backoff_acceptance`, the sequence stops proposing for `backoff_steps` steps.
+    # Per sequence: after `backoff_window` drafted tokens with acceptance below
+    # `backoff_acceptance` (0: never), the sequence stops proposing for `backoff_steps` steps,
+    # doubling after each further such window in a row.
     backoff_acceptance: float = 0.0
-    backoff_window: int = 16
+    backoff_window: int = 8
     backoff_steps: int = 16
 
     def __post_init__(self) -> None:

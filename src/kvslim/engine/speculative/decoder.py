@@ -14,6 +14,9 @@ from kvslim.engine.speculative.ngram import NgramProposer
 from kvslim.errors import KvslimError
 
 
+MAX_DOUBLINGS = 10
+
+
 @dataclass
 class SpecDecodeStats:
     num_verifications: int = 0           # (sequence, step) pairs that verified drafts
@@ -45,6 +48,7 @@ class _Backoff:
     drafted: int = 0
     accepted: int = 0
     resume_at_step: int = 0
+    pauses: int = 0                      # low-acceptance windows in a row
 
 
 class SpeculativeDecoder:
@@ -103,7 +107,9 @@ class SpeculativeDecoder:
 
     def _update_backoff(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A sequence whose acceptance over the last `backoff_window` drafted tokens is below
-        `backoff_acceptance` stops proposing for `backoff_steps` steps."""
+        `backoff_acceptance` stops proposing for `backoff_steps` steps, twice as long after
+        each further such window in a row (a proposer that never helps costs one probing
+        window per doubling, not one per pause)."""
         cfg = self.config
         if cfg.backoff_acceptance <= 0:
             return
@@ -112,7 +118,11 @@ class SpeculativeDecoder:
         b.accepted += accepted
         if b.drafted >= cfg.backoff_window:
             if b.accepted < cfg.backoff_acceptance * b.drafted:
-                b.resume_at_step = self._step + cfg.backoff_steps + 1
+                pause = cfg.backoff_steps * 2 ** min(b.pauses, MAX_DOUBLINGS)
+                b.resume_at_step = self._step + pause + 1
+                b.pauses += 1
+            else:
+                b.pauses = 0
             b.drafted = b.accepted = 0
 
     def release(self, seq_ids: list[int]) -> None:
