@@ -84,14 +84,16 @@ def plot(exp: SpecExperiment, table: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
     targets = exp.cfg.targets
     fig, axes = plt.subplots(1, len(targets), figsize=(6 * len(targets), 4), squeeze=False)
+    colors = plt.get_cmap("tab10").colors
     for ax, target in zip(axes[0], targets):
-        for label in target.proposers:
-            for w in WORKLOADS:
-                for arm, style in (("spec", "-o"), ("adaptive", "--x")):
+        for i, label in enumerate(target.proposers):       # colour: proposer
+            for w, marker in zip(WORKLOADS, "os"):            # marker: workload
+                for arm, line in (("spec", "-"), ("adaptive", ":")):
                     pts = [(b, table[(target.name, label, w, b, arm)]["speedup"])
                            for b in exp.cfg.batch_sizes if (target.name, label, w, b, arm) in table]
                     if pts:
-                        ax.plot(*zip(*pts), style, label=f"{label}, {w}, {arm}")
+                        ax.plot(*zip(*pts), line, marker=marker, color=colors[i % 10],
+                                label=f"{label}, {w}, {arm}")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size (concurrent sequences)")
