@@ -76,7 +76,7 @@ class LLMEngine:
             from kvslim.formats.registry import resolve_model
             draft = DraftModelProposer(resolve_model(spec.model), self.config,
                                        self.runner.num_blocks, self.max_model_len,
-                                       self.model_config.vocab_size)
+                                       self.model_config.vocab_size, self.eos_token_ids)
         return SpeculativeDecoder(spec, draft)
 
     def _max_model_len(self) -> int:

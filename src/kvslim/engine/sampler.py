@@ -139,24 +139,12 @@ class Sampler:
                             ) -> None:
         """Bias, penalties and the min_tokens ban for each row as if the drafts before it had
         been sampled: the distributions plain decoding would have used."""
-        p = seq.params
-        if p.logit_bias:
-            logits[:, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()),
-                                                          device=self.device)
-        if p.uses_penalties:
+        state = None
+        if seq.params.uses_penalties:
             if seq.seq_id not in self.penalties:
                 self.penalties[seq.seq_id] = PenaltyState(seq, self.vocab_size, self.device)
             state = self.penalties[seq.seq_id]
-            seen, counts = state.seen.clone(), state.output_counts.clone()
-            for i in range(len(logits)):
-                logits[i] = penalize(logits[i:i + 1], seen[None], counts[None], [p])[0]
-                if i < len(drafts):
-                    seen[drafts[i]] = True
-                    counts[drafts[i]] += 1
-        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-        for i in range(len(logits)):
-            if seq.num_output_tokens + i < p.min_tokens and banned:
-                logits[i, banned] = float("-inf")
+        process_rows(logits, seq, drafts, state, self.eos_token_ids)
 
     # ---- drawing -------------------------------------------------------------------------
     def _draw(self, logits: torch.Tensor, samples: list[tuple[Sequence, int]]) -> torch.Tensor:
@@ -198,6 +186,29 @@ class Sampler:
             values, ids = logprobs[row].topk(n)
             top = list(zip(ids.tolist(), values.tolist()))
         return TokenLogprob(token, float(logprobs[row, token]), top)
+
+
+def process_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int],
+                 state: PenaltyState | None, eos_token_ids: list[int]) -> None:
+    """In place, for rows 0..k of one sequence (row i after drafts[:i]): logit_bias, the
+    penalties from `state` (the sequence's tokens so far) plus the drafts before each row, and
+    the stop-token ban while min_tokens is not reached. Used by verification and by a draft
+    model, so that p and q are processed alike."""
+    p = seq.params
+    if p.logit_bias:
+        logits[:, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()),
+                                                      device=logits.device)
+    if p.uses_penalties and state is not None:
+        seen, counts = state.seen.clone(), state.output_counts.clone()
+        for i in range(len(logits)):
+            logits[i] = penalize(logits[i:i + 1], seen[None], counts[None], [p])[0]
+            if i < len(drafts):
+                seen[drafts[i]] = True
+                counts[drafts[i]] += 1
+    banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+    for i in range(len(logits)):
+        if seq.num_output_tokens + i < p.min_tokens and banned:
+            logits[i, banned] = float("-inf")
 
 
 def penalize(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, params) -> torch.Tensor:

@@ -17,7 +17,7 @@ from kvslim.device import resolve_device
 from kvslim.engine.block_manager import BlockManager
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.model_runner import ModelRunner, kv_block_bytes
-from kvslim.engine.sampler import filter_probs
+from kvslim.engine.sampler import PenaltyState, filter_probs, process_rows
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvslim.engine.sequence import Sequence
 from kvslim.engine.speculative.config import MAX_SPECULATIVE_TOKENS
@@ -30,7 +30,7 @@ Drafts = dict[int, tuple[list[int], torch.Tensor]]      # seq_id -> (tokens, q [
 
 class DraftModelProposer:
     def __init__(self, model_dir, engine_config: EngineConfig, target_num_blocks: int,
-                 max_model_len: int, target_vocab_size: int):
+                 max_model_len: int, target_vocab_size: int, eos_token_ids=()):
         vocab = ModelConfig.from_dir(model_dir).vocab_size
         if vocab != target_vocab_size:
             raise KvslimError(f"the draft model's vocabulary ({vocab} tokens) differs from the "
@@ -49,6 +49,9 @@ class DraftModelProposer:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           enable_prefix_caching=False)
         self.mirrors: dict[int, Sequence] = {}
+        # q is processed as the target's p is (bias, penalties, min_tokens), so drafts stay
+        # likely under the request's own sampling rules.
+        self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator(device=param.device).manual_seed(config.seed + 1)
 
     @property
@@ -87,6 +90,9 @@ class DraftModelProposer:
         drawn = {}
         for entry, row_logits in zip(ordered, logits):
             mirror, p = entry.seq, entry.seq.params
+            state = (PenaltyState(mirror, len(row_logits), row_logits.device)
+                     if p.uses_penalties else None)
+            process_rows(row_logits[None], mirror, [], state, self.eos_token_ids)
             if p.greedy:
                 q = torch.zeros_like(row_logits)
                 q[int(row_logits.argmax())] = 1.0
@@ -104,7 +110,8 @@ class DraftModelProposer:
         mirror = self.mirrors.get(seq.seq_id)
         if mirror is None:
             mirror = Sequence(request_id=seq.request_id, token_ids=list(seq.token_ids),
-                              params=seq.params, block_size=seq.block_size)
+                              params=seq.params, block_size=seq.block_size,
+                              num_prompt_tokens=seq.num_prompt_tokens)
             self.mirrors[seq.seq_id] = mirror
             return mirror
         # Only the drafted tail can differ: the tokens before it were the target's own. The
