@@ -46,3 +46,16 @@ def test_no_back_off_when_the_threshold_is_zero():
     for _ in range(4):
         assert _steps_until_proposal(dec, seq) == 0
         dec.record(seq, seq.spec_token_ids, ["own"])
+
+
+def test_new_sequences_inherit_the_engine_wide_back_off():
+    dec = SpeculativeDecoder(SpeculativeConfig(num_speculative_tokens=2, backoff_acceptance=0.5,
+                                               backoff_window=2, backoff_steps=3))
+    first = _generating()
+    assert _steps_until_proposal(dec, first) == 0
+    dec.record(first, first.spec_token_ids, ["own"])          # a window with nothing accepted
+    late = _generating()
+    assert _steps_until_proposal(dec, late) == 3               # waits without probing first
+    dec.record(late, late.spec_token_ids, ["draft", "draft", "own"])   # engine-wide recovers
+    fresh = _generating()
+    assert _steps_until_proposal(dec, fresh) == 0

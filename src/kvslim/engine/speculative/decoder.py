@@ -63,6 +63,7 @@ class SpeculativeDecoder:
         self.stats = SpecDecodeStats(drafted_per_position=[0] * k, accepted_per_position=[0] * k)
         self.draft_probs: dict[int, torch.Tensor] = {}      # seq_id -> q of its drafts
         self._backoff: dict[int, _Backoff] = {}
+        self._engine_wide = _Backoff()       # the same windows over every sequence's drafts
         self._step = 0
 
     def propose(self, running: list[Sequence]) -> None:
@@ -90,7 +91,15 @@ class SpeculativeDecoder:
         if seq.num_uncomputed_tokens != 1 or seq.fork_pending:
             return False
         backoff = self._backoff.get(seq.seq_id)
+        if backoff is None and self._engine_wide.pauses:
+            # A new sequence starts where the proposer stands engine-wide: when it has not
+            # been paying off, it waits instead of spending its own probing window first.
+            backoff = self._backoff[seq.seq_id] = _Backoff(pauses=self._engine_wide.pauses)
+            backoff.resume_at_step = self._step + self._pause(backoff.pauses - 1)
         return backoff is None or backoff.resume_at_step <= self._step
+
+    def _pause(self, pauses_before: int) -> int:
+        return self.config.backoff_steps * 2 ** min(pauses_before, MAX_DOUBLINGS)
 
     def record(self, seq: Sequence, drafts: list[int], results: list) -> None:
         """One sequence's verification: its drafts and the tokens the target returned (the
@@ -113,13 +122,13 @@ class SpeculativeDecoder:
         cfg = self.config
         if cfg.backoff_acceptance <= 0:
             return
-        b = self._backoff.setdefault(seq.seq_id, _Backoff())
-        b.drafted += drafted
-        b.accepted += accepted
-        if b.drafted >= cfg.backoff_window:
+        for b in (self._backoff.setdefault(seq.seq_id, _Backoff()), self._engine_wide):
+            b.drafted += drafted
+            b.accepted += accepted
+            if b.drafted < cfg.backoff_window:
+                continue
             if b.accepted < cfg.backoff_acceptance * b.drafted:
-                pause = cfg.backoff_steps * 2 ** min(b.pauses, MAX_DOUBLINGS)
-                b.resume_at_step = self._step + pause + 1
+                b.resume_at_step = self._step + self._pause(b.pauses) + 1
                 b.pauses += 1
             else:
                 b.pauses = 0
