@@ -172,7 +172,9 @@ class SpecExperiment:
         from kvslim.experiments.speculative_thresholds import adaptive_settings
         prompts = None
         for phase, arm in ((1, "spec"), (2, "adaptive")):
-            specs = dict(target.proposers)
+            # Phase 1 measures speculation itself: no adaptivity, whatever the defaults.
+            specs = {label: {**spec, "disable_by_batch_size": None, "backoff_acceptance": 0.0}
+                     for label, spec in target.proposers.items()}
             if phase == 2:
                 self.thresholds[target.name] = adaptive_settings(self, target)
                 specs = {label: {**spec, **self.thresholds[target.name][label]["settings"],

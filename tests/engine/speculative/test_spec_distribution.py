@@ -60,7 +60,8 @@ def near_copy(hf_checkpoints, tmp_path_factory):
 
 
 def _speculating(hf_checkpoints, draft):
-    spec = {"method": "draft", "model": str(draft), "num_speculative_tokens": 2}
+    spec = {"method": "draft", "model": str(draft), "num_speculative_tokens": 2,
+            "disable_by_batch_size": None}
     return engine(hf_checkpoints["gqa"], max_num_seqs=64, speculative=spec)
 
 

@@ -12,6 +12,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10] * 4, list(range(40, 60)) + list(range(40, 50)), [
 
 
 def spec(k: int, draft=None, **extra) -> dict:
+    """Speculation at every batch size (the default stops above one sequence)."""
+    extra.setdefault("disable_by_batch_size", None)
     if draft is not None:
         return dict(method="draft", model=str(draft), num_speculative_tokens=k, **extra)
     return dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1,

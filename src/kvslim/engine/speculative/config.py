@@ -19,8 +19,10 @@ class SpeculativeConfig:
     model: str | None = None                 # method "draft": the draft model (dir or name)
     prompt_lookup_min: int = 1               # method "ngram": shortest suffix that may match
     prompt_lookup_max: int = 4               # and the longest, tried first
-    # No speculation in a step with more running sequences than this (None: always speculate).
-    disable_by_batch_size: int | None = None
+    # No speculation in a step with more running sequences than this (None: always). The
+    # default is measured (`kvslim experiment speculative`, docs/speculative.md): on the CPUs
+    # measured every proposer lost from 8 concurrent sequences on; measure on a GPU.
+    disable_by_batch_size: int | None = 1
     # Per sequence: after `backoff_window` drafted tokens with acceptance below
     # `backoff_acceptance` (0: never), the sequence stops proposing for `backoff_steps` steps,
     # doubling after each further such window in a row.
