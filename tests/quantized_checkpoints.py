@@ -60,6 +60,20 @@ def rewrite(path: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torc
     save_file(edit(tensors), path / "model.safetensors", metadata={"format": "pt"})
 
 
+def max_logit_error(path: Path, float_dir: Path) -> float:
+    """Largest |logit| difference between kvslim's load of the quantized checkpoint and HF
+    transformers' float twin, on a fixed batch of token ids."""
+    from transformers import AutoModelForCausalLM
+
+    from kvslim.formats.loader import load_model
+    ids = torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(1))
+    hf = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = load_model(path, dtype=torch.float32).logits(ids)
+    return (got - ref).abs().max().item()
+
+
 def greedy_matches_float_model(path: Path, float_dir: Path, prompt: list[int],
                                max_tokens: int = 12, rtol: float = 3e-2) -> list[int]:
     """Generate greedily through the engine (LLM) and check every token against the float

@@ -1,7 +1,5 @@
 """The GPTQ checkpoint layout: packing round trips, and a checkpoint packed here by hand from the
 layout's rules (not by kvslim's writer) loads to the weights it encodes."""
-import json
-import shutil
 
 import numpy as np
 import pytest
@@ -12,6 +10,7 @@ from kvslim.errors import WeightsError
 from kvslim.formats.gptq import QuantizedWeight, pack_gptq, unpack_gptq
 from kvslim.formats.loader import load_model
 from kvslim.layers.quant_linear import QuantSpec, pack_int32, unpack_int32
+from quantized_checkpoints import max_logit_error, write_quantized_checkpoint
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -107,27 +106,12 @@ def write_quantized(src, dst, bits, group, fmt, act_order):
     """dst: src's checkpoint with every decoder projection replaced by random GPTQ tensors;
     dst_float: the same model with those projections dequantized. Returns both paths and the
     expected weights by HF name."""
-    gen = torch.Generator().manual_seed(bits)
-    float_dir = dst.parent / (dst.name + "_float")
-    for d in (dst, float_dir):
-        shutil.copytree(src, d)
-    tensors = load_file(src / "model.safetensors")
-    quant, floats, expected = {}, dict(tensors), {}
-    for name, t in tensors.items():
-        prefix, _, leaf = name.rpartition(".")
-        if prefix.rpartition(".")[2] in PROJ and leaf == "weight":
-            w = random_weight(*t.shape, bits, group, act_order, gen, min_zero=1)
-            quant.update({f"{prefix}.{k}": v for k, v in hand_tensors(w, bits, fmt).items()})
-            floats[name] = expected[name] = expected_weight(w)
-        else:
-            quant[name] = t
-    save_file(quant, dst / "model.safetensors", metadata={"format": "pt"})
-    save_file(floats, float_dir / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group,
-                                  "desc_act": act_order, "sym": False, "checkpoint_format": fmt}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst, float_dir, expected
+    def make_layer(out_f, in_f, gen):
+        w = random_weight(out_f, in_f, bits, group, act_order, gen, min_zero=1)
+        return hand_tensors(w, bits, fmt), expected_weight(w)
+    config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
+              "sym": False, "checkpoint_format": fmt}
+    return write_quantized_checkpoint(src, dst, config, make_layer, seed=bits)
 
 
 CASES = [(4, 32, "gptq", False), (8, 32, "gptq_v2", True), (4, 64, "gptq_v2", True)]
@@ -152,15 +136,9 @@ def test_hand_packed_checkpoint_loads_to_its_weights(hf_checkpoints, tmp_path, b
 @pytest.mark.parametrize("bits,group,fmt,act_order", CASES)
 def test_quantized_logits_match_the_dequantized_float_model(hf_checkpoints, tmp_path, bits, group,
                                                             fmt, act_order):
-    from transformers import AutoModelForCausalLM
     path, float_dir, _ = write_quantized(hf_checkpoints["gqa"], tmp_path / "q", bits, group, fmt,
                                          act_order)
-    ids = torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(1))
-    hf = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf(ids).logits
-        got = load_model(path, dtype=torch.float32).logits(ids)
-    assert (got - ref).abs().max().item() < 1e-4
+    assert max_logit_error(path, float_dir) < 1e-4
 
 
 def test_a_checkpoint_without_g_idx_loads_with_groups_in_order(hf_checkpoints, tmp_path):
