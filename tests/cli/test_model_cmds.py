@@ -40,6 +40,18 @@ def test_info_json_on_smollm2(smollm2_dir, capsys):
     assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
 
 
+def test_info_names_the_quantization(hf_checkpoints, tmp_path, capsys):
+    assert main(["info", str(hf_checkpoints["gqa"])]) == 0
+    assert "quantization      none (float weights)" in capsys.readouterr().out
+    out = tmp_path / "q"
+    assert main(["quantize", str(hf_checkpoints["gqa"]), str(out), "--method", "rtn", "--bits",
+                 "4", "--group-size", "32", "--no-sym", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quantization"] == \
+        "4-bit asymmetric, groups of 32 (gptq, stored as gptq_v2)"
+
+
 def test_info_errors(tmp_path, capsys):
     assert main(["info", str(tmp_path / "missing")]) == 2
     assert "model not found" in capsys.readouterr().err

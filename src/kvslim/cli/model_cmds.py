@@ -96,6 +96,7 @@ def format_info(info) -> str:
         ("tied embeddings", "yes" if info.tie_word_embeddings else "no"),
         ("KV cache / token", f"{info.kv_bytes_per_token:,} bytes "
                              f"({info.kv_bytes_per_token / 1024:.1f} KiB) in {info.kv_cache_dtype}"),
+        ("quantization", info.quantization or "none (float weights)"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

@@ -37,6 +37,7 @@ class ModelInfo:
     weights_dtype: str
     kv_cache_dtype: str
     kv_bytes_per_token: int
+    quantization: str | None = None          # the linear layers' scheme, None for float
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,6 +70,7 @@ def model_info(model_dir: str | Path, kv_dtype: str | torch.dtype | None = None)
         weights_dtype=config.torch_dtype,
         kv_cache_dtype=dtype_name(kv_dtype),
         kv_bytes_per_token=config.kv_cache_bytes_per_token(kv_dtype),
+        quantization=None if config.quantization is None else config.quantization.describe(),
     )
 
 

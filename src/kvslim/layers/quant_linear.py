@@ -77,6 +77,18 @@ class QuantSpec:
                               "positive integer or -1")
         return cls(bits, group, bool(cfg.get("desc_act", False)), bool(cfg.get("sym", True)), fmt)
 
+    def describe(self) -> str:
+        """One line for people: `kvslim info`."""
+        if self.method == "gguf":
+            kept = " and token embeddings" if self.embedding else ""
+            return f"GGUF blocks kept quantized (linears{kept}), from {self.file}"
+        if self.method == "w8a8":
+            return "W8A8: int8 per-channel weights, int8 per-token activations (compressed-tensors)"
+        group = "per channel" if self.group_size == -1 else f"groups of {self.group_size}"
+        return (f"{self.bits}-bit {'symmetric' if self.sym else 'asymmetric'}, {group}"
+                f"{', act-order' if self.desc_act else ''} ({self.method}, stored as "
+                f"{self.checkpoint_format})")
+
     @property
     def pack(self) -> int:
         """Values per int32."""
