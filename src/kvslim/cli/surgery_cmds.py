@@ -27,6 +27,16 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="output model directory")
     p.add_argument("--fraction", type=float, help="uptrain for this fraction of --of-steps")
     p.add_argument("--of-steps", type=int, help="the original training's step count")
+    p.add_argument("--teacher", metavar="SRC",
+                   help="distil from this model (the unconverted one; same tokenizer)")
+    p.add_argument("--distill-temperature", type=float, default=2.0, metavar="T",
+                   help="softmax temperature of the distillation KL (default 2)")
+    p.add_argument("--distill-weight", type=float, default=0.5, metavar="W",
+                   help="loss = (1-W) * cross-entropy + W * T^2 * KL (default 0.5)")
+    p.add_argument("--match-attention", action="store_true",
+                   help="also match each layer's attention output to the teacher's (MSE)")
+    p.add_argument("--attention-weight", type=float, default=1.0, metavar="A",
+                   help="weight of the attention-matching term (default 1)")
     add_loop_args(p, steps=100, lr=2e-4, warmup=-1)
     p.set_defaults(func=run_uptrain)
 
@@ -68,7 +78,10 @@ def run_uptrain(args) -> int:
                   warmup_steps=args.warmup_steps if args.warmup_steps >= 0 else max(1, steps // 10),
                   eval_every=min(args.eval_every, steps), save_every=min(args.save_every, steps))
     cfg = TrainConfig(data=args.data, valid=args.valid, out=args.out, init_from=args.model,
-                      seq_len=args.seq_len or 256, **kwargs)
+                      seq_len=args.seq_len or 256, teacher=args.teacher,
+                      distill_temperature=args.distill_temperature,
+                      distill_weight=args.distill_weight, match_attention=args.match_attention,
+                      attention_weight=args.attention_weight, **kwargs)
     record_command(args.out)
     metrics = train(cfg, show_progress=not args.quiet)
     print(json.dumps(metrics) if args.json else f"done: {metrics}")

@@ -56,6 +56,12 @@ class TrainConfig:
     threads: int | None = None
     device: str = "auto"             # auto: cuda when available, else cpu
     resume: bool = False
+    # Distillation (uptraining a converted model from the unconverted one, see distill.py)
+    teacher: str | None = None       # teacher model directory; None: labels only
+    distill_temperature: float = 2.0
+    distill_weight: float = 0.5      # w in (1 - w) * CE + w * T^2 * KL
+    match_attention: bool = False    # add the per-layer attention-output MSE
+    attention_weight: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "save_every",
@@ -67,6 +73,18 @@ class TrainConfig:
             raise KvslimError("--lr must be in (0, 1) and --warmup-steps >= 0")
         if self.dtype not in ("float32", "bfloat16"):
             raise KvslimError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        self._check_distillation()
+
+    def _check_distillation(self) -> None:
+        if not 0 <= self.distill_weight <= 1:
+            raise KvslimError(f"--distill-weight must be in [0, 1], got {self.distill_weight}")
+        if not self.distill_temperature > 0:
+            raise KvslimError(f"--distill-temperature must be positive, "
+                              f"got {self.distill_temperature}")
+        if not self.attention_weight >= 0:
+            raise KvslimError(f"--attention-weight must be >= 0, got {self.attention_weight}")
+        if self.match_attention and self.teacher is None:
+            raise KvslimError("--match-attention needs --teacher")
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""

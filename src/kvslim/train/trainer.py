@@ -18,6 +18,7 @@ from kvslim.models.llama import LlamaForCausalLM
 from kvslim.formats.loader import init_model, load_model
 from kvslim.tokenizer.tokenizer import Tokenizer
 from kvslim.formats.writer import copy_tokenizer_files, save_model
+from kvslim.train.distill import Distiller, load_teacher
 from kvslim.train.data import eval_windows, random_windows, tokenize_file
 from kvslim.train.legacy_state import fuse_optimizer_state, is_unfused_state
 from kvslim.train.tokenizer_train import train_tokenizer
@@ -94,6 +95,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
                           cfg.eval_windows).to(device) if cfg.valid else None)
     torch.manual_seed(cfg.seed)
     model, optimizer, start = _model_and_optimizer(cfg, tokenizer, out, device)
+    loss_fn = make_loss(cfg, model, tokenizer, device)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
                 if cfg.dtype == "bfloat16" else contextlib.nullcontext())
     progress = _Progress(cfg, out, start, show_progress)
@@ -101,7 +103,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     for step in range(start, cfg.steps):
         lr = cfg.lr_at(step)
         loss_sum, grad_norm = _train_step(model, optimizer, cfg, train_tokens, step, lr,
-                                          device, autocast)
+                                          device, autocast, loss_fn)
         done = step + 1
         metrics = {"step": done, "loss": round(loss_sum, 5), "lr": lr,
                    "grad_norm": round(grad_norm, 4)}
@@ -138,8 +140,19 @@ def _model_and_optimizer(cfg: TrainConfig, tokenizer: Tokenizer, out: Path, devi
     return model, optimizer, start
 
 
+def make_loss(cfg: TrainConfig, model: LlamaForCausalLM, tokenizer: Tokenizer,
+              device: torch.device):
+    """The training loss: next-token cross-entropy, or distillation from `cfg.teacher`."""
+    if cfg.teacher is None:
+        return lm_loss
+    teacher = load_teacher(cfg.teacher, model, tokenizer, device)
+    return Distiller(teacher, cfg.distill_temperature, cfg.distill_weight,
+                     cfg.attention_weight if cfg.match_attention else None)
+
+
 def _train_step(model: LlamaForCausalLM, optimizer, cfg: TrainConfig, train_tokens, step: int,
-                lr: float, device: torch.device, autocast) -> tuple[float, float]:
+                lr: float, device: torch.device, autocast, loss_fn=lm_loss
+                ) -> tuple[float, float]:
     """One optimizer step over `grad_accum` micro-batches; returns (loss, gradient norm)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -148,7 +161,7 @@ def _train_step(model: LlamaForCausalLM, optimizer, cfg: TrainConfig, train_toke
         batch = random_windows(train_tokens, cfg.batch_size, cfg.seq_len, cfg.seed,
                                step * cfg.grad_accum + micro).to(device)
         with autocast:
-            loss = lm_loss(model, batch) / cfg.grad_accum
+            loss = loss_fn(model, batch) / cfg.grad_accum
         loss.backward()
         loss_sum += loss.item()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
