@@ -41,8 +41,8 @@ def test_padded_decode_matches_transformers(hf_checkpoints, variant, monkeypatch
     forward = DecodeGraphs._forward
     monkeypatch.setattr(DecodeGraphs, "_forward",
                         lambda self, b, w: shapes.append((b, w)) or forward(self, b, w))
-    reserved = eng.runner.kv_cache[:, :, eng.runner.num_blocks]
+    reserved = [layer[:, eng.runner.num_blocks] for layer in eng.runner.kv_cache]   # views
     params = [SamplingParams(max_tokens=n, **GREEDY) for n in NEW]
     assert tokens(run(eng, prompts, params)) == refs
     assert {b for b, _ in shapes} >= {12, 8, 4, 2, 1}     # padded batches did run
-    assert reserved.abs().sum() > 0          # padding rows wrote there, not into live blocks
+    assert sum(r.abs().sum() for r in reserved) > 0   # padding rows wrote there, not live blocks

@@ -119,7 +119,7 @@ def test_planner_equals_engine_allocation(hf_checkpoints, variant, dtype):
     assert runner.bytes_per_block % runner.block_size == 0
     assert plan.kv_bytes_per_token == runner.bytes_per_block // runner.block_size
     assert plan.kv_bytes_per_token == \
-        runner.kv_cache[:, :, 0, 0].numel() * runner.kv_cache.element_size()
+        runner.kv_slot_bytes
     own = plan.layout(spec.attention_kind).capacity
     assert (own.num_blocks, own.max_tokens) == (runner.num_blocks, stats.max_tokens)
     assert parameter_counts(spec)[0] == count_parameters(model_dir, ModelConfig.from_dir(model_dir))
@@ -188,8 +188,7 @@ def test_planner_equals_engine_allocation_with_int8_kv(hf_checkpoints, variant):
     weights = storage_bytes(parameter_counts(spec)[0], "fp32")
     plan = plan_memory(spec, context=100, kv_dtype="int8", memory_bytes=budget + weights)
     runner, stats = engine.runner, engine.kv_cache_stats()
-    stored = (runner.kv_cache[:, :, 0, 0].numel() * runner.kv_cache.element_size()
-              + runner.kv_scales[:, :, 0, 0].numel() * runner.kv_scales.element_size())
+    stored = runner.kv_slot_bytes
     assert plan.kv_bytes_per_token == runner.bytes_per_block // runner.block_size == stored
     assert plan.kv_bytes_per_token == stats.bytes_per_token
     own = plan.layout(spec.attention_kind).capacity

@@ -21,6 +21,12 @@ def register(sub) -> None:
     g.add_argument("--uptrain-lr", type=float, default=2e-4)
     g.add_argument("--ppl-max-tokens", type=int, default=40_000,
                    help="score the first N test tokens (0: all)")
+    g.add_argument("--methods", help="comma-separated arms (default: all; see --help of convert)")
+    g.add_argument("--kv-heads", type=_ints, help="target KV heads (default: H/2, H/4, 1)")
+    g.add_argument("--alphas", type=_floats, help="uptraining fractions of every arm "
+                                                   "(default 0,0.05)")
+    g.add_argument("--extra-alphas", type=_floats, help="fractions of mean/align arms only "
+                                                         "(default 0.1)")
     g.add_argument("--skip-smollm2", action="store_true")
     g.add_argument("--smollm2-steps", type=int, default=30)
     g.add_argument("--smollm2-ppl-max-tokens", type=int, default=12_000)
@@ -42,6 +48,14 @@ def _ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise KvslimError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _floats(text: str) -> list[float]:
+    from kvslim.errors import KvslimError
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvslimError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def _register_quant(esub) -> None:
@@ -135,7 +149,8 @@ def run_gqa(args) -> int:
                            ppl_max_tokens=args.ppl_max_tokens or None,
                            smollm2=not args.skip_smollm2,
                            smollm2_steps=args.smollm2_steps,
-                           smollm2_ppl_max_tokens=args.smollm2_ppl_max_tokens, shard=shard)
+                           smollm2_ppl_max_tokens=args.smollm2_ppl_max_tokens, shard=shard,
+                           **_plan_overrides(args))
     exp = Experiment(cfg, show_progress=not args.quiet)
     if not args.report_only:
         exp.run()
@@ -146,6 +161,22 @@ def run_gqa(args) -> int:
         print(f"{'PASS' if ok else 'FAIL'}: {text} — {detail}")
     print(f"wrote {report}")
     return 0
+
+
+def _plan_overrides(args) -> dict:
+    from kvslim.errors import KvslimError
+    from kvslim.experiments.gqa import METHODS
+    out = {}
+    if args.methods:
+        out["methods"] = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in out["methods"] if m not in METHODS]
+        if unknown:
+            raise KvslimError(f"unknown --methods {', '.join(unknown)}; choose from "
+                              f"{', '.join(METHODS)}")
+    for name in ("kv_heads", "alphas", "extra_alphas"):
+        if getattr(args, name) is not None:
+            out[name] = getattr(args, name)
+    return out
 
 
 def _parse_shard(text: str) -> tuple[int, int]:

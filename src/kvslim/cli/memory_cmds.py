@@ -98,6 +98,9 @@ def format_plan(plan) -> str:
         attention = (f"MLA, {heads}, cached latent {s.mla.kv_lora_rank} + RoPE key "
                      f"{s.mla.qk_rope_head_dim} per layer, head_dim {s.head_dim} (K) / "
                      f"{s.v_head_dim} (V)")
+    elif s.layer_kv_heads:
+        attention = (f"{s.attention_kind}, {heads}, KV heads per layer "
+                     f"{' '.join(map(str, s.layer_kv_heads))}, head_dim {s.head_dim}")
     else:
         attention = (f"{s.attention_kind}, {heads}, {s.num_key_value_heads} KV heads "
                      f"(group {s.num_attention_heads // s.num_key_value_heads}), "

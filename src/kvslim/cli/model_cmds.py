@@ -87,8 +87,7 @@ def format_info(info) -> str:
                        f"stored as {info.weights_dtype}"),
         ("layers", str(info.num_hidden_layers)),
         ("hidden / FFN", f"{info.hidden_size} / {info.intermediate_size}"),
-        ("attention", f"{info.attention_kind}: {info.num_attention_heads} query heads, "
-                      f"{info.num_key_value_heads} KV heads, group size {info.group_size}"),
+        ("attention", _attention_line(info)),
         ("head_dim", str(info.head_dim)),
         ("vocab", f"{info.vocab_size:,}"),
         ("max positions", f"{info.max_position_embeddings:,}"),
@@ -98,5 +97,18 @@ def format_info(info) -> str:
                              f"({info.kv_bytes_per_token / 1024:.1f} KiB) in {info.kv_cache_dtype}"),
         ("quantization", info.quantization or "none (float weights)"),
     ]
+    if info.kv_heads_per_layer:
+        rows.insert(rows.index(("head_dim", str(info.head_dim))),
+                    ("KV heads / layer", " ".join(map(str, info.kv_heads_per_layer))))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _attention_line(info) -> str:
+    if info.kv_heads_per_layer:
+        heads = info.kv_heads_per_layer
+        return (f"{info.attention_kind}: {info.num_attention_heads} query heads, "
+                f"{min(heads)} to {max(heads)} KV heads ({sum(heads)} over "
+                f"{len(heads)} layers)")
+    return (f"{info.attention_kind}: {info.num_attention_heads} query heads, "
+            f"{info.num_key_value_heads} KV heads, group size {info.group_size}")

@@ -11,8 +11,19 @@ def register(sub) -> None:
     p = sub.add_parser("convert", help="MHA -> GQA/MQA: pool KV heads into --kv-heads groups")
     p.add_argument("src", metavar="SRC", help="source model directory")
     p.add_argument("dst", metavar="DST", help="output model directory")
-    p.add_argument("--kv-heads", type=int, required=True, help="target number of KV heads")
-    p.add_argument("--method", default="mean", help="mean, first, random or align")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--kv-heads", type=int, help="target number of KV heads, every layer")
+    target.add_argument("--kv-budget", type=float, metavar="FRACTION",
+                        help="per-layer KV heads within this fraction of the source's KV bytes")
+    target.add_argument("--kv-bytes-per-token", type=int, metavar="N",
+                        help="per-layer KV heads within N bytes per token (stored dtype)")
+    p.add_argument("--allocate", default="sensitivity", choices=("sensitivity", "uniform"),
+                   help="with a budget: spend it where merging costs most (measured on --calib),"
+                        " or the same count in every layer")
+    p.add_argument("--sensitivity-samples", type=int, default=8,
+                   help="calibration windows the per-layer loss is measured on")
+    p.add_argument("--method", help="mean, first, random or align (default: mean; align "
+                                    "with a budget)")
     p.add_argument("--calib", help="calibration text file (needed by --method align)")
     p.add_argument("--calib-samples", type=int, default=32, help="calibration windows")
     p.add_argument("--calib-seq-len", type=int, default=256)
@@ -54,10 +65,22 @@ def register(sub) -> None:
 
 
 def run_convert(args) -> int:
-    from kvslim.surgery.convert import convert_to_gqa
-    out = convert_to_gqa(args.src, args.dst, args.kv_heads, args.method, args.calib,
-                         args.calib_samples, args.calib_seq_len, args.seed, not args.quiet)
-    print(f"wrote {out} ({args.kv_heads} KV heads, method {args.method})")
+    from kvslim.models.config import ModelConfig
+    from kvslim.surgery.convert import convert_to_budget, convert_to_gqa
+    if args.kv_heads is not None:
+        method = args.method or "mean"
+        out = convert_to_gqa(args.src, args.dst, args.kv_heads, method, args.calib,
+                             args.calib_samples, args.calib_seq_len, args.seed, not args.quiet)
+        print(f"wrote {out} ({args.kv_heads} KV heads, method {method})")
+        return 0
+    method = args.method or "align"
+    out = convert_to_budget(args.src, args.dst, args.allocate, args.kv_budget,
+                            args.kv_bytes_per_token, method, args.calib, args.calib_samples,
+                            args.calib_seq_len, args.sensitivity_samples, args.seed,
+                            not args.quiet)
+    heads = ModelConfig.from_dir(out).kv_heads_per_layer
+    print(f"wrote {out} (KV heads per layer {' '.join(map(str, heads))}: {sum(heads)} in all, "
+          f"allocation {args.allocate}, method {method})")
     return 0
 
 

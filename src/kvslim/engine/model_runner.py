@@ -49,20 +49,30 @@ class ModelRunner:
         self.decode_graphs = self._decode_graphs(use_graphs=True) if use_graphs else None
 
     def _allocate_cache(self, reserved_blocks: int) -> None:
-        """One allocation for the whole cache: [layers, K/V, blocks, block_size, kv_heads,
-        head_dim], plus `reserved_blocks` the block manager never hands out. A quantized cache
-        has a second one for its scales: [layers, K/V, blocks, block_size, kv_heads]."""
+        """One K/V tensor per layer, [K/V, blocks, block_size, layer's kv_heads, head_dim] (the
+        layers of a non-uniform GQA model differ in KV heads), plus `reserved_blocks` the block
+        manager never hands out. A quantized cache adds, per layer, its scales:
+        [K/V, blocks, block_size, kv_heads]. A block id means the same slots in every layer."""
         mc = self.model.config
-        shape = (mc.num_hidden_layers, 2, self.num_blocks + reserved_blocks, self.block_size,
-                 mc.num_key_value_heads)
-        self.kv_cache = torch.zeros(*shape, mc.head_dim, dtype=self.kv_dtype, device=self.device)
+        blocks = self.num_blocks + reserved_blocks
+        shapes = [(2, blocks, self.block_size, heads) for heads in mc.kv_heads_per_layer]
+        self.kv_cache = [torch.zeros(*shape, mc.head_dim, dtype=self.kv_dtype, device=self.device)
+                         for shape in shapes]
         self.kv_scales = None
         if not is_quantized(self.kv_dtype):
             self.kv_caches = [KVCacheLayer(layer[0], layer[1]) for layer in self.kv_cache]
             return
-        self.kv_scales = torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=self.device)
+        self.kv_scales = [torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=self.device)
+                          for shape in shapes]
         self.kv_caches = [QuantizedKVCacheLayer(kv[0], kv[1], s[0], s[1], self.dtype)
                           for kv, s in zip(self.kv_cache, self.kv_scales)]
+
+    @property
+    def kv_slot_bytes(self) -> int:
+        """Bytes one token's slot takes in the allocated tensors, every layer's elements and
+        scales: what the allocation really holds per token (checked against the planner)."""
+        tensors = self.kv_cache + (self.kv_scales or [])
+        return sum(t[:, 0, 0].numel() * t.element_size() for t in tensors)
 
     def _decode_graphs(self, use_graphs: bool) -> DecodeGraphs:
         # Padding rows write into the reserved block after the last one in use.
@@ -123,10 +133,9 @@ class ModelRunner:
         in the order of their rows, and each entry's first row."""
         copies = out.block_copies
         if copies:
-            src, dst = zip(*copies)
-            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
-            if self.kv_scales is not None:
-                self.kv_scales[:, :, list(dst)] = self.kv_scales[:, :, list(src)]
+            src, dst = list(zip(*copies))
+            for layer in self.kv_cache + (self.kv_scales or []):
+                layer[:, list(dst)] = layer[:, list(src)]
         entries = _attention_order(out.scheduled)
         input_ids, positions, layout, query_starts = self._prepare(entries)
         hidden = None

@@ -25,6 +25,16 @@ from kvslim.train.train_config import TrainConfig
 from kvslim.train.trainer import train
 
 RESULTS = "results.json"
+# Arms: a conversion (`kvslim convert --method`), "-kd" for uptraining by distillation.
+METHODS = ("mean", "first", "random", "align", "align-kd")
+
+
+def conversion_of(method: str) -> str:
+    return method.removesuffix("-kd")
+
+
+def distills(method: str) -> bool:
+    return method.endswith("-kd")
 
 
 @dataclass
@@ -37,10 +47,14 @@ class ExperimentConfig:
     report: str = "docs/gqa-uptraining.md"
     original_steps: int | None = None    # default: the last step in MODEL/train_log.jsonl
     kv_heads: list[int] | None = None    # default: H/2, H/4, 1
-    methods: list[str] = field(default_factory=lambda: ["mean", "first", "random", "align"])
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
     alphas: list[float] = field(default_factory=lambda: [0.0, 0.05])    # every method
     extra_alphas: list[float] = field(default_factory=lambda: [0.10])   # extra_methods only
-    extra_methods: list[str] = field(default_factory=lambda: ["mean", "align"])
+    extra_methods: list[str] = field(default_factory=lambda: ["mean", "align", "align-kd"])
+    # align-kd: uptrained by distillation from the unconverted model (train/distill.py)
+    distill_temperature: float = 2.0
+    distill_weight: float = 0.5
+    attention_weight: float = 1.0        # per-layer attention-output matching; 0: logits only
     batch_size: int = 16
     seq_len: int = 256
     uptrain_lr: float = 2e-4             # where pretraining ended: a higher peak undoes it
@@ -117,7 +131,9 @@ class Experiment:
         for k in ks:
             for method in self.cfg.methods:
                 extra = self.cfg.extra_alphas if method in self.cfg.extra_methods else []
-                runs += [(k, method, a) for a in self.cfg.alphas + extra]
+                # a distilled arm at alpha = 0 is its conversion's arm
+                runs += [(k, method, a) for a in self.cfg.alphas + extra
+                         if a > 0 or not distills(method)]
         extra = self._only_extra_alphas
         return sorted(runs, key=lambda r: (r[2] in extra, r[2], r[0] not in (h, h // 4)))
 
@@ -189,12 +205,13 @@ class Experiment:
     # ---- one run -------------------------------------------------------------------------
     def _run_ref(self, name: str, k: int, method: str, alpha: float) -> None:
         start = time.time()
-        converted = self._converted(self.cfg.model, "ref", k, method)
+        converted = self._converted(self.cfg.model, "ref", k, conversion_of(method))
         steps = round(alpha * self.original_steps)
         model_dir = converted
         if steps:
+            teacher = self.cfg.model if distills(method) else None
             model_dir = self._uptrain(converted, self.work / name, steps, self.cfg.batch_size,
-                                      self.cfg.uptrain_lr)
+                                      self.cfg.uptrain_lr, teacher)
         ppl = self._ppl(model_dir, self.cfg.ppl_max_tokens)
         self._save(self._result(name, "ref", model_dir, method, alpha, steps, ppl, start))
 
@@ -210,13 +227,19 @@ class Experiment:
                                show_progress=self.show_progress)
         return out
 
-    def _uptrain(self, src: Path, out: Path, steps: int, batch: int, lr: float) -> Path:
+    def _uptrain(self, src: Path, out: Path, steps: int, batch: int, lr: float,
+                 teacher: str | None = None) -> Path:
         if out.exists():
             shutil.rmtree(out)                  # a half-finished run restarts cleanly
-        cfg = TrainConfig(data=self.cfg.train, valid=self.cfg.valid, out=str(out),
-                          init_from=str(src), seq_len=self.cfg.seq_len, steps=steps,
+        c = self.cfg
+        distill = {} if teacher is None else dict(
+            teacher=teacher, distill_temperature=c.distill_temperature,
+            distill_weight=c.distill_weight, match_attention=c.attention_weight > 0,
+            attention_weight=c.attention_weight)
+        cfg = TrainConfig(data=c.train, valid=c.valid, out=str(out),
+                          init_from=str(src), seq_len=c.seq_len, steps=steps,
                           batch_size=batch, lr=lr, warmup_steps=max(1, steps // 10),
-                          eval_every=steps, save_every=steps, seed=self.cfg.seed + 1)
+                          eval_every=steps, save_every=steps, seed=c.seed + 1, **distill)
         train(cfg, show_progress=self.show_progress)
         (out / "trainer_state.pt").unlink(missing_ok=True)   # optimizer state: not needed
         return out

@@ -98,7 +98,9 @@ def add_model_metadata(writer, config: ModelConfig, name: str, dtype: str) -> No
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    # per-layer KV heads as llama.cpp reads them: one count, or an array with one per layer
+    writer.add_head_count_kv(list(config.layer_kv_heads) if config.layer_kv_heads
+                             else config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_rope_dimension_count(config.head_dim)
@@ -287,13 +289,10 @@ def gguf_tensor_name(hf_name: str) -> str:
 def permute_qk(gguf_name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """llama.cpp's Q/K row order, the inverse of `gguf_import.unpermute_qk`: within each head,
     rows [first half | second half] become interleaved pairs (x_i, x_{i + d/2})."""
-    if ".attn_q." in gguf_name:
-        heads = config.num_attention_heads
-    elif ".attn_k." in gguf_name:
-        heads = config.num_key_value_heads
-    else:
+    if ".attn_q." not in gguf_name and ".attn_k." not in gguf_name:
         return weight
     rows = weight.shape[0]
+    heads = rows // config.head_dim              # a layer's own KV heads, for K
     return (weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])
             .transpose(1, 2).reshape(weight.shape).contiguous())
 

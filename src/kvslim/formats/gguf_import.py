@@ -135,7 +135,8 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
 
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
-    kv_heads = _single_value(gguf, f"{arch}.attention.head_count_kv", heads)
+    kv_heads = gguf.get(f"{arch}.attention.head_count_kv", heads)
+    layer_kv_heads = tuple(int(k) for k in kv_heads) if isinstance(kv_heads, list) else None
     head_dim = int(optional("attention.key_length", hidden // max(heads, 1)))
     _check_head_dims(gguf, arch, head_dim)
     names = gguf.tensor_names
@@ -149,7 +150,8 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         intermediate_size=int(key("feed_forward_length")),
         num_hidden_layers=int(key("block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
+        num_key_value_heads=max(layer_kv_heads) if layer_kv_heads else int(kv_heads),
+        layer_kv_heads=layer_kv_heads,          # llama.cpp's per-layer array, if any
         head_dim=head_dim,
         rms_norm_eps=float(optional("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(optional("rope.freq_base", 10000.0)),
@@ -163,17 +165,6 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
     )
-
-
-def _single_value(gguf: GGUFFile, key: str, default: int) -> int:
-    """Some files store a per-layer list (e.g. of KV heads); kvslim needs one value for all."""
-    value = gguf.get(key, default)
-    if isinstance(value, list):
-        if len(set(value)) != 1:
-            raise ConfigError(f"{gguf.path.name}: {key} differs between layers ({sorted(set(value))}); "
-                              "kvslim needs the same value in every layer")
-        value = value[0]
-    return int(value)
 
 
 def _check_head_dims(gguf: GGUFFile, arch: str, head_dim: int) -> None:
@@ -226,12 +217,9 @@ def unpermute_qk(gguf_name: str, weight: torch.Tensor, config: ModelConfig) -> t
     llama.cpp rotates adjacent pairs (x0, x1), (x2, x3)... of each head while HF rotates the two
     halves (x_i, x_{i + d/2}); the converter reordered each head's rows to turn one into the
     other. Reading a head's rows as [d/2, 2] and transposing to [2, d/2] puts them back."""
-    if ".attn_q." in gguf_name:
-        heads = config.num_attention_heads
-    elif ".attn_k." in gguf_name:
-        heads = config.num_key_value_heads
-    else:
+    if ".attn_q." not in gguf_name and ".attn_k." not in gguf_name:
         return weight
     rows = weight.shape[0]
+    heads = rows // config.head_dim              # a layer's own KV heads, for K
     return (weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])
             .transpose(1, 2).reshape(weight.shape).contiguous())

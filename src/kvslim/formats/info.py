@@ -38,6 +38,7 @@ class ModelInfo:
     kv_cache_dtype: str
     kv_bytes_per_token: int
     quantization: str | None = None          # the linear layers' scheme, None for float
+    kv_heads_per_layer: list[int] | None = None   # when layers differ (non-uniform GQA)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,6 +72,7 @@ def model_info(model_dir: str | Path, kv_dtype: str | torch.dtype | None = None)
         kv_cache_dtype=dtype_name(kv_dtype),
         kv_bytes_per_token=config.kv_cache_bytes_per_token(kv_dtype),
         quantization=None if config.quantization is None else config.quantization.describe(),
+        kv_heads_per_layer=list(config.layer_kv_heads) if config.layer_kv_heads else None,
     )
 
 

@@ -12,6 +12,7 @@ import torch
 from kvslim.attention.kv_cache import KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES
 from kvslim.errors import ConfigError
 from kvslim.layers.quant_linear import QuantSpec
+from kvslim.models.shape_only import MLAConfig, MoEConfig, mla_from_hf, moe_from_hf
 
 # Architectures a model in models/ implements: the engine runs them.
 SUPPORTED_ARCHITECTURES = {
@@ -27,6 +28,10 @@ SHAPE_ONLY_ARCHITECTURES = {
 }
 ARCHITECTURES = {**SUPPORTED_ARCHITECTURES, **SHAPE_ONLY_ARCHITECTURES}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Per-layer KV head counts in config.json, under DeciLM's name for them. transformers' own
+# Llama classes read only num_key_value_heads, so they cannot load a model that has this key
+# (its k/v projections have other shapes than they build): docs/gqa-uptraining.md.
+LAYER_KV_HEADS_KEY = "num_key_value_heads_per_layer"
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -46,32 +51,6 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """A mixture-of-experts MLP (Mixtral, DeepSeek): every expert is resident, a few run per token."""
-    num_experts: int
-    num_experts_per_tok: int
-    expert_intermediate_size: int
-    num_shared_experts: int = 0
-    first_dense_layers: int = 0        # leading layers that keep a dense MLP (DeepSeek)
-    layer_freq: int = 1                # every layer_freq-th layer after those is MoE
-
-
-@dataclass(frozen=True)
-class MLAConfig:
-    """DeepSeek's multi-head latent attention. Its cache is not K/V heads: one compressed latent
-    of `kv_lora_rank` plus one shared RoPE key of `qk_rope_head_dim` per token and layer."""
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    qk_nope_head_dim: int
-    v_head_dim: int
-    q_lora_rank: int | None
-
-    def cache_elements_per_token(self, num_layers: int) -> int:
-        """The latent layout, whatever the head count."""
-        return num_layers * (self.kv_lora_rank + self.qk_rope_head_dim)
 
 
 @dataclass
@@ -102,6 +81,9 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
     torch_dtype: str = "float32"
+    # KV heads of each layer when they differ (a non-uniform GQA conversion); None: every layer
+    # has num_key_value_heads, which is then the widest layer's count.
+    layer_kv_heads: tuple[int, ...] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
@@ -109,6 +91,12 @@ class ModelConfig:
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
+        if self.layer_kv_heads is not None:
+            heads = tuple(self.layer_kv_heads)
+            uniform = len(set(heads)) == 1 and len(heads) == self.num_hidden_layers
+            self.layer_kv_heads = None if uniform else heads
+            if uniform:
+                self.num_key_value_heads = heads[0]
         self.validate()
 
     # ---- derived -------------------------------------------------------------------------
@@ -138,9 +126,19 @@ class ModelConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     @property
+    def kv_heads_per_layer(self) -> tuple[int, ...]:
+        """Every layer's KV head count (all equal unless `layer_kv_heads` is set)."""
+        return self.layer_kv_heads or (self.num_key_value_heads,) * self.num_hidden_layers
+
+    def kv_heads_of(self, layer_idx: int) -> int:
+        return self.kv_heads_per_layer[layer_idx]
+
+    @property
     def attention_kind(self) -> str:
         if self.mla:
             return "MLA"
+        if self.layer_kv_heads is not None:
+            return "GQA (per layer)"
         if self.num_key_value_heads == self.num_attention_heads:
             return "MHA"
         return "MQA" if self.num_key_value_heads == 1 else "GQA"
@@ -150,11 +148,17 @@ class ModelConfig:
         size), i.e. 2 * layers * kv_heads * head_dim for every model the engine runs. This is the
         one place the formula is written: the engine's allocator, `kvslim info` and the memory
         planner all come here. `num_kv_heads` prices the same model with another KV head count
-        (its MHA or MQA equivalent). An MLA model's own cache is its latent layout instead."""
+        (its MHA or MQA equivalent). An MLA model's own cache is its latent layout instead; a
+        model with per-layer KV heads sums its layers'."""
         if self.mla is not None and num_kv_heads is None:
             return self.mla.cache_elements_per_token(self.num_hidden_layers)
-        heads = self.num_key_value_heads if num_kv_heads is None else num_kv_heads
-        return self.num_hidden_layers * heads * (self.head_dim + self.v_head_dim)
+        return self._total_kv_heads(num_kv_heads) * (self.head_dim + self.v_head_dim)
+
+    def _total_kv_heads(self, num_kv_heads: int | None) -> int:
+        """KV heads summed over layers: this model's, or `num_kv_heads` in every layer."""
+        if num_kv_heads is not None:
+            return self.num_hidden_layers * num_kv_heads
+        return sum(self.kv_heads_per_layer)
 
     def kv_bytes_per_token(self, dtype: torch.dtype | str = torch.float16) -> int:
         """Bytes of K and V for one token, all layers, cached in `dtype`."""
@@ -166,8 +170,7 @@ class ModelConfig:
         the engine does not run) one per cached latent row and layer."""
         if self.mla is not None and num_kv_heads is None:
             return self.num_hidden_layers
-        heads = self.num_key_value_heads if num_kv_heads is None else num_kv_heads
-        return self.num_hidden_layers * 2 * heads
+        return 2 * self._total_kv_heads(num_kv_heads)
 
     def kv_scale_bytes_per_token(self, num_kv_heads: int | None = None) -> int:
         """Bytes of those scales (float16, `KV_SCALE_DTYPE`), added to `kv_bytes_per_token`."""
@@ -194,6 +197,7 @@ class ModelConfig:
             raise ConfigError(
                 f"config.json: num_attention_heads ({self.num_attention_heads}) is not divisible by "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+        self._validate_layer_kv_heads()
         if self.head_dim % 2 != 0:
             raise ConfigError(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_scaling is not None and self.runnable:     # RoPE matters only to a run
@@ -204,6 +208,22 @@ class ModelConfig:
         parse_dtype(self.torch_dtype)
         if self.runnable:
             self.quantization                       # noqa: B018 (validates quantization_config)
+
+    def _validate_layer_kv_heads(self) -> None:
+        heads = self.layer_kv_heads
+        if heads is None:
+            return
+        key = LAYER_KV_HEADS_KEY
+        if len(heads) != self.num_hidden_layers:
+            raise ConfigError(f"config.json: {key} has {len(heads)} entries for "
+                              f"{self.num_hidden_layers} layers")
+        for i, k in enumerate(heads):
+            if not isinstance(k, int) or k <= 0 or self.num_attention_heads % k:
+                raise ConfigError(f"config.json: {key}[{i}] = {k!r} must be a positive divisor of "
+                                  f"num_attention_heads ({self.num_attention_heads})")
+        if self.num_key_value_heads != max(heads):
+            raise ConfigError(f"config.json: num_key_value_heads ({self.num_key_value_heads}) "
+                              f"must be the largest entry of {key} ({max(heads)})")
 
     def require_runnable(self) -> None:
         if not self.runnable:
@@ -230,7 +250,8 @@ class ModelConfig:
             eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
             is_qwen2 = arch == "Qwen2ForCausalLM"
             use_sw = cfg.get("use_sliding_window", not is_qwen2)
-            mla = _mla_from_hf(cfg) if arch == "DeepseekV2ForCausalLM" else None
+            mla = mla_from_hf(cfg) if arch == "DeepseekV2ForCausalLM" else None
+            layer_heads = _layer_kv_heads_from_hf(cfg)
             config = cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -238,7 +259,8 @@ class ModelConfig:
                 intermediate_size=int(cfg["intermediate_size"]),
                 num_hidden_layers=int(cfg["num_hidden_layers"]),
                 num_attention_heads=heads,
-                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                num_key_value_heads=(max(layer_heads) if layer_heads
+                                     else int(cfg.get("num_key_value_heads") or heads)),
                 head_dim=(mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla
                           else int(cfg.get("head_dim") or hidden // heads)),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -253,8 +275,9 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 sliding_window=cfg.get("sliding_window") if use_sw else None,
                 torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+                layer_kv_heads=layer_heads,
                 raw=copy.deepcopy(cfg),
-                moe=_moe_from_hf(cfg, arch),
+                moe=moe_from_hf(cfg, arch),
                 mla=mla,
                 name=name,
                 source=source,
@@ -295,8 +318,10 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that both transformers and kvslim read back to this config."""
         cfg = copy.deepcopy(self.raw)
-        for stale in ("rope_scaling", "rope_parameters", "torch_dtype"):
+        for stale in ("rope_scaling", "rope_parameters", "torch_dtype", LAYER_KV_HEADS_KEY):
             cfg.pop(stale, None)
+        if self.layer_kv_heads is not None:
+            cfg[LAYER_KV_HEADS_KEY] = list(self.layer_kv_heads)
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
             rope.update(self.rope_scaling)
@@ -356,24 +381,11 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, merged
 
 
-def _moe_from_hf(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
-    if arch == "MixtralForCausalLM":
-        return MoEConfig(num_experts=int(cfg["num_local_experts"]),
-                         num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                         expert_intermediate_size=int(cfg["intermediate_size"]))
-    if arch == "DeepseekV2ForCausalLM" and cfg.get("n_routed_experts"):
-        return MoEConfig(num_experts=int(cfg["n_routed_experts"]),
-                         num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                         expert_intermediate_size=int(cfg["moe_intermediate_size"]),
-                         num_shared_experts=int(cfg.get("n_shared_experts") or 0),
-                         first_dense_layers=int(cfg.get("first_k_dense_replace", 0)),
-                         layer_freq=int(cfg.get("moe_layer_freq", 1)))
-    return None
-
-
-def _mla_from_hf(cfg: dict[str, Any]) -> MLAConfig:
-    return MLAConfig(kv_lora_rank=int(cfg["kv_lora_rank"]),
-                     qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-                     qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
-                     v_head_dim=int(cfg["v_head_dim"]),
-                     q_lora_rank=cfg.get("q_lora_rank"))
+def _layer_kv_heads_from_hf(cfg: dict[str, Any]) -> tuple[int, ...] | None:
+    heads = cfg.get(LAYER_KV_HEADS_KEY)
+    if heads is None:
+        return None
+    if not isinstance(heads, list) or not heads or not all(isinstance(k, int) for k in heads):
+        raise ConfigError(f"config.json: {LAYER_KV_HEADS_KEY} must be a list of integers, "
+                          f"got {heads!r}")
+    return tuple(heads)

@@ -25,7 +25,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(config.hidden_size, config.num_attention_heads,
-                                   config.num_key_value_heads, config.head_dim, layer_idx,
+                                   config.kv_heads_of(layer_idx), config.head_dim, layer_idx,
                                    config.qkv_bias, config.o_bias, config.quantization)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
                              config.quantization)

@@ -63,7 +63,7 @@ def kv_layouts(config: ModelConfig) -> list[KVLayout]:
     heads = config.num_attention_heads
     kind = config.attention_kind
     own_label = (f"MLA, latent {config.mla.kv_lora_rank} + RoPE key {config.mla.qk_rope_head_dim}"
-                 if config.mla else f"{kind}, {config.num_key_value_heads} KV heads")
+                 if config.mla else f"{kind}, {_kv_heads_label(config)}")
     layouts = [KVLayout(kind, own_label + " (this model)", config.kv_elements_per_token(),
                         config.kv_scale_bytes_per_token(), True)]
     if kind != "MHA":
@@ -74,6 +74,13 @@ def kv_layouts(config: ModelConfig) -> list[KVLayout]:
         layouts.append(KVLayout("MQA", "MQA equivalent, 1 KV head",
                                 config.kv_elements_per_token(1), config.kv_scale_bytes_per_token(1)))
     return layouts
+
+
+def _kv_heads_label(config: ModelConfig) -> str:
+    heads = config.kv_heads_per_layer
+    if config.layer_kv_heads is None:
+        return f"{heads[0]} KV heads"
+    return f"{' '.join(map(str, heads))} KV heads per layer"
 
 
 @dataclass

@@ -30,9 +30,10 @@ PROCRUSTES_ITERS = 4
 MAX_EXHAUSTIVE_PARTITIONS = 5000
 
 
-def align_state_dict(model: LlamaForCausalLM, tokenizer: Tokenizer, kv_heads: int, calib,
+def align_state_dict(model: LlamaForCausalLM, tokenizer: Tokenizer, kv_heads: list[int], calib,
                      num_samples: int, seq_len: int, show_progress: bool = True
                      ) -> dict[str, torch.Tensor]:
+    """The state dict with layer i's KV heads merged into kv_heads[i]."""
     config = model.config
     inputs = attention_inputs(model, tokenizer, calib, num_samples, seq_len, show_progress)
     state = {k: v.detach().clone().float() for k, v in model.hf_state_dict().items()}
@@ -40,7 +41,7 @@ def align_state_dict(model: LlamaForCausalLM, tokenizer: Tokenizer, kv_heads: in
                                disable=not show_progress)):
         prefix = f"model.layers.{i}.self_attn."
         merged = merge_layer({n: state[prefix + n] for n in _ATTN_NAMES if prefix + n in state},
-                             x, config.num_attention_heads, config.num_key_value_heads, kv_heads,
+                             x, config.num_attention_heads, config.kv_heads_of(i), kv_heads[i],
                              config.head_dim)
         state.update({prefix + n: t for n, t in merged.items()})
     return state

@@ -61,8 +61,9 @@ def check_options(config: ModelConfig, method: str, spec: QuantSpec,
         if group_size != -1 and (group_size <= 0 or size % group_size):
             raise KvslimError(f"--group-size {group_size} does not divide the input features of "
                               f"the model's linear layers ({name} = {size})")
-    kv_out = config.num_key_value_heads * config.head_dim
-    if method != "w8a8" and kv_out % (32 // bits):
+    kv_out = min(config.kv_heads_per_layer) * config.head_dim
+    if method != "w8a8" and any(k * config.head_dim % (32 // bits)
+                                for k in config.kv_heads_per_layer):
         raise KvslimError(f"{bits}-bit packing needs output features divisible by {32 // bits}, "
                           f"the k/v projections have {kv_out}")
     if method in CALIBRATED and calib is None:
