@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -13,10 +14,11 @@ from kvslim.train.train_config import ModelShape, TrainConfig
 from kvslim.train.trainer import train
 
 
-def tiny_setup(tmp_path, calib_file, **overrides) -> ExperimentConfig:
+def tiny_setup(tmp_path, calib_file, layers=1, **overrides) -> ExperimentConfig:
     model = tmp_path / "ref"
     train(TrainConfig(data=str(calib_file), out=str(model), vocab_size=300, seq_len=32,
-                      shape=ModelShape(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                      shape=ModelShape(num_hidden_layers=layers, hidden_size=32,
+                                       num_attention_heads=4,
                                        num_key_value_heads=4, intermediate_size=64),
                       steps=20, batch_size=4, warmup_steps=2, save_every=20, device="cpu"),
           show_progress=False)
@@ -24,7 +26,9 @@ def tiny_setup(tmp_path, calib_file, **overrides) -> ExperimentConfig:
               test=str(calib_file), work_dir=str(tmp_path / "work"),
               report=str(tmp_path / "docs" / "report.md"), kv_heads=[2, 1],
               alphas=[0.0, 0.1], extra_alphas=[0.2], batch_size=4, seq_len=32, calib_samples=4,
-              ppl_context=32, ppl_stride=16, ppl_max_tokens=300, smollm2=False)
+              ppl_context=32, ppl_stride=16, ppl_max_tokens=300, smollm2=False,
+              methods=["mean", "first", "random", "align"], extra_methods=["mean", "align"],
+              sensitivity_samples=2)
     return ExperimentConfig(**{**kw, **overrides})
 
 
@@ -71,6 +75,30 @@ def test_shards_split_the_plan_and_share_one_results_file(tmp_path, calib_file):
     first.reload()
     assert first.missing() == []
     assert "**Not run**" not in write_report(first, "kvslim experiment gqa").read_text()
+
+
+def test_nonuniform_and_distilled_arms(tmp_path, calib_file, monkeypatch):
+    """-nu arms spend the uniform count's KV bytes per layer; -kd arms uptrain from a teacher."""
+    import kvslim.experiments.gqa as gqa
+    configs = []
+    monkeypatch.setattr(gqa, "train", lambda cfg, **kw: configs.append(cfg) or train(cfg, **kw))
+    cfg = tiny_setup(tmp_path, calib_file, layers=3, kv_heads=[2], alphas=[0.0, 0.1],
+                     extra_alphas=[], methods=["align", "align-kd", "align-nu", "align-nu-kd"])
+    exp = Experiment(cfg, show_progress=False)
+    exp.run()
+    assert sorted(exp.results) == sorted(
+        ["ref-k4-mha-a0", "ref-k4-mha-a0.1", "ref-k2-align-a0", "ref-k2-align-a0.1",
+         "ref-k2-align-kd-a0.1", "ref-k2-align-nu-a0", "ref-k2-align-nu-a0.1",
+         "ref-k2-align-nu-kd-a0.1"])
+    nu, uniform = exp.results["ref-k2-align-nu-a0"], exp.results["ref-k2-align-a0"]
+    assert nu.kv_bytes_per_token_bf16 == uniform.kv_bytes_per_token_bf16
+    assert sum(nu.kv_heads_per_layer or [2, 2, 2]) == 6 and uniform.kv_heads_per_layer is None
+    teachers = {Path(c.out).name: c.teacher for c in configs if c.init_from}
+    assert teachers["ref-k2-align-kd-a0.1"] == cfg.model == teachers["ref-k2-align-nu-kd-a0.1"]
+    assert teachers["ref-k2-align-a0.1"] is None and teachers["ref-k4-mha-a0.1"] is None
+    text = write_report(exp, "kvslim experiment gqa").read_text()
+    assert "| 2 (GQA-2 bytes, per layer) | align-nu |" in text
+    assert any("non-uniform beats uniform" in c[0] for c in goal_checks(exp))
 
 
 @pytest.mark.parametrize("shard,message", [("2/2", "need 0 <= I < N"), ("a/b", "must look like I/N")])

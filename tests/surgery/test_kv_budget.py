@@ -43,13 +43,20 @@ def test_allocation_respects_the_budget_and_is_optimal(costs, budget):
             allocate(costs, budget)
         return
     picks = allocate(costs, budget)
-    assert sum(picks) <= budget
-    best = min(sum(c[k] for c, k in zip(costs, combo))
-               for combo in itertools.product(*[list(c) for c in costs]) if sum(combo) <= budget)
+    combos = [combo for combo in itertools.product(*[list(c) for c in costs])
+              if sum(combo) <= budget]
+    most = max(map(sum, combos))
+    assert sum(picks) == most                # the whole budget, where any choice sums to it
+    best = min(sum(c[k] for c, k in zip(costs, combo)) for combo in combos if sum(combo) == most)
     assert sum(c[k] for c, k in zip(costs, picks)) == pytest.approx(best)
 
 
-def test_the_sensitive_layer_gets_more_heads():
+def test_the_budget_is_spent_even_where_a_count_measured_cheaper():
+    noisy = {4: 0.0, 2: 0.3, 1: 0.2}                       # K=1 measured below K=2
+    assert allocate([noisy, noisy], 4) == [2, 2]             # not [1, 2], 0.5 < 0.6
+    assert sorted(allocate([noisy, noisy, noisy], 7)) == [1, 2, 4]
+    assert allocate([{8: 0.0, 4: 1.0}, {8: 0.0, 4: 1.0}], 11) == [4, 4]   # 11 unreachable
+
     flat = {8: 0.0, 4: 0.1, 2: 0.2, 1: 0.3}
     sensitive = {8: 0.0, 4: 1.0, 2: 5.0, 1: 9.0}
     assert allocate([flat, sensitive, flat, flat], 12) == [2, 8, 1, 1]

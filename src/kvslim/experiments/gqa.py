@@ -19,14 +19,16 @@ from pathlib import Path
 
 from kvslim.errors import KvslimError
 from kvslim.models.config import ModelConfig
-from kvslim.surgery.convert import convert_to_gqa
+from kvslim.surgery.convert import convert_to_budget, convert_to_gqa
 from kvslim.eval.perplexity import file_perplexity
 from kvslim.train.train_config import TrainConfig
 from kvslim.train.trainer import train
 
 RESULTS = "results.json"
-# Arms: a conversion (`kvslim convert --method`), "-kd" for uptraining by distillation.
-METHODS = ("mean", "first", "random", "align", "align-kd")
+# Arms: a conversion (`kvslim convert --method`; "-nu": per-layer KV heads chosen by measured
+# sensitivity within the KV bytes of the uniform count, `convert --kv-budget`), "-kd" for
+# uptraining by distillation from the unconverted model.
+METHODS = ("mean", "first", "random", "align", "align-kd", "align-nu", "align-nu-kd")
 
 
 def conversion_of(method: str) -> str:
@@ -35,6 +37,10 @@ def conversion_of(method: str) -> str:
 
 def distills(method: str) -> bool:
     return method.endswith("-kd")
+
+
+def is_nonuniform(method: str) -> bool:
+    return conversion_of(method).endswith("-nu")
 
 
 @dataclass
@@ -59,6 +65,7 @@ class ExperimentConfig:
     seq_len: int = 256
     uptrain_lr: float = 2e-4             # where pretraining ended: a higher peak undoes it
     calib_samples: int = 32
+    sensitivity_samples: int = 8         # windows the per-layer loss of "-nu" arms is measured on
     ppl_context: int = 256
     ppl_stride: int = 128
     ppl_max_tokens: int | None = None
@@ -68,6 +75,8 @@ class ExperimentConfig:
     smollm2_batch_size: int = 4
     smollm2_lr: float = 1e-4
     smollm2_ppl_max_tokens: int | None = 12_000
+    smollm2_kd_steps: list[int] = field(default_factory=lambda: [30, 120])
+    smollm2_nu_heads: float = 1.5        # the non-uniform arm's budget, in KV heads per layer
     shard: tuple[int, int] = (0, 1)      # (i, n): this process runs jobs i, i+n, i+2n, ...
 
 
@@ -75,7 +84,7 @@ class ExperimentConfig:
 class RunResult:
     name: str
     model: str                           # "ref" or "smollm2"
-    kv_heads: int
+    kv_heads: float                      # per layer: the count, or a budget's mean (-nu arms)
     method: str                          # "mha" for the unconverted model / control
     alpha: float
     uptrain_steps: int
@@ -83,6 +92,7 @@ class RunResult:
     kv_bytes_per_token_fp32: int
     kv_bytes_per_token_bf16: int
     seconds: float
+    kv_heads_per_layer: list[int] | None = None    # -nu arms: what the allocation chose
 
 
 class Experiment:
@@ -131,15 +141,24 @@ class Experiment:
         for k in ks:
             for method in self.cfg.methods:
                 extra = self.cfg.extra_alphas if method in self.cfg.extra_methods else []
-                # a distilled arm at alpha = 0 is its conversion's arm
+                # a distilled arm at alpha = 0 is its conversion's arm; at one KV head per
+                # layer a budget has one allocation, the uniform one: measured once, at 0
                 runs += [(k, method, a) for a in self.cfg.alphas + extra
-                         if a > 0 or not distills(method)]
+                         if (a > 0 or not distills(method))
+                         and (a == 0 or k > 1 or not is_nonuniform(method))]
         extra = self._only_extra_alphas
         return sorted(runs, key=lambda r: (r[2] in extra, r[2], r[0] not in (h, h // 4)))
 
-    def smollm2_plan(self) -> list[tuple[str, int, int]]:
-        return [("mha", 3, 0)] + [(m, 1, s) for s in (0, self.cfg.smollm2_steps)
-                                   for m in ("mean", "align")]
+    def smollm2_plan(self) -> list[tuple[str, float, int]]:
+        """(method, KV heads per layer, uptraining steps): the original, MQA by mean and align,
+        then distilled MQA and the non-uniform budget (cheapest first)."""
+        kd = sorted(self.cfg.smollm2_kd_steps)
+        nu = self.cfg.smollm2_nu_heads
+        return ([("mha", 3, 0)] + [(m, 1, s) for s in (0, self.cfg.smollm2_steps)
+                                    for m in ("mean", "align")]
+                + [("align-kd", 1, s) for s in kd[:1]] + [("align-nu", nu, 0)]
+                + [("align-nu-kd", nu, s) for s in kd[:1]]
+                + [("align-kd", 1, s) for s in kd[1:]])
 
     def jobs(self) -> list[tuple]:
         """All runs in order; SmolLM2 goes before the extra alphas."""
@@ -167,7 +186,7 @@ class Experiment:
             _, k, method, alpha = job
             return f"ref-k{k}-{method}-a{alpha:g}"
         _, method, k, steps = job
-        return f"smollm2-k{k}-{method if method != 'mha' else 'orig'}-s{steps}"
+        return f"smollm2-k{k:g}-{method if method != 'mha' else 'orig'}-s{steps}"
 
     def run(self) -> None:
         """Run this shard's jobs in order. Processes started with the same shard share them as a
@@ -213,18 +232,28 @@ class Experiment:
             model_dir = self._uptrain(converted, self.work / name, steps, self.cfg.batch_size,
                                       self.cfg.uptrain_lr, teacher)
         ppl = self._ppl(model_dir, self.cfg.ppl_max_tokens)
-        self._save(self._result(name, "ref", model_dir, method, alpha, steps, ppl, start))
+        self._save(self._result(name, "ref", model_dir, method, alpha, steps, ppl, start, k))
 
-    def _converted(self, src: str, tag: str, k: int, method: str) -> Path:
+    def _converted(self, src: str, tag: str, k: float, method: str) -> Path:
+        """`method` is a conversion (no -kd); k KV heads per layer, or their mean for -nu."""
         if method == "mha":
             return Path(src)
-        out = self.work / f"{tag}-k{k}-{method}"
+        out = self.work / f"{tag}-k{k:g}-{method}"
+        c = self.cfg
         with self._locked(out.name):             # another process may be converting it
-            if not (out / "config.json").is_file():
-                convert_to_gqa(src, out, k, method, calib=self.cfg.train,
-                               calib_samples=self.cfg.calib_samples,
-                               calib_seq_len=self.cfg.seq_len, seed=self.cfg.seed,
-                               show_progress=self.show_progress)
+            if (out / "config.json").is_file():
+                return out
+            if is_nonuniform(method):
+                fraction = k / ModelConfig.from_dir(src).num_key_value_heads
+                convert_to_budget(src, out, "sensitivity", fraction,
+                                  method=method.removesuffix("-nu"), calib=c.train,
+                                  calib_samples=c.calib_samples, calib_seq_len=c.seq_len,
+                                  sensitivity_samples=c.sensitivity_samples, seed=c.seed,
+                                  show_progress=self.show_progress)
+            else:
+                convert_to_gqa(src, out, int(k), method, calib=c.train,
+                               calib_samples=c.calib_samples, calib_seq_len=c.seq_len,
+                               seed=c.seed, show_progress=self.show_progress)
         return out
 
     def _uptrain(self, src: Path, out: Path, steps: int, batch: int, lr: float,
@@ -249,24 +278,27 @@ class Experiment:
                                self.cfg.ppl_stride, max_tokens,
                                show_progress=self.show_progress).perplexity
 
-    def _result(self, name, tag, model_dir, method, alpha, steps, ppl, start) -> RunResult:
+    def _result(self, name, tag, model_dir, method, alpha, steps, ppl, start, k) -> RunResult:
         mc = ModelConfig.from_dir(model_dir)
-        return RunResult(name, tag, mc.num_key_value_heads, method, alpha, steps, ppl,
+        return RunResult(name, tag, k, method, alpha, steps, ppl,
                          mc.kv_bytes_per_token("float32"), mc.kv_bytes_per_token("bfloat16"),
-                         round(time.time() - start, 1))
+                         round(time.time() - start, 1),
+                         list(mc.layer_kv_heads) if mc.layer_kv_heads else None)
 
     # ---- SmolLM2 -------------------------------------------------------------------------
-    def _run_smollm2(self, name: str, method: str, k: int, steps: int) -> None:
+    def _run_smollm2(self, name: str, method: str, k: float, steps: int) -> None:
         from kvslim.formats.registry import default_model_dir
         src = str(default_model_dir(self.show_progress))
         start = time.time()
-        model_dir = self._converted(src, "smollm2", k, method) if method != "mha" else Path(src)
+        model_dir = self._converted(src, "smollm2", k, conversion_of(method))
         if steps:
             model_dir = self._uptrain(model_dir, self.work / name, steps,
-                                      self.cfg.smollm2_batch_size, self.cfg.smollm2_lr)
+                                      self.cfg.smollm2_batch_size, self.cfg.smollm2_lr,
+                                      src if distills(method) else None)
         ppl = self._ppl(model_dir, self.cfg.smollm2_ppl_max_tokens)
         self._save(self._result(name, "smollm2", model_dir,
-                                method if method != "mha" else "original", 0.0, steps, ppl, start))
+                                method if method != "mha" else "original", 0.0, steps, ppl, start,
+                                k))
 
 
 def _last_step(model_dir: Path) -> int:

