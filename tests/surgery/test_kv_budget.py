@@ -142,3 +142,16 @@ def test_cli_budget_errors_are_one_line(hf_checkpoints, tmp_path, calib_file):
         assert r.returncode != 0
         assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
         assert not (tmp_path / "o").exists()
+
+
+def test_cli_budget_conversion_json(hf_checkpoints, tmp_path, calib_file, capsys):
+    from kvslim.cli.main import main
+    src = make_one_layer_sensitive(hf_checkpoints["mha8"], tmp_path / "src")
+    assert main(["convert", str(src), str(tmp_path / "o"), "--kv-budget", "0.3125",
+                 "--method", "mean", "--calib", str(calib_file), "--calib-seq-len", "32",
+                 "--sensitivity-samples", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_heads"] == [1, 4] and out["allocation"] == "sensitivity"
+    assert out["kv_bytes_per_token"] == 5 * 2 * 8 * 4
+    assert main(["info", str(tmp_path / "o")]) == 0
+    assert "KV heads / layer  1 4" in capsys.readouterr().out

@@ -29,6 +29,8 @@ def register(sub) -> None:
     p.add_argument("--calib-seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="print the result (per-layer KV heads, measured losses) as JSON")
     p.set_defaults(func=run_convert)
 
     p = sub.add_parser("uptrain", help="continue training a converted model")
@@ -67,20 +69,28 @@ def register(sub) -> None:
 def run_convert(args) -> int:
     from kvslim.models.config import ModelConfig
     from kvslim.surgery.convert import convert_to_budget, convert_to_gqa
+    show = not (args.quiet or args.json)
     if args.kv_heads is not None:
         method = args.method or "mean"
         out = convert_to_gqa(args.src, args.dst, args.kv_heads, method, args.calib,
-                             args.calib_samples, args.calib_seq_len, args.seed, not args.quiet)
+                             args.calib_samples, args.calib_seq_len, args.seed, show)
+        record = {"allocation": None, "method": method}
+    else:
+        method = args.method or "align"
+        out = convert_to_budget(args.src, args.dst, args.allocate, args.kv_budget,
+                                args.kv_bytes_per_token, method, args.calib, args.calib_samples,
+                                args.calib_seq_len, args.sensitivity_samples, args.seed, show)
+        record = json.loads((out / "kv_allocation.json").read_text())
+    config = ModelConfig.from_dir(out)
+    heads = config.kv_heads_per_layer
+    if args.json:
+        print(json.dumps({**record, "model": str(out), "kv_heads": list(heads),
+                          "kv_bytes_per_token": config.kv_bytes_per_token(config.torch_dtype)}))
+    elif args.kv_heads is not None:
         print(f"wrote {out} ({args.kv_heads} KV heads, method {method})")
-        return 0
-    method = args.method or "align"
-    out = convert_to_budget(args.src, args.dst, args.allocate, args.kv_budget,
-                            args.kv_bytes_per_token, method, args.calib, args.calib_samples,
-                            args.calib_seq_len, args.sensitivity_samples, args.seed,
-                            not args.quiet)
-    heads = ModelConfig.from_dir(out).kv_heads_per_layer
-    print(f"wrote {out} (KV heads per layer {' '.join(map(str, heads))}: {sum(heads)} in all, "
-          f"allocation {args.allocate}, method {method})")
+    else:
+        print(f"wrote {out} (KV heads per layer {' '.join(map(str, heads))}: {sum(heads)} in "
+              f"all, allocation {args.allocate}, method {method})")
     return 0
 
 

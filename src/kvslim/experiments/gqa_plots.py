@@ -70,16 +70,7 @@ def _ppl_vs_kv_bytes(exp: Experiment, path: Path) -> Path:
             ax.plot(*zip(*sorted(pts)), marker="o", color=COLORS[m],
                     linestyle="-" if a else ":", label=f"{m}, alpha={a:g}")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("KV-cache bytes per token (bf16)")
-    ax.set_ylabel("test perplexity")
-    ax.set_title("Quality vs KV-cache size")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, "KV-cache bytes per token (bf16)", "Quality vs KV-cache size")
 
 
 def _smollm2_ppl_vs_tokens(exp: Experiment, path: Path) -> Path:
@@ -102,10 +93,17 @@ def _smollm2_ppl_vs_tokens(exp: Experiment, path: Path) -> Path:
         ax.axhline(orig.test_ppl, color="black", linestyle="--", label="original (3 KV heads)")
         ax.axhline(orig.test_ppl * (1 + SMOLLM2_GOAL), color="black", linestyle=":",
                    label=f"goal: +{SMOLLM2_GOAL:.0%}")
+    return _save(fig, ax, path, "uptraining tokens",
+                 "SmolLM2-135M: perplexity vs uptraining tokens")
+
+
+def _save(fig, ax, path: Path, xlabel: str, title: str) -> Path:
+    """Log perplexity axis, labels, grid and legend; written and closed."""
+    import matplotlib.pyplot as plt
     ax.set_yscale("log")
-    ax.set_xlabel("uptraining tokens")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("test perplexity")
-    ax.set_title("SmolLM2-135M: perplexity vs uptraining tokens")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
