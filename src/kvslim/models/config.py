@@ -152,9 +152,9 @@ class ModelConfig:
         model with per-layer KV heads sums its layers'."""
         if self.mla is not None and num_kv_heads is None:
             return self.mla.cache_elements_per_token(self.num_hidden_layers)
-        return self._total_kv_heads(num_kv_heads) * (self.head_dim + self.v_head_dim)
+        return self._kv_heads_summed_over_layers(num_kv_heads) * (self.head_dim + self.v_head_dim)
 
-    def _total_kv_heads(self, num_kv_heads: int | None) -> int:
+    def _kv_heads_summed_over_layers(self, num_kv_heads: int | None) -> int:
         """KV heads summed over layers: this model's, or `num_kv_heads` in every layer."""
         if num_kv_heads is not None:
             return self.num_hidden_layers * num_kv_heads
@@ -170,7 +170,7 @@ class ModelConfig:
         the engine does not run) one per cached latent row and layer."""
         if self.mla is not None and num_kv_heads is None:
             return self.num_hidden_layers
-        return 2 * self._total_kv_heads(num_kv_heads)
+        return 2 * self._kv_heads_summed_over_layers(num_kv_heads)
 
     def kv_scale_bytes_per_token(self, num_kv_heads: int | None = None) -> int:
         """Bytes of those scales (float16, `KV_SCALE_DTYPE`), added to `kv_bytes_per_token`."""

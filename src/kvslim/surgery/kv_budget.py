@@ -36,7 +36,9 @@ def heads_budget(config: ModelConfig, fraction: float | None = None,
         budget, asked = math.floor(fraction * total + 1e-9), f"--kv-budget {fraction:g}"
     else:
         from kvslim.models.config import parse_dtype
-        per_head = 2 * config.head_dim * (dtype_bytes or parse_dtype(config.torch_dtype).itemsize)
+        itemsize = dtype_bytes or parse_dtype(config.torch_dtype).itemsize
+        # one KV head of one layer: the model's one-head pricing, per layer
+        per_head = config.kv_elements_per_token(1) // layers * itemsize
         budget, asked = bytes_per_token // per_head, f"--kv-bytes-per-token {bytes_per_token}"
         if bytes_per_token > total * per_head:
             raise KvslimError(f"{asked} is above the source's {total * per_head} bytes per "
