@@ -245,3 +245,9 @@ def test_a_quantized_import_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="holds quantized weights .gguf.; export-gguf writes"):
         export_gguf(kept, tmp_path / "out.gguf", "q4_0")
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_a_qk_norm_model_is_refused(hf_checkpoints, tmp_path):
+    with pytest.raises(ConfigError, match="no q/k norms: Qwen3ForCausalLM"):
+        export_gguf(hf_checkpoints["qwen3"], tmp_path / "q.gguf", "f32", show_progress=False)
+    assert list(tmp_path.iterdir()) == []

@@ -78,6 +78,18 @@ def test_transformers_loads_the_result_with_identical_logits(hf_checkpoints, tmp
         assert (hf(IDS).logits - logits(dst)).abs().max() <= 1e-4
 
 
+def test_qwen3_converts_by_mean_and_transformers_loads_it(hf_checkpoints, tmp_path, calib_file):
+    dst = convert_to_gqa(hf_checkpoints["qwen3"], tmp_path / "out", 1, "mean",
+                         show_progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+    assert hf.config.model_type == "qwen3" and hf.config.num_key_value_heads == 1
+    with torch.no_grad():
+        assert (hf(IDS).logits - logits(dst)).abs().max() <= 1e-4
+    with pytest.raises(KvslimError, match="q/k norms do not commute"):
+        convert_to_gqa(hf_checkpoints["qwen3"], tmp_path / "a", 1, "align", calib=calib_file)
+    assert not (tmp_path / "a").exists()
+
+
 @pytest.mark.parametrize("kv_heads,message", [
     (3, "does not divide the model's 8 KV heads"),
     (16, "more than the model's 8 KV heads"),

@@ -54,6 +54,9 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "f16",
         raise ConfigError(f"{model_dir} holds quantized weights ({config.quantization.method}); "
                           "export-gguf writes from float weights: export its float32 import "
                           "(import-gguf --dtype float32) instead")
+    if config.qk_norm:
+        raise ConfigError(f"export-gguf writes llama-architecture files, which have no q/k "
+                          f"norms: {config.architecture} cannot be exported yet")
     vocab = gguf_vocab(model_dir, config)
     model = load_model(model_dir, dtype=parse_dtype(config.torch_dtype))
     tensors = tensor_plan(model.hf_state_dict(), config, dtype)

@@ -8,6 +8,7 @@ from torch import nn
 
 from kvslim.layers.linear import Linear, QKVLinear
 from kvslim.layers.mlp import ROW_MAJOR
+from kvslim.layers.norm import RMSNorm
 from kvslim.layers.quant_linear import QuantLinear, QuantQKVLinear, QuantSpec
 from kvslim.layers.rope import apply_rope
 
@@ -15,8 +16,13 @@ from kvslim.layers.rope import apply_rope
 class Attention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  layer_idx: int, qkv_bias: bool = False, o_bias: bool = False,
-                 quant: QuantSpec | None = None):
+                 quant: QuantSpec | None = None, qk_norm_eps: float | None = None):
+        """qk_norm_eps: normalise each query and key head (RMSNorm over head_dim, one weight
+        for all query heads and one for all key heads) before RoPE, as Qwen3 does."""
         super().__init__()
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
@@ -39,7 +45,10 @@ class Attention(nn.Module):
         lead = x.shape[:-1]
         h, kv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(*lead, h + 2 * kv, self.head_dim)
-        qk = apply_rope(qkv[..., :h + kv, :], cos, sin)
+        qk = qkv[..., :h + kv, :]
+        if hasattr(self, "q_norm"):
+            qk = torch.cat([self.q_norm(qk[..., :h, :]), self.k_norm(qk[..., h:, :])], dim=-2)
+        qk = apply_rope(qk, cos, sin)
         q, k, v = qk[..., :h, :], qk[..., h:, :], qkv[..., h + kv:, :]
         out = attn.attend(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(*lead, h * self.head_dim))

@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 # Architectures read for their shapes only (`from_hf_dict(..., runnable=False)`), so that the
 # memory planner sizes them from the same parser; nothing in kvslim runs them.
@@ -76,6 +77,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
+    qk_norm: bool = False              # RMSNorm of each query and key head before RoPE (Qwen3)
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -249,7 +251,8 @@ class ModelConfig:
             eos = cfg.get("eos_token_id")
             eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
             is_qwen2 = arch == "Qwen2ForCausalLM"
-            use_sw = cfg.get("use_sliding_window", not is_qwen2)
+            is_qwen3 = arch == "Qwen3ForCausalLM"
+            use_sw = cfg.get("use_sliding_window", not (is_qwen2 or is_qwen3))
             mla = mla_from_hf(cfg) if arch == "DeepseekV2ForCausalLM" else None
             layer_heads = _layer_kv_heads_from_hf(cfg)
             config = cls(
@@ -270,6 +273,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 qkv_bias=True if is_qwen2 else bool(cfg.get("attention_bias", False)),
                 o_bias=False if is_qwen2 else bool(cfg.get("attention_bias", False)),
+                qk_norm=is_qwen3,
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,

@@ -1,4 +1,5 @@
-"""One GQA-native decoder for the Llama family (Llama, Mistral, Qwen2). Parameter names follow
+"""One GQA-native decoder for the Llama family (Llama, Mistral, Qwen2, and Qwen3: the same
+decoder with each query and key head RMS-normalised before RoPE). Parameter names follow
 HF transformers except for the fused projections, q/k/v (`qkv_proj`) and gate/up
 (`gate_up_proj`); `packed_modules_mapping` is the weight-name rule between the two, used by
 `load_weights` (checkpoint in) and `hf_state_dict` (checkpoint out)."""
@@ -26,7 +27,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config.hidden_size, config.num_attention_heads,
                                    config.kv_heads_of(layer_idx), config.head_dim, layer_idx,
-                                   config.qkv_bias, config.o_bias, config.quantization)
+                                   config.qkv_bias, config.o_bias, config.quantization,
+                                   config.rms_norm_eps if config.qk_norm else None)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
                              config.quantization)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -40,6 +40,14 @@ def check_target(config: ModelConfig, kv_heads: int, layer: int | None = None) -
                               f"KV heads (num_attention_heads={config.num_attention_heads})")
 
 
+def check_method(config: ModelConfig, method: str) -> None:
+    if method == "align" and config.qk_norm:
+        # align rotates keys and queries per RoPE frequency pair before they are normalised; a
+        # per-channel RMSNorm weight does not commute with those rotations
+        raise KvslimError(f"--method align does not convert {config.architecture} (its q/k "
+                          f"norms do not commute with align's rotations); use --method mean")
+
+
 def layer_targets(config: ModelConfig, kv_heads) -> list[int]:
     """One KV head count per layer: `kv_heads` everywhere, or a per-layer sequence."""
     if isinstance(kv_heads, int) or not hasattr(kv_heads, "__len__"):
@@ -100,6 +108,7 @@ def convert_to_gqa(src: str | Path, dst: str | Path, kv_heads, method: str = "me
     model = model or load_model(src, dtype=torch.float32)
     config = model.config
     kv_heads = layer_targets(config, kv_heads)
+    check_method(config, method)
     if method == "align":
         if calib is None:
             raise KvslimError("--method align needs calibration text: --calib FILE")
@@ -138,6 +147,7 @@ def convert_to_budget(src: str | Path, dst: str | Path, allocation: str = "sensi
     if method not in METHODS:
         raise KvslimError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
     config = ModelConfig.from_dir(src)
+    check_method(config, method)
     budget = heads_budget(config, kv_budget, kv_bytes_per_token)
     if (allocation == "sensitivity" or method == "align") and calib is None:
         raise KvslimError(f"--allocate {allocation} --method {method} needs calibration text: "
