@@ -22,6 +22,7 @@ VARIANTS: dict[str, dict] = {
     "mqa": dict(arch="llama", num_attention_heads=8, num_key_value_heads=1),
     "qwen2_bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24),
+    "phi3": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2),   # fused qkv
     "tied": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2,
                  tie_word_embeddings=True),
     "llama3_rope": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2,
@@ -35,12 +36,12 @@ VARIANTS: dict[str, dict] = {
 
 
 def hf_config(variant: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
     spec = dict(VARIANTS[variant])
     arch = spec.pop("arch")
     spec.pop("shard", None)
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
-           "qwen3": Qwen3Config}[arch]
+           "qwen3": Qwen3Config, "phi3": Phi3Config}[arch]
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 max_position_embeddings=512, initializer_range=0.15, bos_token_id=None,
                 eos_token_id=None, pad_token_id=None, rms_norm_eps=1e-5)

@@ -43,3 +43,18 @@ def test_name_and_source_take_no_part_in_equality(tmp_path):
     cfg = PUBLISHED_CONFIGS["SmolLM2-135M"][1]
     named = ModelConfig.from_hf_dict(cfg, name="a", source="b")
     assert named == ModelConfig.from_hf_dict(cfg) and named.replace().name == "a"
+
+
+PHI3 = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+     "unsupported rope_scaling type 'longrope'; supported: default, linear, llama3"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+])
+def test_phi3_variants_kvslim_cannot_run_are_refused(extra, message):
+    assert ModelConfig.from_hf_dict(PHI3).model_type == "phi3"
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict({**PHI3, **extra})

@@ -78,13 +78,21 @@ def test_transformers_loads_the_result_with_identical_logits(hf_checkpoints, tmp
         assert (hf(IDS).logits - logits(dst)).abs().max() <= 1e-4
 
 
-def test_qwen3_converts_by_mean_and_transformers_loads_it(hf_checkpoints, tmp_path, calib_file):
-    dst = convert_to_gqa(hf_checkpoints["qwen3"], tmp_path / "out", 1, "mean",
+@pytest.mark.parametrize("variant", ["qwen3", "phi3"])
+def test_other_families_convert_and_transformers_loads_them(hf_checkpoints, tmp_path, variant):
+    """Qwen3's q/k norms; Phi-3's fused qkv_proj / gate_up_proj, split at load, fused again
+    when written."""
+    dst = convert_to_gqa(hf_checkpoints[variant], tmp_path / "out", 1, "mean",
                          show_progress=False)
     hf = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
-    assert hf.config.model_type == "qwen3" and hf.config.num_key_value_heads == 1
+    assert hf.config.model_type == variant and hf.config.num_key_value_heads == 1
     with torch.no_grad():
         assert (hf(IDS).logits - logits(dst)).abs().max() <= 1e-4
+    names = set(load_file(dst / "model.safetensors"))
+    assert ("model.layers.0.self_attn.qkv_proj.weight" in names) == (variant == "phi3")
+
+
+def test_align_refuses_qk_norms(hf_checkpoints, tmp_path, calib_file):
     with pytest.raises(KvslimError, match="q/k norms do not commute"):
         convert_to_gqa(hf_checkpoints["qwen3"], tmp_path / "a", 1, "align", calib=calib_file)
     assert not (tmp_path / "a").exists()

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from kvslim.errors import WeightsError
 from kvslim.formats.quant_layouts import LAYOUTS, gptq_weights
 from kvslim.formats.compressed_tensors_int import is_symmetric_zero_point
+from kvslim.models.checkpoint_names import from_checkpoint, needs_translation
 from kvslim.models.config import ModelConfig, parse_dtype
 from kvslim.models.llama import LlamaForCausalLM
 from kvslim.layers.rope import RotaryEmbedding
@@ -106,6 +107,9 @@ def _checked_weights(model_dir: Path, config: ModelConfig, expected: dict[str, t
     shape against `expected` before it is read. Another tool's quantized layout is converted
     to the GPTQ layout first (formats/quant_layouts.py) and checked after."""
     spec = config.quantization
+    if spec is not None and config.model_type == "phi3":
+        raise WeightsError(f"{model_dir}: quantized {config.architecture} checkpoints are not "
+                           "supported yet (their fused projections have no quantized reader)")
     if spec is not None and spec.method in LAYOUTS:
         stored = ((path, name, f.get_tensor(name)) for path, f, name in _stored(model_dir, config))
         for path, name, tensor in gptq_weights(spec, stored, expected):
@@ -113,6 +117,11 @@ def _checked_weights(model_dir: Path, config: ModelConfig, expected: dict[str, t
             yield name, tensor
         return
     for path, f, name in _stored(model_dir, config):
+        if needs_translation(name, config):          # e.g. Phi-3's fused qkv_proj
+            for part, tensor in from_checkpoint(name, f.get_tensor(name), config):
+                _check(path, part, tuple(tensor.shape), config, expected)
+                yield part, tensor
+            continue
         _check(path, name, tuple(f.get_slice(name).get_shape()), config, expected)
         yield name, f.get_tensor(name)
 

@@ -12,6 +12,8 @@ import torch
 from kvslim.attention.kv_cache import KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES
 from kvslim.errors import ConfigError
 from kvslim.layers.quant_linear import QuantSpec
+from kvslim.models.hf_fields import (LAYER_KV_HEADS_KEY, check_rotary_fraction,
+                                     layer_kv_heads_from_hf, rope_from_hf)
 from kvslim.models.shape_only import MLAConfig, MoEConfig, mla_from_hf, moe_from_hf
 
 # Architectures a model in models/ implements: the engine runs them.
@@ -20,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 # Architectures read for their shapes only (`from_hf_dict(..., runnable=False)`), so that the
 # memory planner sizes them from the same parser; nothing in kvslim runs them.
@@ -29,10 +32,6 @@ SHAPE_ONLY_ARCHITECTURES = {
 }
 ARCHITECTURES = {**SUPPORTED_ARCHITECTURES, **SHAPE_ONLY_ARCHITECTURES}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# Per-layer KV head counts in config.json, under DeciLM's name for them. transformers' own
-# Llama classes read only num_key_value_heads, so they cannot load a model that has this key
-# (its k/v projections have other shapes than they build): docs/gqa-uptraining.md.
-LAYER_KV_HEADS_KEY = "num_key_value_heads_per_layer"
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -247,14 +246,15 @@ class ModelConfig:
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
-            rope_theta, rope_scaling = _rope_from_hf(cfg)
+            rope_theta, rope_scaling = rope_from_hf(cfg)
+            check_rotary_fraction(cfg)
             eos = cfg.get("eos_token_id")
             eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
             is_qwen2 = arch == "Qwen2ForCausalLM"
             is_qwen3 = arch == "Qwen3ForCausalLM"
             use_sw = cfg.get("use_sliding_window", not (is_qwen2 or is_qwen3))
             mla = mla_from_hf(cfg) if arch == "DeepseekV2ForCausalLM" else None
-            layer_heads = _layer_kv_heads_from_hf(cfg)
+            layer_heads = layer_kv_heads_from_hf(cfg)
             config = cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -369,27 +369,3 @@ def _architecture_from_model_type(model_type: str | None, runnable: bool = True)
             return arch
     raise ConfigError(f"config.json: no supported architecture (architectures missing, "
                       f"model_type={model_type!r})")
-
-
-def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """Both layouts: transformers v5 `rope_parameters` and the older `rope_theta` + `rope_scaling`."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = dict(cfg.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    merged = {**scaling, **params}
-    if "type" in merged and "rope_type" not in merged:
-        merged["rope_type"] = merged.pop("type")
-    merged.pop("type", None)
-    if merged.get("rope_type", "default") == "default":
-        return theta, None
-    return theta, merged
-
-
-def _layer_kv_heads_from_hf(cfg: dict[str, Any]) -> tuple[int, ...] | None:
-    heads = cfg.get(LAYER_KV_HEADS_KEY)
-    if heads is None:
-        return None
-    if not isinstance(heads, list) or not heads or not all(isinstance(k, int) for k in heads):
-        raise ConfigError(f"config.json: {LAYER_KV_HEADS_KEY} must be a list of integers, "
-                          f"got {heads!r}")
-    return tuple(heads)
