@@ -20,7 +20,7 @@ def test_capture_sizes_and_padding_shapes():
     assert capture_batch_sizes(6) == [1, 2, 4, 6]
     layer = KVCacheLayer(torch.zeros(4, 16, 1, 8), torch.zeros(4, 16, 1, 8))
     graphs = DecodeGraphs(None, [layer], 48,
-                          max_num_seqs=6, max_blocks_per_seq=10, sliding_window=None,
+                          max_num_seqs=6, max_blocks_per_seq=10, layer_windows=[None],
                           use_graphs=False)
     assert graphs.shape_for(3, 3) == (4, 4)
     assert graphs.shape_for(5, 9) == (6, 10)      # width capped at the table's

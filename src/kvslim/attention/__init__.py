@@ -13,9 +13,9 @@ from kvslim.attention.dense import DenseAttention
 from kvslim.attention.kv_cache import (KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, KVCacheLayer, QuantizedKVCacheLayer,
                                        resolve_kv_cache_dtype)
 from kvslim.attention.metadata import (PagedAttentionMetadata, PagedStepLayout, PrefillChunk,
-                                       build_paged_metadata)
+                                       build_layer_metadata, build_paged_metadata)
 from kvslim.attention.paged import PagedAttention
 
 __all__ = ["KV_SCALE_DTYPE", "QUANTIZED_KV_DTYPES", "DenseAttention", "KVCacheLayer", "QuantizedKVCacheLayer",
            "resolve_kv_cache_dtype", "PagedAttention", "PagedAttentionMetadata", "PagedStepLayout",
-           "PrefillChunk", "build_paged_metadata"]
+           "PrefillChunk", "build_layer_metadata", "build_paged_metadata"]

@@ -5,6 +5,8 @@ Like the paged backend, the mask is built once per forward pass (`build_dense_ma
 layers only read it."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvslim.attention.grouped import MaskCache, causal_mask, grouped_sdpa
@@ -26,12 +28,20 @@ def build_dense_mask(seq_len: int, device: torch.device, padding_mask: torch.Ten
 
 class DenseAttention:
     def __init__(self, seq_len: int, device: torch.device, padding_mask: torch.Tensor | None = None,
-                 sliding_window: int | None = None):
-        """padding_mask [B, T] bool, True for real tokens (left or right padding both work)."""
-        self.allowed = build_dense_mask(seq_len, device, padding_mask, sliding_window)
+                 sliding_window: int | None | Sequence[int | None] = None):
+        """padding_mask [B, T] bool, True for real tokens (left or right padding both work).
+        sliding_window: one window for every layer, or one per layer (None: global), as in
+        models that mix local and global layers; one mask is built per distinct window."""
+        self.layer_windows = (list(sliding_window) if isinstance(sliding_window, (list, tuple))
+                              else None)
+        windows = set(self.layer_windows) if self.layer_windows is not None else {sliding_window}
+        self.allowed = {w: build_dense_mask(seq_len, device, padding_mask, w) for w in windows}
+        self.default = sliding_window if self.layer_windows is None else None
         self.masks = MaskCache()
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         group = q.shape[-2] // k.shape[-2]
-        return grouped_sdpa(q, k, v, self.masks.get(0, self.allowed, group, q.dtype), scale)
+        window = self.default if self.layer_windows is None else self.layer_windows[layer_idx]
+        mask = self.masks.get(window or 0, self.allowed[window], group, q.dtype)
+        return grouped_sdpa(q, k, v, mask, scale)

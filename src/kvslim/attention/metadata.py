@@ -87,3 +87,13 @@ def _prefill_allowed(chunk: PrefillChunk, device: torch.device,
     if chunk.query_len == chunk.context_len and sliding_window is None:
         return None
     return causal_mask(chunk.query_len, chunk.context_len, device, sliding_window)[None]
+
+
+def build_layer_metadata(layout: PagedStepLayout, block_size: int,
+                         layer_windows: list[int | None], graph_safe: bool = False,
+                         ) -> list[PagedAttentionMetadata]:
+    """Per layer, the metadata of its window: one object per distinct window (a model that
+    mixes local and global layers builds two), shared by the layers that have it."""
+    built = {w: build_paged_metadata(layout, block_size, w, graph_safe)
+             for w in dict.fromkeys(layer_windows)}
+    return [built[w] for w in layer_windows]

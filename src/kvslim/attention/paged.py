@@ -16,14 +16,19 @@ from kvslim.attention.metadata import PagedAttentionMetadata
 
 
 class PagedAttention:
-    def __init__(self, kv_caches: list[KVCacheLayer], meta: PagedAttentionMetadata):
+    def __init__(self, kv_caches: list[KVCacheLayer],
+                 meta: PagedAttentionMetadata | list[PagedAttentionMetadata]):
+        """meta: the step's metadata, or one per layer (`build_layer_metadata`: layers with
+        different sliding windows read different masks over the same layout)."""
         self.kv_caches = kv_caches
-        self.meta = meta
-        self.masks = MaskCache()
+        self.layer_metas = meta if isinstance(meta, list) else [meta] * len(kv_caches)
+        self.mask_caches = {id(m): MaskCache() for m in self.layer_metas}
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         """q [N, H, D]; k, v [N, KVH, D] for the step's new tokens. Returns [N, H, D]."""
+        self.meta = self.layer_metas[layer_idx]
+        self.masks = self.mask_caches[id(self.meta)]
         cache = self.kv_caches[layer_idx]
         k, v = cache.write(self.meta.layout.slot_mapping, k, v)
         nd = self.meta.layout.num_decode_tokens

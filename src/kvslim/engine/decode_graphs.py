@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvslim.attention import PagedAttention, PagedStepLayout, build_paged_metadata
+from kvslim.attention import PagedAttention, PagedStepLayout, build_layer_metadata
 
 MAX_GRAPHS = 64         # captured (batch, width) shapes; beyond that, new shapes run eagerly
 
@@ -30,9 +30,9 @@ def _next_power_of_two(n: int) -> int:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, scratch_slot: int, max_num_seqs: int,
-                 max_blocks_per_seq: int, sliding_window: int | None, use_graphs: bool):
+                 max_blocks_per_seq: int, layer_windows: list[int | None], use_graphs: bool):
         self.model, self.kv_caches = model, kv_caches
-        self.sliding_window = sliding_window
+        self.layer_windows = layer_windows
         self.use_graphs = use_graphs
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
         self.max_blocks = max_blocks_per_seq
@@ -90,7 +90,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:batch], num_decode_tokens=batch,
             decode_block_tables=self.block_tables[:batch, :width],
             decode_context_lens=self.context_lens[:batch])
-        meta = build_paged_metadata(layout, self.block_size, self.sliding_window, graph_safe=True)
+        meta = build_layer_metadata(layout, self.block_size, self.layer_windows, graph_safe=True)
         attn = PagedAttention(self.kv_caches, meta)
         return self.model(self.input_ids[:batch], self.positions[:batch], attn=attn)
 

@@ -8,7 +8,7 @@ import itertools
 import torch
 
 from kvslim.attention import (KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, KVCacheLayer, PagedAttention, PagedStepLayout,
-                              PrefillChunk, QuantizedKVCacheLayer, build_paged_metadata,
+                              PrefillChunk, QuantizedKVCacheLayer, build_layer_metadata,
                               resolve_kv_cache_dtype)
 from kvslim.engine.block_table import BlockTables
 from kvslim.engine.config import EngineConfig, num_kv_blocks
@@ -78,7 +78,7 @@ class ModelRunner:
         # Padding rows write into the reserved block after the last one in use.
         return DecodeGraphs(self.model, self.kv_caches, self.num_blocks * self.block_size,
                             self.config.max_num_seqs, self.block_tables.table.shape[1],
-                            self.model.config.sliding_window, use_graphs)
+                            list(self.model.config.layer_sliding_windows), use_graphs)
 
     def enable_padded_decode(self) -> None:
         """Run pure decode steps through the decode-graph path without CUDA graphs: padded
@@ -142,7 +142,8 @@ class ModelRunner:
         if self.decode_graphs is not None and not layout.prefills:
             hidden = self.decode_graphs.run(input_ids, positions, layout)
         if hidden is None:
-            meta = build_paged_metadata(layout, self.block_size, self.model.config.sliding_window)
+            meta = build_layer_metadata(layout, self.block_size,
+                                        list(self.model.config.layer_sliding_windows))
             hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_caches, meta))
         return hidden, entries, query_starts
 

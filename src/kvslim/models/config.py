@@ -81,6 +81,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
+    # Per layer, "sliding_attention" (the window) or "full_attention"; None: every layer has
+    # `sliding_window` (Mistral) or none. Gemma 3 mixes them.
+    layer_types: tuple[str, ...] | None = None
     torch_dtype: str = "float32"
     # KV heads of each layer when they differ (a non-uniform GQA conversion); None: every layer
     # has num_key_value_heads, which is then the widest layer's count.
@@ -133,6 +136,14 @@ class ModelConfig:
 
     def kv_heads_of(self, layer_idx: int) -> int:
         return self.kv_heads_per_layer[layer_idx]
+
+    @property
+    def layer_sliding_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: it sees the whole context)."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_hidden_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None
+                     for t in self.layer_types)
 
     @property
     def attention_kind(self) -> str:

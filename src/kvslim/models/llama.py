@@ -81,7 +81,7 @@ class LlamaForCausalLM(nn.Module):
         attended causally (with `padding_mask` [B, T] marking real tokens, if any)."""
         if attn is None:
             attn = DenseAttention(input_ids.shape[-1], input_ids.device, padding_mask,
-                                  self.config.sliding_window)
+                                  list(self.config.layer_sliding_windows))
         if positions is None:
             positions = default_positions(input_ids, padding_mask)
         return self.model(input_ids, positions, attn)
