@@ -23,6 +23,16 @@ VARIANTS: dict[str, dict] = {
     "qwen2_bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24),
     "phi3": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2),   # fused qkv
+    # local layers with a window shorter than most prompts between global ones, each with
+    # its own RoPE base; MQA, head_dim != hidden / heads, an attention scale != head_dim
+    "gemma3": dict(arch="gemma3", num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                   num_hidden_layers=3, layer_types=["sliding_attention", "full_attention",
+                                                     "sliding_attention"],
+                   sliding_window=7, query_pre_attn_scalar=24,
+                   rope_parameters={"full_attention": {"rope_type": "default",
+                                                       "rope_theta": 100000.0},
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 1000.0}}),
     "tied": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2,
                  tie_word_embeddings=True),
     "llama3_rope": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2,
@@ -36,12 +46,13 @@ VARIANTS: dict[str, dict] = {
 
 
 def hf_config(variant: str):
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
     spec = dict(VARIANTS[variant])
     arch = spec.pop("arch")
     spec.pop("shard", None)
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
-           "qwen3": Qwen3Config, "phi3": Phi3Config}[arch]
+           "qwen3": Qwen3Config, "phi3": Phi3Config, "gemma3": Gemma3TextConfig}[arch]
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 max_position_embeddings=512, initializer_range=0.15, bos_token_id=None,
                 eos_token_id=None, pad_token_id=None, rms_norm_eps=1e-5)

@@ -18,6 +18,7 @@ from kvslim.formats.quant_layouts import LAYOUTS, gptq_weights
 from kvslim.formats.compressed_tensors_int import is_symmetric_zero_point
 from kvslim.models.checkpoint_names import from_checkpoint, needs_translation
 from kvslim.models.config import ModelConfig, parse_dtype
+from kvslim.models.families import model_class
 from kvslim.models.llama import LlamaForCausalLM
 from kvslim.layers.rope import RotaryEmbedding
 
@@ -62,7 +63,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto",
     device = torch.device(device)
     dtype = resolve_dtype(dtype, config, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)(config)
     # Allocated once, uninitialised, in the final dtype and device; each checkpoint tensor is
     # then copied into its place (a row block of a fused parameter or a whole one).
     model.to(dtype=dtype).to_empty(device=device)
@@ -80,8 +81,9 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto",
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise WeightsError(f"missing weight {missing[0]!r}{more} in {model_dir}")
-    model.model.rotary = RotaryEmbedding(config.head_dim, config.rope_theta,
-                                         config.rope_scaling).to(device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset(device)
     return model.eval()
 
 
@@ -169,7 +171,7 @@ def init_model(config: ModelConfig, seed: int = 0, std: float = 0.02,
     are drawn per HF-named tensor in checkpoint order, so a fused parameter gets the same
     values its separate checkpoint matrices would."""
     gen = torch.Generator().manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)(config)
     with torch.no_grad():
         for name, p in model.hf_state_dict().items():
             if config.tie_word_embeddings and name == "lm_head.weight":

@@ -1,4 +1,4 @@
-"""RMSNorm, as Llama-family models compute it."""
+"""RMSNorm, as Llama-family models compute it, and Gemma's variant."""
 from __future__ import annotations
 
 import torch
@@ -20,3 +20,18 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is an offset from one (initialised to zeros) and the product
+    is taken in float32 before the cast back, not after it as in Llama."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)

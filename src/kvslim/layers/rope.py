@@ -39,7 +39,13 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None):
         super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def reset(self, device: torch.device) -> None:
+        """Recompute the frequencies on `device` (after a model built on the meta device is
+        allocated: they are not in any checkpoint)."""
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] -> cos, sin [..., head_dim], in the activation dtype."""

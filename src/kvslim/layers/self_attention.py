@@ -16,16 +16,18 @@ from kvslim.layers.rope import apply_rope
 class Attention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  layer_idx: int, qkv_bias: bool = False, o_bias: bool = False,
-                 quant: QuantSpec | None = None, qk_norm_eps: float | None = None):
-        """qk_norm_eps: normalise each query and key head (RMSNorm over head_dim, one weight
-        for all query heads and one for all key heads) before RoPE, as Qwen3 does."""
+                 quant: QuantSpec | None = None, qk_norm_eps: float | None = None,
+                 qk_norm_cls: type[nn.Module] = RMSNorm, scale: float | None = None):
+        """qk_norm_eps: normalise each query and key head (`qk_norm_cls` over head_dim, one
+        weight for all query heads and one for all key heads) before RoPE, as Qwen3 and Gemma 3
+        do. scale: the attention logits' factor (default head_dim ** -0.5)."""
         super().__init__()
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.q_norm = qk_norm_cls(head_dim, qk_norm_eps)
+            self.k_norm = qk_norm_cls(head_dim, qk_norm_eps)
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
         if quant is None:
             self.qkv_proj = QKVLinear(hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias)
             self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)

@@ -12,7 +12,8 @@ import torch
 from kvslim.attention.kv_cache import KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES
 from kvslim.errors import ConfigError
 from kvslim.layers.quant_linear import QuantSpec
-from kvslim.models.hf_fields import (LAYER_KV_HEADS_KEY, check_rotary_fraction,
+from kvslim.models.hf_fields import (LAYER_KV_HEADS_KEY, activation_from_hf,
+                                     check_rotary_fraction, gemma3_fields, gemma3_hf_fields,
                                      layer_kv_heads_from_hf, rope_from_hf)
 from kvslim.models.shape_only import MLAConfig, MoEConfig, mla_from_hf, moe_from_hf
 
@@ -23,6 +24,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 # Architectures read for their shapes only (`from_hf_dict(..., runnable=False)`), so that the
 # memory planner sizes them from the same parser; nothing in kvslim runs them.
@@ -84,6 +86,9 @@ class ModelConfig:
     # Per layer, "sliding_attention" (the window) or "full_attention"; None: every layer has
     # `sliding_window` (Mistral) or none. Gemma 3 mixes them.
     layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"           # the gated MLP's activation (Gemma: gelu_pytorch_tanh)
+    query_pre_attn_scalar: float | None = None   # attention scale = its ** -0.5 (Gemma)
+    rope_local_theta: float | None = None        # RoPE base of the sliding layers (Gemma 3)
     torch_dtype: str = "float32"
     # KV heads of each layer when they differ (a non-uniform GQA conversion); None: every layer
     # has num_key_value_heads, which is then the widest layer's count.
@@ -251,9 +256,7 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else _architecture_from_model_type(cfg.get("model_type"),
                                                                      runnable)
-        hidden_act = cfg.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ConfigError(f"config.json: hidden_act {hidden_act!r} is not supported (only silu)")
+        hidden_act = activation_from_hf(cfg)
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -266,7 +269,8 @@ class ModelConfig:
             use_sw = cfg.get("use_sliding_window", not (is_qwen2 or is_qwen3))
             mla = mla_from_hf(cfg) if arch == "DeepseekV2ForCausalLM" else None
             layer_heads = layer_kv_heads_from_hf(cfg)
-            config = cls(
+            family = gemma3_fields(cfg) if arch == "Gemma3ForCausalLM" else {}
+            fields = dict(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -296,7 +300,9 @@ class ModelConfig:
                 mla=mla,
                 name=name,
                 source=source,
+                hidden_act=hidden_act,
             )
+            config = cls(**{**fields, **family})
         except KeyError as e:
             raise ConfigError(f"config.json: missing required field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -350,7 +356,7 @@ class ModelConfig:
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
-            hidden_act="silu",
+            hidden_act=self.hidden_act,
             rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta,
             rope_parameters=rope,
@@ -365,6 +371,9 @@ class ModelConfig:
             cfg["attention_bias"] = self.qkv_bias
         if self.model_type == "llama":
             cfg["mlp_bias"] = self.mlp_bias
+        if self.model_type == "gemma3_text":
+            cfg.pop("rope_theta", None)
+            cfg.update(gemma3_hf_fields(self))
         return cfg
 
     def replace(self, **changes: Any) -> "ModelConfig":

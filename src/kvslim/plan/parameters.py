@@ -10,11 +10,12 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
     h, layers = config.hidden_size, config.num_hidden_layers
     embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
     total = active = embeddings + h                         # + the final norm
+    norms = (4 if config.model_type == "gemma3_text" else 2) * h    # Gemma: around both blocks
     for layer in range(layers):
         attention = _mla_params(config) if config.mla else _attention_params(config, layer)
         mlp_total, mlp_active = _mlp_params(config, layer)
-        total += attention + 2 * h + mlp_total              # 2 norms per layer
-        active += attention + 2 * h + mlp_active
+        total += attention + norms + mlp_total
+        active += attention + norms + mlp_active
     return total, active
 
 
@@ -25,8 +26,9 @@ def _linear(n_in: int, n_out: int, bias: bool) -> int:
 def _attention_params(config: ModelConfig, layer: int) -> int:
     h, d = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.kv_heads_of(layer) * d
+    qk_norms = 2 * d if config.qk_norm else 0
     return (_linear(h, q, config.qkv_bias) + 2 * _linear(h, kv, config.qkv_bias)
-            + _linear(q, h, config.o_bias))
+            + _linear(q, h, config.o_bias) + qk_norms)
 
 
 def _mla_params(config: ModelConfig) -> int:
