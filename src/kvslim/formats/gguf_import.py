@@ -18,11 +18,12 @@ from tqdm import tqdm
 from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig
 from kvslim.formats.gguf_blocks import TYPE_IDS, kept_type
+from kvslim.formats import gguf_gemma3
 from kvslim.formats.gguf_file import GGUFFile, dequantize_tensor
 from kvslim.formats.gguf_tokenizer import tokenizer_files, write_tokenizer_files
 from kvslim.formats.writer import save_model
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
 
 GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -57,7 +58,12 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool 
     gguf = GGUFFile.open(gguf_path)
     config = config_from_gguf(gguf)
     tok_files = tokenizer_files(gguf)
-    names = {t.name: hf_tensor_name(t.name) for t in gguf.tensors}
+    names = {t.name: hf_tensor_name(t.name, gguf.architecture) for t in gguf.tensors}
+    if config.model_type == "gemma3_text":       # Gemma 3 runs from float weights
+        if require_quantized:
+            raise ConfigError(f"{gguf.path.name}: kvslim imports gemma3 GGUF files as float32 "
+                              "only (--dtype float32)")
+        keep_quantized = False
     other = first_unkept_linear(gguf) if keep_quantized or require_quantized else None
     if other is not None and require_quantized:
         raise ConfigError(f"{gguf.path.name}: tensor {other[0]!r} is {other[1]}, which kvslim "
@@ -71,11 +77,17 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool 
         state = {}
         for tensor in tqdm(gguf.tensors, desc=f"importing {gguf.path.name}", unit="tensor",
                            disable=not show_progress):
-            weight = dequantize_tensor(tensor)
-            state[names[tensor.name]] = unpermute_qk(tensor.name, weight, config)
+            state[names[tensor.name]] = from_gguf(tensor.name, dequantize_tensor(tensor), config)
         out = save_model(state, config, out_dir, dtype=torch.float32)
     write_tokenizer_files(tok_files, out)
     return out
+
+
+def from_gguf(gguf_name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """A dequantized tensor in the layout transformers holds it in."""
+    if config.model_type == "gemma3_text":
+        return gguf_gemma3.from_gguf(gguf_name, weight, config)
+    return unpermute_qk(gguf_name, weight, config)
 
 
 def is_linear(gguf_name: str) -> bool:
@@ -143,7 +155,9 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     tokens = gguf.get("tokenizer.ggml.tokens") or []
     vocab = optional("vocab_size", None) or len(tokens) or _embedding_rows(gguf)
     eos = gguf.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    family = {} if arch == "llama" else gguf_gemma3.gemma3_config_fields(
+        int(key("block_count")), head_dim, optional("attention.sliding_window", None))
+    return ModelConfig(**{**dict(
         architecture="LlamaForCausalLM",
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -164,7 +178,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         mlp_bias="blk.0.ffn_gate.bias" in names,
         bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
-    )
+    ), **family})
 
 
 def _check_head_dims(gguf: GGUFFile, arch: str, head_dim: int) -> None:
@@ -201,14 +215,15 @@ def _embedding_rows(gguf: GGUFFile) -> int:
 
 
 # ---- tensors -----------------------------------------------------------------------------
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    layer_tensors = gguf_gemma3.LAYER_TENSORS if arch == "gemma3" else LAYER_TENSORS
     if m := _LAYER_NAME.fullmatch(gguf_name):
         layer, part, kind = m.groups()
-        if part in LAYER_TENSORS:
-            return f"model.layers.{layer}.{LAYER_TENSORS[part]}.{kind}"
+        if part in layer_tensors:
+            return f"model.layers.{layer}.{layer_tensors[part]}.{kind}"
     elif (m := _GLOBAL_NAME.fullmatch(gguf_name)) and m.group(1) in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
-    raise ConfigError(f"unexpected GGUF tensor {gguf_name!r} for a llama model")
+    raise ConfigError(f"unexpected GGUF tensor {gguf_name!r} for a {arch} model")
 
 
 def unpermute_qk(gguf_name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
