@@ -70,3 +70,23 @@ def test_cli_json(hf_checkpoints, calib_file):
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     assert result["num_tokens"] == 299 and result["perplexity"] > 1
+
+
+def test_bos_goes_before_every_window_unscored(hf_checkpoints):
+    """A tokenizer that prepends BOS (Gemma, Llama 2) gets it before every window: the same
+    tokens are scored, each window's logits computed after BOS."""
+    model = load_model(hf_checkpoints["gqa"], dtype=torch.float32)
+    tokens = torch.randint(3, 300, (70,), generator=torch.Generator().manual_seed(2))
+    plain = perplexity(model, tokens.numpy(), 32, 16, show_progress=False)
+    with_bos = perplexity(model, tokens.numpy(), 32, 16, show_progress=False, bos_token_id=1)
+    assert with_bos.num_tokens == plain.num_tokens == 69
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for begin, end, scored in windows(70, 32, 16):
+            ids = torch.cat([torch.tensor([1]), tokens[begin:end]])[None]
+            logp = torch.log_softmax(model.logits(ids)[0].float(), -1)
+            for t in range(end - begin - scored, end - begin):     # window position of a target
+                nll -= float(logp[t, tokens[begin + t]])
+                count += 1
+    assert count == 69 and with_bos.nll == pytest.approx(nll / count, rel=1e-5)
+    assert with_bos.nll != pytest.approx(plain.nll, rel=1e-3)

@@ -11,6 +11,7 @@ from kvslim.engine.config import EngineConfig
 from kvslim.engine.llm_engine import LLMEngine
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.models.config import ModelConfig
+from kvslim.tokenizer.tokenizer import Tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Once upon a time, in a small village,"]
@@ -41,6 +42,7 @@ def test_config_is_gemma3_270m(gemma3_dir):
     assert (c.num_attention_heads, c.num_key_value_heads, c.vocab_size) == (4, 1, 262144)
     assert c.layer_sliding_windows.count(None) == 3 and c.sliding_window == 512
     assert c.layer_sliding_windows[5] is None and c.layer_sliding_windows[4] == 512
+    assert Tokenizer.from_dir(gemma3_dir).prepended_bos_id == 2     # <bos>, before every text
 
 
 def test_engine_matches_transformers_on_the_same_gguf(gemma3_dir, reference):

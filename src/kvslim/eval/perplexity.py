@@ -49,7 +49,10 @@ def windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, 
 @torch.no_grad()
 def perplexity(model: LlamaForCausalLM, tokens, context: int = 512, stride: int = 256,
                max_tokens: int | None = None, batch_size: int = 8,
-               show_progress: bool = True) -> PerplexityResult:
+               show_progress: bool = True, bos_token_id: int | None = None) -> PerplexityResult:
+    """bos_token_id: put it before every window (unscored), as the model sees every prompt
+    when its tokenizer adds one (Gemma, Llama 2; llama.cpp's perplexity does the same); the
+    scored tokens are the same either way."""
     tokens = torch.from_numpy(np.asarray(tokens[:max_tokens] if max_tokens else tokens[:],
                                          dtype=np.int64))
     if tokens.numel() < 2:
@@ -60,12 +63,15 @@ def perplexity(model: LlamaForCausalLM, tokens, context: int = 512, stride: int 
     bar = tqdm(total=len(plan), desc="perplexity", unit="window", disable=not show_progress)
     for i in range(0, len(plan), batch_size):
         group = plan[i:i + batch_size]
-        width = max(end - begin for begin, end, _ in group)
+        lead = 0 if bos_token_id is None else 1
+        width = max(end - begin for begin, end, _ in group) + lead
         ids = torch.zeros(len(group), width, dtype=torch.long)
         targets = torch.full((len(group), width), -100, dtype=torch.long)
         for row, (begin, end, scored) in enumerate(group):
-            n = end - begin
-            ids[row, :n] = tokens[begin:end]
+            n = end - begin + lead
+            if lead:
+                ids[row, 0] = bos_token_id
+            ids[row, lead:n] = tokens[begin:end]
             # Position t predicts token t + 1; score the last `scored` tokens of the window.
             targets[row, n - 1 - scored:n - 1] = tokens[end - scored:end]
         logits = model.logits(ids.to(device)).float()
@@ -86,5 +92,7 @@ def file_perplexity(model_dir: str | Path, data: str | Path, context: int = 512,
     from kvslim.tokenizer.tokenizer import Tokenizer
     from kvslim.train.data import tokenize_file
     model = load_model(model_dir, dtype=dtype, device=resolve_device(device))
-    tokens = tokenize_file(data, Tokenizer.from_dir(model_dir), show_progress)
-    return perplexity(model, tokens, context, stride, max_tokens, show_progress=show_progress)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    tokens = tokenize_file(data, tokenizer, show_progress)
+    return perplexity(model, tokens, context, stride, max_tokens, show_progress=show_progress,
+                      bos_token_id=tokenizer.prepended_bos_id)

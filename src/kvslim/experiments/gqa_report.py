@@ -166,7 +166,9 @@ def _reference_section(exp: Experiment, images: list[Path]) -> str:
 
 {ref_table(exp)}
 
-Per-layer KV heads of the non-uniform conversions (from `kv_allocation.json` beside each):
+Per-layer KV heads of the non-uniform conversions (from `kv_allocation.json` beside each).
+At the bytes of K = 1 every layer must keep its one head (none may have zero), so `align-nu`
+there is the uniform `align` model and is not uptrained again.
 
 {allocation_table(exp)}
 ![perplexity vs alpha]({images[0]})

@@ -63,6 +63,13 @@ class Tokenizer:
         return self.token_id(self.token_str("bos_token"))
 
     @property
+    def prepended_bos_id(self) -> int | None:
+        """The BOS id `encode` puts before a text (Gemma, Llama 2), None when it puts none."""
+        with_special = self.tok.encode("a", add_special_tokens=True).ids
+        bos = self.bos_token_id
+        return bos if bos is not None and with_special[:1] == [bos] else None
+
+    @property
     def eos_token_ids(self) -> list[int]:
         """Every id that ends generation: generation_config's list, then the tokenizer's EOS."""
         ids = self.generation_config.get("eos_token_id")
