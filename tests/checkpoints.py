@@ -23,6 +23,9 @@ VARIANTS: dict[str, dict] = {
     "qwen2_bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24),
     "phi3": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2),   # fused qkv
+    "yarn_rope": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2,
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                    "original_max_position_embeddings": 16}),
     # local layers with a window shorter than most prompts between global ones, each with
     # its own RoPE base; MQA, head_dim != hidden / heads, an attention scale != head_dim
     "gemma3": dict(arch="gemma3", num_attention_heads=4, num_key_value_heads=1, head_dim=32,

@@ -51,8 +51,12 @@ PHI3 = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 100, "hidden_size": 
 
 @pytest.mark.parametrize("extra,message", [
     ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
-     "unsupported rope_scaling type 'longrope'; supported: default, linear, llama3"),
+     "unsupported rope_scaling type 'longrope'; supported: default, linear, llama3, yarn"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     "unsupported rope_scaling type 'dynamic'; supported: default, linear, llama3, yarn"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+     "yarn rope_scaling needs original_max_position_embeddings"),
 ])
 def test_phi3_variants_kvslim_cannot_run_are_refused(extra, message):
     assert ModelConfig.from_hf_dict(PHI3).model_type == "phi3"

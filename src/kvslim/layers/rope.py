@@ -1,4 +1,6 @@
-"""Rotary position embeddings (RoPE) with the `linear` and `llama3` frequency scalings.
+"""Rotary position embeddings (RoPE) with the `linear`, `llama3` and `yarn` frequency scalings.
+(`dynamic` NTK and `longrope` change the frequencies with the current sequence's length, which a
+batch of sequences of different lengths does not have: config.py refuses them.)
 
 cos/sin are computed from positions on the fly in float32, like the reference implementation,
 so that any position (also after preemption or prefix-cache hits) is exact."""
@@ -20,7 +22,53 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     raise ValueError(f"unsupported rope type {rope_type!r}")
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: 1, except for YaRN, whose softmax temperature is
+    folded in there (0.1 ln(factor) + 1 by default, as in the paper and transformers)."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def _yarn_factor(scaling: dict[str, Any]) -> float:
+    return float(scaling["factor"])          # present: config.py checks
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(dim: int, base: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """NTK-by-parts (Peng et al., 2023): dimensions that rotate fewer than beta_slow times over
+    the original context are interpolated by `factor`, those that rotate more than beta_fast
+    times are kept, the band between is ramped linearly."""
+    factor, old_len = _yarn_factor(scaling), float(scaling["original_max_position_embeddings"])
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001                       # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    keep = 1 - ramp                         # 1: extrapolate (keep), 0: interpolate
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -40,6 +88,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.attention_factor = rope_attention_factor(scaling)
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
 
     def reset(self, device: torch.device) -> None:
@@ -51,6 +100,9 @@ class RotaryEmbedding(nn.Module):
         """positions [...] -> cos, sin [..., head_dim], in the activation dtype."""
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_factor != 1.0:
+            return ((emb.cos() * self.attention_factor).to(dtype),
+                    (emb.sin() * self.attention_factor).to(dtype))
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

@@ -33,7 +33,7 @@ SHAPE_ONLY_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
 }
 ARCHITECTURES = {**SUPPORTED_ARCHITECTURES, **SHAPE_ONLY_ARCHITECTURES}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -222,6 +222,10 @@ class ModelConfig:
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ConfigError(f"config.json: unsupported rope_scaling type {rope_type!r}; "
                                   f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+            missing = [k for k in ("factor", "original_max_position_embeddings")
+                       if rope_type == "yarn" and self.rope_scaling.get(k) is None]
+            if missing:
+                raise ConfigError(f"config.json: yarn rope_scaling needs {', '.join(missing)}")
         parse_dtype(self.torch_dtype)
         if self.runnable:
             self.quantization                       # noqa: B018 (validates quantization_config)
