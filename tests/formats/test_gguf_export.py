@@ -143,8 +143,9 @@ def test_qwen2_biases_and_llama3_rope_factors(hf_checkpoints, exported):
     tensors = read_back(exported("qwen2_bias", "f16"))
     q_bias = state["model.layers.1.self_attn.q_proj.bias"]
     assert tensors["blk.1.attn_q.bias"][0] == Q.F32
-    np.testing.assert_array_equal(tensors["blk.1.attn_q.bias"][1],
-                                  gguf_layout("blk.1.attn_q.bias", q_bias, cfg))
+    # a qwen2 file: rows as HF has them (llama.cpp's converter permutes only llama files)
+    np.testing.assert_array_equal(tensors["blk.1.attn_q.bias"][1], q_bias.numpy())
+    assert not np.array_equal(q_bias.numpy(), gguf_layout("blk.1.attn_q.bias", q_bias, cfg))
     cfg = ModelConfig.from_dir(hf_checkpoints["llama3_rope"])
     qtype, factors = read_back(exported("llama3_rope", "f32"))["rope_freqs.weight"]
     scaled = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -247,7 +248,44 @@ def test_a_quantized_import_is_refused(tmp_path):
     assert not (tmp_path / "out.gguf").exists()
 
 
-def test_a_qk_norm_model_is_refused(hf_checkpoints, tmp_path):
-    with pytest.raises(ConfigError, match="no q/k norms: Qwen3ForCausalLM"):
-        export_gguf(hf_checkpoints["qwen3"], tmp_path / "q.gguf", "f32", show_progress=False)
+def test_an_architecture_without_an_exporter_is_refused(hf_checkpoints, tmp_path):
+    with pytest.raises(ConfigError, match="llama, qwen2, qwen3 GGUF files: Gemma3ForCausalLM"):
+        export_gguf(hf_checkpoints["gemma3"], tmp_path / "g.gguf", "f32", show_progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def qwen3_head_dim_128(root):
+    """transformers' GGUF reader builds Qwen3 with its default head_dim, 128 (as every released
+    Qwen3 has): a tiny checkpoint with that head size."""
+    from checkpoints import hf_config, write_tokenizer
+    from transformers import AutoModelForCausalLM
+    cfg = hf_config("qwen3")
+    cfg.head_dim = 128
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(root)
+    write_tokenizer(root)
+    return root
+
+
+@pytest.mark.parametrize("variant,arch", [("qwen2_bias", "qwen2"), ("qwen3", "qwen3")])
+def test_qwen_architectures_round_trip_and_transformers_reads_them(hf_checkpoints, tmp_path,
+                                                                   variant, arch):
+    """qwen2 / qwen3 files: Q/K rows as HF stores them (llama.cpp permutes only for `llama`),
+    biases, qwen3's q/k norms. transformers' own GGUF reader is the reference."""
+    from transformers import AutoModelForCausalLM
+    src = hf_checkpoints[variant] if arch == "qwen2" else qwen3_head_dim_128(tmp_path / "q3")
+    path = export_gguf(src, tmp_path / f"{arch}.gguf", "f32", show_progress=False)
+    assert gguf.GGUFReader(path).fields["general.architecture"].contents() == arch
+    ours = load_model(src, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                               dtype=torch.float32).eval()
+    again = load_model(import_gguf(path, tmp_path / "back", show_progress=False))
+    assert again.config.architecture == ours.config.architecture
+    with torch.no_grad():
+        assert (ref(IDS).logits - ours.logits(IDS)).abs().max().item() <= 1e-5
+        assert torch.equal(again.logits(IDS), ours.logits(IDS))

@@ -1,8 +1,9 @@
-"""Export an HF-format model directory as a llama-architecture GGUF file that llama.cpp and Ollama
-run: the inverse of `gguf_import`, using the same tensor-name table.
+"""Export an HF-format model directory as a GGUF file that llama.cpp and Ollama run (the `llama`
+architecture for Llama, Mistral and Phi-3, `qwen2` and `qwen3` for those): the inverse of
+`gguf_import`, using the same tensor-name tables (gguf_archs.py).
 
-Like llama.cpp's own converter, it reorders Q and K rows (llama.cpp's RoPE rotates adjacent
-pairs, HF's rotates halves), keeps 1-D tensors (norms, biases) in F32, and writes the byte-level
+Like llama.cpp's own converter, it reorders Q and K rows of `llama` files (llama.cpp's RoPE
+rotates adjacent pairs there, HF's rotates halves), keeps 1-D tensors (norms, biases) in F32, and writes the byte-level
 BPE vocabulary with llama.cpp's token types. Everything is read and checked before the output is
 opened, and the file is written under a temporary name and renamed when complete, so a failed
 export leaves nothing behind. Tensors are converted and written one at a time."""
@@ -21,7 +22,8 @@ from tqdm import tqdm
 
 from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig, parse_dtype
-from kvslim.formats.gguf_import import GLOBAL_TENSORS, LAYER_TENSORS
+from kvslim.formats.gguf_archs import EXPORT_ARCHITECTURES, LAYER_TENSORS, permutes_qk
+from kvslim.formats.gguf_import import GLOBAL_TENSORS
 from kvslim.formats.gguf_tokenizer import CONTROL, LLAMA3_SPLIT, USER_DEFINED
 from kvslim.formats.loader import load_model
 from kvslim.layers.rope import rope_inv_freq
@@ -38,7 +40,8 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 SPLIT_PRE_NAMES = {LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2"}
 
 _HF_GLOBAL = {hf: gguf for gguf, hf in GLOBAL_TENSORS.items()}
-_HF_LAYER = {hf: gguf for gguf, hf in LAYER_TENSORS.items()}
+_HF_LAYER = {arch: {hf: gguf for gguf, hf in names.items()}
+             for arch, names in LAYER_TENSORS.items()}
 _HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _HF_GLOBAL_NAME = re.compile(r"(.+)\.(weight|bias)")
 
@@ -54,14 +57,15 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "f16",
         raise ConfigError(f"{model_dir} holds quantized weights ({config.quantization.method}); "
                           "export-gguf writes from float weights: export its float32 import "
                           "(import-gguf --dtype float32) instead")
-    if config.qk_norm:
-        raise ConfigError(f"export-gguf writes llama-architecture files, which have no q/k "
-                          f"norms: {config.architecture} cannot be exported yet")
+    arch = EXPORT_ARCHITECTURES.get(config.model_type)
+    if arch is None:
+        raise ConfigError(f"export-gguf writes {', '.join(sorted(set(EXPORT_ARCHITECTURES.values())))} "
+                          f"GGUF files: {config.architecture} cannot be exported yet")
     vocab = gguf_vocab(model_dir, config)
     model = load_model(model_dir, dtype=parse_dtype(config.torch_dtype))
-    tensors = tensor_plan(model.hf_state_dict(), config, dtype)
+    tensors = tensor_plan(model.hf_state_dict(), config, dtype, arch)
     tmp = out_path.with_name(f".{out_path.name}.partial")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer = gguf.GGUFWriter(str(tmp), arch)
     try:
         add_model_metadata(writer, config, model_dir.name, dtype)
         vocab.add_to(writer)
@@ -250,8 +254,8 @@ class TensorPlan:
         return quantize(self.values.to(torch.float32).numpy(), self.qtype)
 
 
-def tensor_plan(state: dict[str, torch.Tensor], config: ModelConfig, dtype: str
-                ) -> list[TensorPlan]:
+def tensor_plan(state: dict[str, torch.Tensor], config: ModelConfig, dtype: str,
+                arch: str = "llama") -> list[TensorPlan]:
     from gguf import GGMLQuantizationType as Q
     target = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0,
               "q4_1": Q.Q4_1}[dtype]
@@ -261,9 +265,10 @@ def tensor_plan(state: dict[str, torch.Tensor], config: ModelConfig, dtype: str
     for hf_name, value in state.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue                   # llama.cpp reuses token_embd when `output` is absent
-        name = gguf_tensor_name(hf_name)
+        name = gguf_tensor_name(hf_name, arch)
         kind = Q.Q8_0 if target in (Q.Q4_0, Q.Q4_1) and name in EMBEDDING_TENSORS else target
-        plan.append(TensorPlan(name, permute_qk(name, value, config), storage_type(value, kind)))
+        value = permute_qk(name, value, config) if permutes_qk(arch) else value
+        plan.append(TensorPlan(name, value, storage_type(value, kind)))
     return plan
 
 
@@ -279,14 +284,14 @@ def storage_type(value: torch.Tensor, target):
     return target
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     if m := _HF_LAYER_NAME.fullmatch(hf_name):
         layer, part, kind = m.groups()
-        if part in _HF_LAYER:
-            return f"blk.{layer}.{_HF_LAYER[part]}.{kind}"
+        if part in _HF_LAYER[arch]:
+            return f"blk.{layer}.{_HF_LAYER[arch][part]}.{kind}"
     elif (m := _HF_GLOBAL_NAME.fullmatch(hf_name)) and m.group(1) in _HF_GLOBAL:
         return f"{_HF_GLOBAL[m.group(1)]}.{m.group(2)}"
-    raise ConfigError(f"no GGUF name for weight {hf_name!r} of a llama model")
+    raise ConfigError(f"no GGUF name for weight {hf_name!r} of a {arch} model")
 
 
 def permute_qk(gguf_name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:

@@ -19,28 +19,20 @@ from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig
 from kvslim.formats.gguf_blocks import TYPE_IDS, kept_type
 from kvslim.formats import gguf_gemma3
+from kvslim.formats.gguf_archs import (HF_ARCHITECTURES, LAYER_TENSORS as ARCH_LAYER_TENSORS,
+                                       LLAMA_LAYER_TENSORS, permutes_qk)
 from kvslim.formats.gguf_file import GGUFFile, dequantize_tensor
 from kvslim.formats.gguf_tokenizer import tokenizer_files, write_tokenizer_files
 from kvslim.formats.writer import save_model
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
+SUPPORTED_GGUF_ARCHITECTURES = tuple(HF_ARCHITECTURES)
 
 GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-LAYER_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
+LAYER_TENSORS = LLAMA_LAYER_TENSORS
 FLOAT_TYPES = ("F32", "F16", "BF16")
 LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -87,7 +79,14 @@ def from_gguf(gguf_name: str, weight: torch.Tensor, config: ModelConfig) -> torc
     """A dequantized tensor in the layout transformers holds it in."""
     if config.model_type == "gemma3_text":
         return gguf_gemma3.from_gguf(gguf_name, weight, config)
-    return unpermute_qk(gguf_name, weight, config)
+    if permutes_qk(gguf_arch(config)):
+        return unpermute_qk(gguf_name, weight, config)
+    return weight
+
+
+def gguf_arch(config: ModelConfig) -> str:
+    """The GGUF architecture a config was imported from."""
+    return next(a for a, hf in HF_ARCHITECTURES.items() if hf == config.architecture)
 
 
 def is_linear(gguf_name: str) -> bool:
@@ -155,8 +154,10 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     tokens = gguf.get("tokenizer.ggml.tokens") or []
     vocab = optional("vocab_size", None) or len(tokens) or _embedding_rows(gguf)
     eos = gguf.get("tokenizer.ggml.eos_token_id")
-    family = {} if arch == "llama" else gguf_gemma3.gemma3_config_fields(
-        int(key("block_count")), head_dim, optional("attention.sliding_window", None))
+    family = {"architecture": HF_ARCHITECTURES[arch], "qk_norm": arch == "qwen3"}
+    if arch == "gemma3":
+        family.update(gguf_gemma3.gemma3_config_fields(
+            int(key("block_count")), head_dim, optional("attention.sliding_window", None)))
     return ModelConfig(**{**dict(
         architecture="LlamaForCausalLM",
         vocab_size=int(vocab),
@@ -216,7 +217,7 @@ def _embedding_rows(gguf: GGUFFile) -> int:
 
 # ---- tensors -----------------------------------------------------------------------------
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
-    layer_tensors = gguf_gemma3.LAYER_TENSORS if arch == "gemma3" else LAYER_TENSORS
+    layer_tensors = ARCH_LAYER_TENSORS[arch]
     if m := _LAYER_NAME.fullmatch(gguf_name):
         layer, part, kind = m.groups()
         if part in layer_tensors:

@@ -16,7 +16,7 @@ import torch
 from kvslim.errors import WeightsError
 from kvslim.formats.gguf_blocks import kept_type, tensor_blocks
 from kvslim.formats.gguf_file import GGUFFile, dequantize_tensor
-from kvslim.formats.gguf_import import hf_tensor_name, is_linear, unpermute_qk
+from kvslim.formats.gguf_import import from_gguf, gguf_arch, hf_tensor_name, is_linear
 from kvslim.models.config import ModelConfig
 
 
@@ -30,9 +30,9 @@ def gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.T
     """(HF name, tensor) for every tensor of the file: block leaves for the quantized ones."""
     gguf = GGUFFile.open(path)
     for tensor in gguf.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, gguf_arch(config))
         if not _kept_in_blocks(tensor.name, config):
-            yield name, unpermute_qk(tensor.name, dequantize_tensor(tensor), config)
+            yield name, from_gguf(tensor.name, dequantize_tensor(tensor), config)
             continue
         kind, cols = tensor.tensor_type.name, int(tensor.shape[0])
         if not kept_type(kind, cols):
@@ -41,7 +41,7 @@ def gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.T
         prefix = name.removesuffix(".weight")
         for leaf, value in tensor_blocks(tensor).items():
             yield f"{prefix}.{leaf}", (value if leaf == "qtype"
-                                       else unpermute_qk(tensor.name, value, config))
+                                       else from_gguf(tensor.name, value, config))
 
 
 def gguf_parameter_count(path: Path, config: ModelConfig) -> int:

@@ -1,0 +1,36 @@
+"""The GGUF architectures kvslim reads and writes, and what differs between them: the tensor
+names of a layer, and whether llama.cpp's converter permuted the Q/K rows (only `llama`: the
+others run with the same half-split RoPE as transformers)."""
+from __future__ import annotations
+
+LLAMA_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+QK_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+GEMMA3_LAYER_TENSORS = {
+    **LLAMA_LAYER_TENSORS, **QK_NORM_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+LAYER_TENSORS = {"llama": LLAMA_LAYER_TENSORS, "qwen2": LLAMA_LAYER_TENSORS,
+                 "qwen3": {**LLAMA_LAYER_TENSORS, **QK_NORM_TENSORS},
+                 "gemma3": GEMMA3_LAYER_TENSORS}
+# GGUF architecture -> the HF architecture it imports as
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# kvslim model type -> the GGUF architecture export-gguf writes (Mistral and Phi-3 run as llama)
+EXPORT_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "phi3": "llama",
+                        "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def permutes_qk(arch: str) -> bool:
+    return arch == "llama"
