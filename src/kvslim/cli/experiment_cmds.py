@@ -30,6 +30,8 @@ def register(sub) -> None:
     g.add_argument("--skip-smollm2", action="store_true")
     g.add_argument("--smollm2-steps", type=int, default=30)
     g.add_argument("--smollm2-ppl-max-tokens", type=int, default=12_000)
+    g.add_argument("--smollm2-kd-steps", type=_ints, default=[30, 60],
+                   help="uptraining steps of SmolLM2's distilled arms (default 30,60)")
     g.add_argument("--shard", default="0/1", metavar="I/N",
                    help="run jobs I, I+N, ... of the plan (N processes share --work-dir)")
     g.add_argument("--report-only", action="store_true",
@@ -150,6 +152,7 @@ def run_gqa(args) -> int:
                            smollm2=not args.skip_smollm2,
                            smollm2_steps=args.smollm2_steps,
                            smollm2_ppl_max_tokens=args.smollm2_ppl_max_tokens, shard=shard,
+                           smollm2_kd_steps=args.smollm2_kd_steps,
                            **_plan_overrides(args))
     exp = Experiment(cfg, show_progress=not args.quiet)
     if not args.report_only:

@@ -75,7 +75,7 @@ class ExperimentConfig:
     smollm2_batch_size: int = 4
     smollm2_lr: float = 1e-4
     smollm2_ppl_max_tokens: int | None = 12_000
-    smollm2_kd_steps: list[int] = field(default_factory=lambda: [30, 120])
+    smollm2_kd_steps: list[int] = field(default_factory=lambda: [30, 60])
     smollm2_nu_heads: float = 1.5        # the non-uniform arm's budget, in KV heads per layer
     shard: tuple[int, int] = (0, 1)      # (i, n): this process runs jobs i, i+n, i+2n, ...
 
