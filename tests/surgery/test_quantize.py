@@ -82,3 +82,27 @@ def test_written_model_is_the_quantized_one(hf_checkpoints, calib_file, tmp_path
         got = load_model(dst, dtype=torch.float32).logits(ids)
     assert (got - expected).abs().max().item() < 1e-4
     assert ((got - ref).norm() / ref.norm()).item() < 0.05
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "gemma3", "nonuniform"])
+def test_other_families_and_per_layer_kv_heads_quantize(hf_checkpoints, calib_file, tmp_path,
+                                                        variant):
+    """GPTQ on Qwen3 (q/k norms), Gemma 3 and a model whose layers differ in KV heads: the
+    checkpoint loads, each layer keeps its shapes, and the logits stay near the float ones."""
+    from kvslim.errors import KvslimError
+    from kvslim.surgery.convert import convert_to_gqa
+    src = (convert_to_gqa(hf_checkpoints["mha8"], tmp_path / "nu", [4, 1], "mean",
+                          show_progress=False)
+           if variant == "nonuniform" else hf_checkpoints[variant])
+    spec = QuantSpec(8, 32, False, True, "gptq")
+    dst = quantize_model(src, tmp_path / "q", "gptq", spec, calib_file, calib_samples=4,
+                         seq_len=32, show_progress=False)
+    ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, got = load_model(src).logits(ids), load_model(dst).logits(ids)
+    assert load_model(dst).config.kv_heads_per_layer == load_model(src).config.kv_heads_per_layer
+    assert (got - ref).abs().max() < 0.1 * ref.abs().max()
+    if variant == "gemma3":
+        with pytest.raises(KvslimError, match="does not support Gemma 3's norms"):
+            quantize_model(src, tmp_path / "a", "awq", QuantSpec(4, 32, False, True, "gptq"),
+                           calib_file, calib_samples=4, seq_len=32, show_progress=False)

@@ -51,6 +51,11 @@ def check_options(config: ModelConfig, method: str, spec: QuantSpec,
     if method not in METHODS:
         raise KvslimError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
     _check_smoothing(method, calib, smooth_alpha)
+    if config.model_type == "gemma3_text" and (method == "awq" or smooth_alpha is not None):
+        # both fold scales into the norm before each linear; Gemma's (1 + w) norms, and its
+        # post-attention norm that follows o_proj instead of preceding the MLP, do not fit that
+        raise KvslimError(f"--method {method}{' --smooth-alpha' if smooth_alpha else ''} does "
+                          "not support Gemma 3's norms yet; use gptq, rtn, int8 or plain w8a8")
     if (method == "w8a8") != (spec.method == "w8a8"):
         raise KvslimError(f"--method {method} does not write a {spec.method} checkpoint")
     if bits not in (4, 8):
