@@ -23,6 +23,9 @@ VARIANTS: dict[str, dict] = {
     "qwen2_bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24),
     "phi3": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2),   # fused qkv
+    # 4 experts, 2 per token, a window shorter than the longer prompts
+    "mixtral": dict(arch="mixtral", num_attention_heads=4, num_key_value_heads=2,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
     "yarn_rope": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2,
                       rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                     "original_max_position_embeddings": 16}),
@@ -49,13 +52,14 @@ VARIANTS: dict[str, dict] = {
 
 
 def hf_config(variant: str):
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config)
     spec = dict(VARIANTS[variant])
     arch = spec.pop("arch")
     spec.pop("shard", None)
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
-           "qwen3": Qwen3Config, "phi3": Phi3Config, "gemma3": Gemma3TextConfig}[arch]
+           "qwen3": Qwen3Config, "phi3": Phi3Config, "gemma3": Gemma3TextConfig,
+           "mixtral": MixtralConfig}[arch]
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 max_position_embeddings=512, initializer_range=0.15, bos_token_id=None,
                 eos_token_id=None, pad_token_id=None, rms_norm_eps=1e-5)

@@ -25,11 +25,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "MixtralForCausalLM": "mixtral",
 }
 # Architectures read for their shapes only (`from_hf_dict(..., runnable=False)`), so that the
 # memory planner sizes them from the same parser; nothing in kvslim runs them.
 SHAPE_ONLY_ARCHITECTURES = {
-    "MixtralForCausalLM": "mixtral",
     "DeepseekV2ForCausalLM": "deepseek_v2",
 }
 ARCHITECTURES = {**SUPPORTED_ARCHITECTURES, **SHAPE_ONLY_ARCHITECTURES}
@@ -115,8 +115,9 @@ class ModelConfig:
 
     @property
     def runnable(self) -> bool:
-        """Whether a model in models/ implements this architecture."""
-        return self.architecture in SUPPORTED_ARCHITECTURES and not (self.moe or self.mla)
+        """Whether a model in models/ implements this architecture (Mixtral's MoE does;
+        DeepSeek's latent attention does not)."""
+        return self.architecture in SUPPORTED_ARCHITECTURES and not self.mla
 
     @property
     def quantization(self) -> QuantSpec | None:

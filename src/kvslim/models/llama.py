@@ -15,6 +15,7 @@ from kvslim.layers.block_quant_embedding import BlockQuantEmbedding, TiedBlockQu
 from kvslim.layers.block_quant_linear import BlockQuantLinear
 from kvslim.layers.linear import Linear, ShardedLinear, prepare_linears_for_inference
 from kvslim.layers.mlp import SwiGLUMLP
+from kvslim.layers.moe import SparseMoE
 from kvslim.layers.quant_linear import QuantLinear
 from kvslim.layers.self_attention import Attention
 from kvslim.models.config import ModelConfig
@@ -29,8 +30,11 @@ class DecoderLayer(nn.Module):
                                    config.kv_heads_of(layer_idx), config.head_dim, layer_idx,
                                    config.qkv_bias, config.o_bias, config.quantization,
                                    config.rms_norm_eps if config.qk_norm else None)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
-                             config.quantization)
+        self.mlp = (SparseMoE(config.hidden_size, config.moe.expert_intermediate_size,
+                              config.moe.num_experts, config.moe.num_experts_per_tok)
+                    if config.moe else
+                    SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
+                              config.quantization))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

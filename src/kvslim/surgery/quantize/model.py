@@ -51,6 +51,9 @@ def check_options(config: ModelConfig, method: str, spec: QuantSpec,
     if method not in METHODS:
         raise KvslimError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
     _check_smoothing(method, calib, smooth_alpha)
+    if config.moe is not None:
+        raise KvslimError(f"quantizing a mixture-of-experts model ({config.architecture}) is "
+                          "not supported yet")
     if config.model_type == "gemma3_text" and (method == "awq" or smooth_alpha is not None):
         # both fold scales into the norm before each linear; Gemma's (1 + w) norms, and its
         # post-attention norm that follows o_proj instead of preceding the MLP, do not fit that

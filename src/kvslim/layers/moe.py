@@ -1,0 +1,37 @@
+"""A sparse mixture-of-experts feed-forward block (Mixtral): a router picks the top-k of E gated
+MLPs per token, their outputs are summed with the renormalised router probabilities.
+
+Experts run batched: each expert that any token of the step chose runs once, on all of its
+tokens gathered into one matrix (one GEMM per expert and projection), and the results are added
+back in place — never a loop over tokens. Every expert stays resident, as in the checkpoint."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvslim.layers.linear import Linear
+from kvslim.layers.mlp import SwiGLUMLP
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 activation: str = "silu"):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = Linear(hidden, num_experts, bias=False)          # the router
+        self.experts = nn.ModuleList(SwiGLUMLP(hidden, intermediate, activation=activation)
+                                     for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        # as transformers: softmax in float32, top-k, renormalised over the chosen experts
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in torch.unique(chosen).tolist():
+            token, slot = torch.where(chosen == e)
+            y = self.experts[e](x[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out.reshape(shape)

@@ -1,0 +1,32 @@
+"""The sparse MoE block: each chosen expert runs once per step on all of its tokens, and the
+result equals routing every token on its own."""
+import torch
+
+from kvslim.layers.mlp import SwiGLUMLP
+from kvslim.layers.moe import SparseMoE
+
+
+def test_experts_run_batched_and_match_token_by_token():
+    torch.manual_seed(0)
+    moe = SparseMoE(16, 32, num_experts=4, top_k=2)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(3, 17, 16)
+    calls = []
+    hooks = [e.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+             for e in moe.experts]
+    with torch.no_grad():
+        out = moe(x)
+    for h in hooks:
+        h.remove()
+    assert len(calls) <= 4 and sum(calls) == 3 * 17 * 2          # each token in 2 experts
+    with torch.no_grad():
+        flat = x.reshape(-1, 16)
+        ref = []
+        for token in flat:
+            probs = torch.softmax(moe.gate(token), -1)
+            w, idx = torch.topk(probs, 2)
+            ref.append(sum(wi / w.sum() * moe.experts[int(i)](token[None])[0]
+                           for wi, i in zip(w, idx)))
+    torch.testing.assert_close(out.reshape(-1, 16), torch.stack(ref), atol=1e-5, rtol=1e-5)
+    assert all(isinstance(e, SwiGLUMLP) for e in moe.experts)
