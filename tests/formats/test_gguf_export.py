@@ -249,7 +249,7 @@ def test_a_quantized_import_is_refused(tmp_path):
 
 
 def test_an_architecture_without_an_exporter_is_refused(hf_checkpoints, tmp_path):
-    with pytest.raises(ConfigError, match="llama, qwen2, qwen3 GGUF files: Gemma3ForCausalLM"):
+    with pytest.raises(ConfigError, match="llama, phi3, qwen2, qwen3 GGUF files: Gemma3ForCausalLM"):
         export_gguf(hf_checkpoints["gemma3"], tmp_path / "g.gguf", "f32", show_progress=False)
     assert list(tmp_path.iterdir()) == []
 
@@ -272,13 +272,15 @@ def qwen3_head_dim_128(root):
     return root
 
 
-@pytest.mark.parametrize("variant,arch", [("qwen2_bias", "qwen2"), ("qwen3", "qwen3")])
+@pytest.mark.parametrize("variant,arch", [("qwen2_bias", "qwen2"), ("qwen3", "qwen3"),
+                                          ("phi3", "phi3")])
 def test_qwen_architectures_round_trip_and_transformers_reads_them(hf_checkpoints, tmp_path,
                                                                    variant, arch):
-    """qwen2 / qwen3 files: Q/K rows as HF stores them (llama.cpp permutes only for `llama`),
-    biases, qwen3's q/k norms. transformers' own GGUF reader is the reference."""
+    """qwen2 / qwen3 / phi3 files: Q/K rows as HF stores them (llama.cpp permutes only for
+    `llama`), biases, qwen3's q/k norms, phi3's fused attn_qkv and ffn_up. transformers' own GGUF
+    reader is the reference."""
     from transformers import AutoModelForCausalLM
-    src = hf_checkpoints[variant] if arch == "qwen2" else qwen3_head_dim_128(tmp_path / "q3")
+    src = hf_checkpoints[variant] if arch != "qwen3" else qwen3_head_dim_128(tmp_path / "q3")
     path = export_gguf(src, tmp_path / f"{arch}.gguf", "f32", show_progress=False)
     assert gguf.GGUFReader(path).fields["general.architecture"].contents() == arch
     ours = load_model(src, dtype=torch.float32)

@@ -21,14 +21,21 @@ GEMMA3_LAYER_TENSORS = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3 files keep the checkpoint's fused q/k/v and gate/up (models/phi3.py splits them)
+PHI3_LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+                      "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj",
+                      "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 LAYER_TENSORS = {"llama": LLAMA_LAYER_TENSORS, "qwen2": LLAMA_LAYER_TENSORS,
                  "qwen3": {**LLAMA_LAYER_TENSORS, **QK_NORM_TENSORS},
-                 "gemma3": GEMMA3_LAYER_TENSORS}
+                 "gemma3": GEMMA3_LAYER_TENSORS, "phi3": PHI3_LAYER_TENSORS}
 # GGUF architecture -> the HF architecture it imports as
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-# kvslim model type -> the GGUF architecture export-gguf writes (Mistral and Phi-3 run as llama)
-EXPORT_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "phi3": "llama",
+                    "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                    "phi3": "Phi3ForCausalLM"}
+# architectures kvslim imports as float32 only (no block-kept linears for their layouts)
+FLOAT_ONLY = ("gemma3", "phi3")
+# kvslim model type -> the GGUF architecture export-gguf writes (Mistral runs as llama)
+EXPORT_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "phi3": "phi3",
                         "qwen2": "qwen2", "qwen3": "qwen3"}
 
 

@@ -1,5 +1,5 @@
 """Export an HF-format model directory as a GGUF file that llama.cpp and Ollama run (the `llama`
-architecture for Llama, Mistral and Phi-3, `qwen2` and `qwen3` for those): the inverse of
+architecture for Llama and Mistral; `qwen2`, `qwen3` and `phi3`, fused projections kept, for those): the inverse of
 `gguf_import`, using the same tensor-name tables (gguf_archs.py).
 
 Like llama.cpp's own converter, it reorders Q and K rows of `llama` files (llama.cpp's RoPE
@@ -24,6 +24,7 @@ from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig, parse_dtype
 from kvslim.formats.gguf_archs import EXPORT_ARCHITECTURES, LAYER_TENSORS, permutes_qk
 from kvslim.formats.gguf_import import GLOBAL_TENSORS
+from kvslim.models.checkpoint_names import to_checkpoint
 from kvslim.formats.gguf_tokenizer import CONTROL, LLAMA3_SPLIT, USER_DEFINED
 from kvslim.formats.loader import load_model
 from kvslim.layers.rope import rope_inv_freq
@@ -63,7 +64,8 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "f16",
                           f"GGUF files: {config.architecture} cannot be exported yet")
     vocab = gguf_vocab(model_dir, config)
     model = load_model(model_dir, dtype=parse_dtype(config.torch_dtype))
-    tensors = tensor_plan(model.hf_state_dict(), config, dtype, arch)
+    # the family's checkpoint names (Phi-3's fused projections), which its GGUF files keep
+    tensors = tensor_plan(to_checkpoint(model.hf_state_dict(), config), config, dtype, arch)
     tmp = out_path.with_name(f".{out_path.name}.partial")
     writer = gguf.GGUFWriter(str(tmp), arch)
     try:
@@ -112,6 +114,8 @@ def add_model_metadata(writer, config: ModelConfig, name: str, dtype: str) -> No
     writer.add_value_length(config.head_dim)
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_rope_freq_base(config.rope_theta)
+    if config.model_type == "phi3" and config.sliding_window:
+        writer.add_sliding_window(config.sliding_window)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     scaling = config.rope_scaling or {}
     if scaling.get("rope_type") == "linear":

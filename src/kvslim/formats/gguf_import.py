@@ -19,8 +19,10 @@ from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig
 from kvslim.formats.gguf_blocks import TYPE_IDS, kept_type
 from kvslim.formats import gguf_gemma3
-from kvslim.formats.gguf_archs import (HF_ARCHITECTURES, LAYER_TENSORS as ARCH_LAYER_TENSORS,
-                                       LLAMA_LAYER_TENSORS, permutes_qk)
+from kvslim.formats.gguf_archs import (FLOAT_ONLY, HF_ARCHITECTURES,
+                                       LAYER_TENSORS as ARCH_LAYER_TENSORS, LLAMA_LAYER_TENSORS,
+                                       permutes_qk)
+from kvslim.models.checkpoint_names import from_checkpoint
 from kvslim.formats.gguf_file import GGUFFile, dequantize_tensor
 from kvslim.formats.gguf_tokenizer import tokenizer_files, write_tokenizer_files
 from kvslim.formats.writer import save_model
@@ -51,10 +53,10 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool 
     config = config_from_gguf(gguf)
     tok_files = tokenizer_files(gguf)
     names = {t.name: hf_tensor_name(t.name, gguf.architecture) for t in gguf.tensors}
-    if config.model_type == "gemma3_text":       # Gemma 3 runs from float weights
+    if gguf.architecture in FLOAT_ONLY:
         if require_quantized:
-            raise ConfigError(f"{gguf.path.name}: kvslim imports gemma3 GGUF files as float32 "
-                              "only (--dtype float32)")
+            raise ConfigError(f"{gguf.path.name}: kvslim imports {gguf.architecture} GGUF files "
+                              "as float32 only (--dtype float32)")
         keep_quantized = False
     other = first_unkept_linear(gguf) if keep_quantized or require_quantized else None
     if other is not None and require_quantized:
@@ -69,7 +71,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool 
         state = {}
         for tensor in tqdm(gguf.tensors, desc=f"importing {gguf.path.name}", unit="tensor",
                            disable=not show_progress):
-            state[names[tensor.name]] = from_gguf(tensor.name, dequantize_tensor(tensor), config)
+            weight = from_gguf(tensor.name, dequantize_tensor(tensor), config)
+            # a family's checkpoint names (Phi-3's fused projections) as kvslim's
+            state.update(from_checkpoint(names[tensor.name], weight, config))
         out = save_model(state, config, out_dir, dtype=torch.float32)
     write_tokenizer_files(tok_files, out)
     return out
@@ -155,6 +159,8 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     vocab = optional("vocab_size", None) or len(tokens) or _embedding_rows(gguf)
     eos = gguf.get("tokenizer.ggml.eos_token_id")
     family = {"architecture": HF_ARCHITECTURES[arch], "qk_norm": arch == "qwen3"}
+    if arch == "phi3":
+        family["sliding_window"] = optional("attention.sliding_window", None)
     if arch == "gemma3":
         family.update(gguf_gemma3.gemma3_config_fields(
             int(key("block_count")), head_dim, optional("attention.sliding_window", None)))
@@ -194,6 +200,9 @@ def _check_head_dims(gguf: GGUFFile, arch: str, head_dim: int) -> None:
 
 
 def _rope_scaling(gguf: GGUFFile, arch: str) -> dict | None:
+    if "rope_factors_long.weight" in gguf.tensor_names:
+        raise ConfigError(f"{gguf.path.name}: longrope factors (Phi-3 128k) are not supported: "
+                          "they switch with the sequence's length")
     if "rope_freqs.weight" in gguf.tensor_names:
         # Llama 3.1-style files carry per-frequency factors instead of the rope_scaling
         # parameters they were computed from; using the plain frequencies would be silently wrong.
