@@ -291,3 +291,27 @@ def test_qwen_architectures_round_trip_and_transformers_reads_them(hf_checkpoint
     with torch.no_grad():
         assert (ref(IDS).logits - ours.logits(IDS)).abs().max().item() <= 1e-5
         assert torch.equal(again.logits(IDS), ours.logits(IDS))
+
+
+def test_llama3_rope_divisors_import_as_their_scaling(hf_checkpoints, exported, tmp_path):
+    """A Llama 3.1-style file carries only rope_freqs; the import finds the llama3 parameters
+    that reproduce them, and the model computes what the original does."""
+    path = exported("llama3_rope", "f32")
+    again = import_gguf(path, tmp_path / "back", show_progress=False)
+    cfg, original = ModelConfig.from_dir(again), ModelConfig.from_dir(hf_checkpoints["llama3_rope"])
+    assert cfg.rope_scaling["rope_type"] == "llama3"
+    torch.testing.assert_close(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+                               rope_inv_freq(cfg.head_dim, cfg.rope_theta, original.rope_scaling))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(again).logits(IDS),
+                                   load_model(hf_checkpoints["llama3_rope"]).logits(IDS),
+                                   atol=1e-5, rtol=0)
+
+
+def test_llama31_divisors_are_recognised_and_others_refused():
+    from kvslim.formats.gguf_rope import llama3_scaling_from_divisors
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    divisors = rope_inv_freq(128, 500000.0, None) / rope_inv_freq(128, 500000.0, llama31)
+    assert llama3_scaling_from_divisors(divisors, 128, 500000.0) == llama31
+    assert llama3_scaling_from_divisors(divisors * 1.1, 128, 500000.0) is None

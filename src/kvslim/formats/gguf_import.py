@@ -24,6 +24,7 @@ from kvslim.formats.gguf_archs import (FLOAT_ONLY, HF_ARCHITECTURES,
                                        permutes_qk)
 from kvslim.models.checkpoint_names import from_checkpoint
 from kvslim.formats.gguf_file import GGUFFile, dequantize_tensor
+from kvslim.formats.gguf_rope import llama3_scaling_from_divisors
 from kvslim.formats.gguf_tokenizer import tokenizer_files, write_tokenizer_files
 from kvslim.formats.writer import save_model
 
@@ -36,6 +37,8 @@ GLOBAL_TENSORS = {
 }
 LAYER_TENSORS = LLAMA_LAYER_TENSORS
 FLOAT_TYPES = ("F32", "F16", "BF16")
+# tensors that are config, not weights (Llama 3.1's RoPE divisors, read into rope_scaling)
+DERIVED_TENSORS = ("rope_freqs.weight",)
 LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
@@ -52,7 +55,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool 
     gguf = GGUFFile.open(gguf_path)
     config = config_from_gguf(gguf)
     tok_files = tokenizer_files(gguf)
-    names = {t.name: hf_tensor_name(t.name, gguf.architecture) for t in gguf.tensors}
+    names = {t.name: hf_tensor_name(t.name, gguf.architecture) for t in gguf.tensors
+             if t.name not in DERIVED_TENSORS}
     if gguf.architecture in FLOAT_ONLY:
         if require_quantized:
             raise ConfigError(f"{gguf.path.name}: kvslim imports {gguf.architecture} GGUF files "
@@ -69,7 +73,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool 
         out = _write_gguf_backed(gguf, config, Path(out_dir))
     else:
         state = {}
-        for tensor in tqdm(gguf.tensors, desc=f"importing {gguf.path.name}", unit="tensor",
+        for tensor in tqdm([t for t in gguf.tensors if t.name in names],
+                           desc=f"importing {gguf.path.name}", unit="tensor",
                            disable=not show_progress):
             weight = from_gguf(tensor.name, dequantize_tensor(tensor), config)
             # a family's checkpoint names (Phi-3's fused projections) as kvslim's
@@ -204,10 +209,18 @@ def _rope_scaling(gguf: GGUFFile, arch: str) -> dict | None:
         raise ConfigError(f"{gguf.path.name}: longrope factors (Phi-3 128k) are not supported: "
                           "they switch with the sequence's length")
     if "rope_freqs.weight" in gguf.tensor_names:
-        # Llama 3.1-style files carry per-frequency factors instead of the rope_scaling
-        # parameters they were computed from; using the plain frequencies would be silently wrong.
-        raise ConfigError(f"{gguf.path.name}: per-frequency RoPE factors (rope_freqs, as in "
-                          "Llama 3.1) are not supported by the GGUF importer")
+        # Llama 3.1-style files carry per-frequency divisors instead of the rope_scaling
+        # parameters they were computed from; the plain frequencies would be silently wrong.
+        tensor = next(t for t in gguf.tensors if t.name == "rope_freqs.weight")
+        head_dim = int(gguf.get(f"{arch}.attention.key_length") or
+                       int(gguf.require(f"{arch}.embedding_length"))
+                       // int(gguf.require(f"{arch}.attention.head_count")))
+        scaling = llama3_scaling_from_divisors(dequantize_tensor(tensor).flatten(), head_dim,
+                                               float(gguf.get(f"{arch}.rope.freq_base", 10000.0)))
+        if scaling is None:
+            raise ConfigError(f"{gguf.path.name}: per-frequency RoPE factors (rope_freqs) that "
+                              "no Llama 3 rope scaling reproduces are not supported")
+        return scaling
     kind = gguf.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None

@@ -16,7 +16,8 @@ import torch
 from kvslim.errors import WeightsError
 from kvslim.formats.gguf_blocks import kept_type, tensor_blocks
 from kvslim.formats.gguf_file import GGUFFile, dequantize_tensor
-from kvslim.formats.gguf_import import from_gguf, gguf_arch, hf_tensor_name, is_linear
+from kvslim.formats.gguf_import import (DERIVED_TENSORS, from_gguf, gguf_arch, hf_tensor_name,
+                                        is_linear)
 from kvslim.models.config import ModelConfig
 
 
@@ -30,6 +31,8 @@ def gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.T
     """(HF name, tensor) for every tensor of the file: block leaves for the quantized ones."""
     gguf = GGUFFile.open(path)
     for tensor in gguf.tensors:
+        if tensor.name in DERIVED_TENSORS:
+            continue
         name = hf_tensor_name(tensor.name, gguf_arch(config))
         if not _kept_in_blocks(tensor.name, config):
             yield name, from_gguf(tensor.name, dequantize_tensor(tensor), config)
@@ -46,4 +49,5 @@ def gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.T
 
 def gguf_parameter_count(path: Path, config: ModelConfig) -> int:
     """Elements of every weight in the file (the tied LM head is not stored there)."""
-    return sum(int(np.prod([int(d) for d in t.shape])) for t in GGUFFile.open(path).tensors)
+    return sum(int(np.prod([int(d) for d in t.shape])) for t in GGUFFile.open(path).tensors
+               if t.name not in DERIVED_TENSORS)
