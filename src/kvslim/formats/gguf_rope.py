@@ -12,7 +12,7 @@ import torch
 from kvslim.layers.rope import rope_inv_freq
 
 ORIGINAL_CONTEXTS = [2 ** k for k in range(4, 21)]
-LOW_FREQ_FACTORS = (0.5, 1.0, 2.0, 4.0)
+LOW_FREQ_FACTORS = (1.0, 0.5, 2.0, 4.0)     # 1 first: (low, original) pairs can be equivalent
 HIGH_FREQ_FACTORS = (1.0, 2.0, 4.0, 8.0, 16.0)
 
 
@@ -22,7 +22,7 @@ def llama3_scaling_from_divisors(divisors: torch.Tensor, head_dim: int, theta: f
     plain = rope_inv_freq(head_dim, theta, None)
     if divisors.shape != plain.shape:
         return None
-    for orig, low, high in itertools.product(ORIGINAL_CONTEXTS, LOW_FREQ_FACTORS,
+    for low, orig, high in itertools.product(LOW_FREQ_FACTORS, ORIGINAL_CONTEXTS,
                                              HIGH_FREQ_FACTORS):
         if high <= low:
             continue
