@@ -18,7 +18,8 @@ def prompts_of(lengths, seed=0, prefix=()):
     return [list(prefix) + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module", params=["mha", "gqa", "mqa", "qwen3", "phi3", "gemma3", "mixtral"])
+@pytest.fixture(scope="module", params=["mha", "gqa", "mqa", "qwen3", "phi3", "gemma3", "mixtral",
+                                        "yarn_rope"])
 def case(request, hf_checkpoints):
     path = hf_checkpoints[request.param]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
