@@ -27,42 +27,45 @@ class PagedAttention:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         """q [N, H, D]; k, v [N, KVH, D] for the step's new tokens. Returns [N, H, D]."""
-        self.meta = self.layer_metas[layer_idx]
-        self.masks = self.mask_caches[id(self.meta)]
+        meta = self.layer_metas[layer_idx]
+        masks = self.mask_caches[id(meta)]
         cache = self.kv_caches[layer_idx]
-        k, v = cache.write(self.meta.layout.slot_mapping, k, v)
-        nd = self.meta.layout.num_decode_tokens
+        k, v = cache.write(meta.layout.slot_mapping, k, v)
+        nd = meta.layout.num_decode_tokens
         decoded = None
         if nd:
-            decoded = self._attend_decodes(cache, q[:nd], scale)
-            if not self.meta.layout.prefills:          # a pure decode step: no copy into out
+            decoded = self._attend_decodes(meta, masks, cache, q[:nd], scale)
+            if not meta.layout.prefills:          # a pure decode step: no copy into out
                 return decoded
         out = torch.empty_like(q)
         if decoded is not None:
             out[:nd] = decoded
-        self._attend_prefills(cache, q, k, v, scale, out)
+        self._attend_prefills(meta, masks, cache, q, k, v, scale, out)
         return out
 
-    def _attend_decodes(self, cache: KVCacheLayer, q: torch.Tensor, scale: float
-                        ) -> torch.Tensor:
+    @staticmethod
+    def _attend_decodes(meta: PagedAttentionMetadata, masks: MaskCache, cache: KVCacheLayer,
+                        q: torch.Tensor, scale: float) -> torch.Tensor:
         """All decodes in one batched call over their block tables. q [num_decodes, H, D]."""
         nd = q.shape[0]
-        keys, values = cache.gather(self.meta.layout.decode_block_tables.reshape(-1))
+        keys, values = cache.gather(meta.layout.decode_block_tables.reshape(-1))
         kvh, d = keys.shape[1], keys.shape[2]
         keys, values = keys.view(nd, -1, kvh, d), values.view(nd, -1, kvh, d)
-        n = self.meta.single_decode_len
+        n = meta.single_decode_len
         if n is not None:
             return grouped_sdpa(q[:1, None], keys[:, :n], values[:, :n], None, scale,
                                 causal=False)[:, 0]
-        mask = self.masks.get(-1, self.meta.decode_allowed, q.shape[1] // kvh, q.dtype)
+        mask = masks.get(-1, meta.decode_allowed, q.shape[1] // kvh, q.dtype)
         return grouped_sdpa(q[:, None], keys, values, mask, scale)[:, 0]
 
-    def _attend_prefills(self, cache: KVCacheLayer, q: torch.Tensor, k: torch.Tensor,
-                         v: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    @staticmethod
+    def _attend_prefills(meta: PagedAttentionMetadata, masks: MaskCache, cache: KVCacheLayer,
+                         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         out: torch.Tensor) -> None:
         """Each chunk attends to its cached prefix plus itself; results go into `out`. k, v are
         the step's new K/V as `cache.write` returned them."""
         group = q.shape[1] // k.shape[1]
-        chunks = zip(self.meta.layout.prefills, self.meta.prefill_allowed)
+        chunks = zip(meta.layout.prefills, meta.prefill_allowed)
         for i, (chunk, allowed) in enumerate(chunks):
             s, t = chunk.query_start, chunk.query_len
             if chunk.context_len == t:          # nothing cached before: use the fresh K/V
@@ -70,5 +73,5 @@ class PagedAttention:
             else:
                 keys, values = cache.gather(chunk.block_table)
                 keys, values = keys[:chunk.context_len], values[:chunk.context_len]
-            mask = self.masks.get(i, allowed, group, q.dtype)
+            mask = masks.get(i, allowed, group, q.dtype)
             out[s:s + t] = grouped_sdpa(q[None, s:s + t], keys[None], values[None], mask, scale)[0]

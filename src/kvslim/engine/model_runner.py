@@ -38,6 +38,7 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = config.block_size
+        self.layer_windows = list(mc.layer_sliding_windows)   # fixed: not rebuilt per step
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.bytes_per_block = kv_block_bytes(mc, self.block_size, self.kv_dtype)
         self.num_blocks = num_kv_blocks(config, self.bytes_per_block)
@@ -78,7 +79,7 @@ class ModelRunner:
         # Padding rows write into the reserved block after the last one in use.
         return DecodeGraphs(self.model, self.kv_caches, self.num_blocks * self.block_size,
                             self.config.max_num_seqs, self.block_tables.table.shape[1],
-                            list(self.model.config.layer_sliding_windows), use_graphs)
+                            self.layer_windows, use_graphs)
 
     def enable_padded_decode(self) -> None:
         """Run pure decode steps through the decode-graph path without CUDA graphs: padded
@@ -142,8 +143,7 @@ class ModelRunner:
         if self.decode_graphs is not None and not layout.prefills:
             hidden = self.decode_graphs.run(input_ids, positions, layout)
         if hidden is None:
-            meta = build_layer_metadata(layout, self.block_size,
-                                        list(self.model.config.layer_sliding_windows))
+            meta = build_layer_metadata(layout, self.block_size, self.layer_windows)
             hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_caches, meta))
         return hidden, entries, query_starts
 

@@ -19,9 +19,7 @@ from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig
 from kvslim.formats.gguf_blocks import TYPE_IDS, kept_type
 from kvslim.formats import gguf_gemma3
-from kvslim.formats.gguf_archs import (FLOAT_ONLY, HF_ARCHITECTURES,
-                                       LAYER_TENSORS as ARCH_LAYER_TENSORS, LLAMA_LAYER_TENSORS,
-                                       permutes_qk)
+from kvslim.formats.gguf_archs import FLOAT_ONLY, HF_ARCHITECTURES, LAYER_TENSORS, permutes_qk
 from kvslim.models.checkpoint_names import from_checkpoint
 from kvslim.formats.gguf_file import GGUFFile, dequantize_tensor
 from kvslim.formats.gguf_rope import llama3_scaling_from_divisors
@@ -35,7 +33,6 @@ GLOBAL_TENSORS = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-LAYER_TENSORS = LLAMA_LAYER_TENSORS
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # tensors that are config, not weights (Llama 3.1's RoPE divisors, read into rope_scaling)
 DERIVED_TENSORS = ("rope_freqs.weight",)
@@ -239,7 +236,7 @@ def _embedding_rows(gguf: GGUFFile) -> int:
 
 # ---- tensors -----------------------------------------------------------------------------
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
-    layer_tensors = ARCH_LAYER_TENSORS[arch]
+    layer_tensors = LAYER_TENSORS[arch]
     if m := _LAYER_NAME.fullmatch(gguf_name):
         layer, part, kind = m.groups()
         if part in layer_tensors:
