@@ -5,6 +5,9 @@ fingerprint of every KV-cache slot. After every step:
 
 - every block is free or owned exactly as the sequences' block tables say (reference counts),
   and every cached digest points at a block that holds it;
+- with KV-cache groups that have a sliding window (Gemma 3, Mistral), a sequence holds no
+  block its next query can no longer see, and the blocks it reads inside the window are its
+  own group's (so a window-group prefix hit never serves released or foreign K/V);
 - every position a sequence attends to holds the K/V of exactly its own prefix (so prefix hits,
   copy-on-write and preemption never serve another sequence's K/V);
 - scheduled work stays within the token budget and max_num_seqs.
@@ -26,6 +29,7 @@ from kvslim.engine.sampler import SampleResult
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.engine.scheduler import Scheduler
 from kvslim.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from kvslim.models.kv_groups import NULL_BLOCK, first_needed_block
 
 EOS = 0
 VOCAB = 12
@@ -68,10 +72,14 @@ def workloads(draw):
     num_blocks = draw(st.integers(2, 24))
     budget = draw(st.integers(1, 24))
     chunked = draw(st.booleans()) or budget >= 8
-    config = dict(block_size=block_size, num_blocks=num_blocks, budget=budget,
+    window = draw(st.integers(1, 9))
+    windows = draw(st.sampled_from([(None,), (None,), (window,), (window, None),
+                                    (None, window, window)]))
+    num_blocks = max(num_blocks, 2 * len(windows))      # one sequence of 2+ tokens fits
+    config = dict(block_size=block_size, num_blocks=num_blocks, budget=budget, windows=windows,
                   max_num_seqs=draw(st.integers(1, 6)), chunked=chunked,
                   prefix_caching=draw(st.booleans()), watermark=draw(st.sampled_from([0, 1])))
-    capacity = num_blocks * block_size
+    capacity = num_blocks // len(windows) * block_size
     prefixes = [draw(st.lists(st.integers(1, VOCAB - 1), min_size=8, max_size=8))
                 for _ in range(2)]
     requests = []
@@ -104,15 +112,13 @@ class FakeRunner:
         bs = self.bm.block_size
         for entry in out.scheduled:
             seq = entry.seq
-            for pos in range(entry.start, entry.start + entry.num_tokens):
-                self.slots[seq.block_table[pos // bs]][pos % bs] = tuple(seq.token_ids[:pos + 1])
+            for g, table in enumerate(seq.block_tables):
+                for pos in range(entry.start, entry.start + entry.num_tokens):
+                    self.slots[table[pos // bs]][pos % bs] = (g, tuple(seq.token_ids[:pos + 1]))
         sampled = {}
         for entry in out.scheduled:
+            self._check_reads(entry)
             seq = entry.seq
-            for pos in range(entry.start + entry.num_tokens):
-                got = self.slots[seq.block_table[pos // bs]][pos % bs]
-                assert got == tuple(seq.token_ids[:pos + 1]), \
-                    f"{seq.request_id}/{seq.index} reads wrong K/V at position {pos}"
             for pos in entry.prompt_logprob_positions:
                 assert pos == len(seq.prompt_logprobs) - 1, "prompt logprob out of order"
                 seq.prompt_logprobs.append(TokenLogprob(seq.token_ids[pos + 1], 0.0, []))
@@ -121,6 +127,18 @@ class FakeRunner:
                     SampleResult(next_token(seq.request_id, seq.index + k, seq.num_output_tokens),
                                  None) for k in range(entry.num_samples)]
         return sampled
+
+    def _check_reads(self, entry) -> None:
+        """Every position the chunk attends to, in every group (a window group: from the first
+        one its first query sees), holds the group's own K/V of this sequence's prefix."""
+        seq, bs = entry.seq, self.bm.block_size
+        for g, (table, window) in enumerate(zip(seq.block_tables, self.bm.group_windows)):
+            first = 0 if window is None else max(0, entry.start - window + 1)
+            for pos in range(first, entry.start + entry.num_tokens):
+                block = table[pos // bs]
+                got = None if block == NULL_BLOCK else self.slots[block][pos % bs]
+                assert got == (g, tuple(seq.token_ids[:pos + 1])), \
+                    f"{seq.request_id}/{seq.index} reads wrong K/V at position {pos}, group {g}"
 
 
 def check_step(sched: Scheduler, bm: BlockManager, out, live: list[Sequence]) -> None:
@@ -131,9 +149,10 @@ def check_step(sched: Scheduler, bm: BlockManager, out, live: list[Sequence]) ->
         assert seq.status is SequenceStatus.RUNNING and entry.num_tokens >= 1
         assert entry.start == seq.num_computed_tokens
         assert entry.start + entry.num_tokens <= seq.num_tokens
-        assert len(seq.block_table) * bm.block_size >= entry.start + entry.num_tokens
+        for table in seq.block_tables:
+            assert len(table) * bm.block_size >= entry.start + entry.num_tokens
     # Copies go only into blocks a scheduled sequence owns (a preempted one's are dropped).
-    owned = {b for e in out.scheduled for b in e.seq.block_table}
+    owned = {b for e in out.scheduled for t in e.seq.block_tables for b in t}
     assert all(dst in owned for _, dst in out.block_copies), "copy into a block nobody owns"
     # Work-conserving: a running sequence waits only when the budget is spent (the tokens of
     # a sequence preempted during scheduling go back to the budget).
@@ -146,10 +165,16 @@ def check_step(sched: Scheduler, bm: BlockManager, out, live: list[Sequence]) ->
 def check_blocks(sched: Scheduler, bm: BlockManager, live: list[Sequence]) -> None:
     rows = sum(s.params.n if s.fork_pending else 1 for s in sched.running)
     assert rows <= sched.max_num_seqs, "more sequences than max_num_seqs (forks included)"
-    owners = Counter(b for s in live for b in s.block_table)
+    owners = Counter(b for s in live for t in s.block_tables for b in t if b != NULL_BLOCK)
     for seq in live:
         if seq.status is not SequenceStatus.RUNNING:
-            assert not seq.block_table, f"{seq.request_id} holds blocks while not running"
+            assert not any(seq.block_tables), f"{seq.request_id} holds blocks while not running"
+            continue
+        for table, window in zip(seq.block_tables, bm.group_windows):
+            first = first_needed_block(seq.num_computed_tokens, window, bm.block_size)
+            assert all(b == NULL_BLOCK for b in table[:first]), \
+                f"{seq.request_id} keeps a block out of its window"
+            assert NULL_BLOCK not in table[first:], f"{seq.request_id} lost a visible block"
     for block in bm.blocks:
         assert block.ref_count == owners[block.block_id], f"block {block.block_id} refcount"
         assert (block.ref_count == 0) == (block.block_id in bm.free_queue)
@@ -160,7 +185,8 @@ def check_blocks(sched: Scheduler, bm: BlockManager, live: list[Sequence]) -> No
 
 def simulate(config: dict, requests: list[Request]) -> None:
     bm = BlockManager(config["num_blocks"], config["block_size"], config["prefix_caching"],
-                      watermark_blocks=config["watermark"])
+                      watermark_blocks=config["watermark"],
+                      group_windows=config.get("windows", (None,)))
     sched = Scheduler(bm, config["max_num_seqs"], config["budget"], [EOS], config["chunked"])
     runner = FakeRunner(bm)
     for step in range(MAX_STEPS):

@@ -116,10 +116,11 @@ def test_planner_equals_engine_allocation(hf_checkpoints, variant, dtype):
     weights = storage_bytes(parameter_counts(spec)[0], "fp32")     # stored as float32
     plan = plan_memory(spec, context=100, kv_dtype=dtype, memory_bytes=budget + weights)
     runner, stats = engine.runner, engine.kv_cache_stats()
+    groups = len(runner.kv_groups.groups)          # a block holds one group's layers
     assert runner.bytes_per_block % runner.block_size == 0
-    assert plan.kv_bytes_per_token == runner.bytes_per_block // runner.block_size
-    assert plan.kv_bytes_per_token == \
-        runner.kv_slot_bytes
+    assert plan.kv_bytes_per_token == runner.bytes_per_block * groups // runner.block_size
+    assert plan.kv_bytes_per_token == runner.kv_slot_bytes * groups == stats.bytes_per_token
+    assert [g.bytes_per_token for g in plan.kv_groups] == [runner.kv_slot_bytes] * groups
     own = plan.layout(spec.attention_kind).capacity
     assert (own.num_blocks, own.max_tokens) == (runner.num_blocks, stats.max_tokens)
     assert parameter_counts(spec)[0] == count_parameters(model_dir, ModelConfig.from_dir(model_dir))

@@ -89,11 +89,17 @@ def _prefill_allowed(chunk: PrefillChunk, device: torch.device,
     return causal_mask(chunk.query_len, chunk.context_len, device, sliding_window)[None]
 
 
-def build_layer_metadata(layout: PagedStepLayout, block_size: int,
-                         layer_windows: list[int | None], graph_safe: bool = False,
-                         ) -> list[PagedAttentionMetadata]:
-    """Per layer, the metadata of its window: one object per distinct window (a model that
-    mixes local and global layers builds two), shared by the layers that have it."""
-    built = {w: build_paged_metadata(layout, block_size, w, graph_safe)
-             for w in dict.fromkeys(layer_windows)}
-    return [built[w] for w in layer_windows]
+def build_layer_metadata(layouts: PagedStepLayout | list[PagedStepLayout], block_size: int,
+                         layer_windows: list[int | None], layer_group: list[int] | None = None,
+                         graph_safe: bool = False) -> list[PagedAttentionMetadata]:
+    """Per layer, the metadata of its window over its KV-cache group's layout (`layouts[g]`; one
+    layout serves every layer when the cache has one group): one object per distinct (group,
+    window), shared by the layers that have it. A model that mixes local and global layers
+    builds one per group."""
+    if isinstance(layouts, PagedStepLayout):
+        layouts = [layouts]
+    layer_group = layer_group or [0] * len(layer_windows)
+    keys = list(zip(layer_group, layer_windows))
+    built = {(g, w): build_paged_metadata(layouts[g], block_size, w, graph_safe)
+             for g, w in dict.fromkeys(keys)}
+    return [built[key] for key in keys]

@@ -21,6 +21,9 @@ def add_engine_args(p, kv_cache_memory: str = "1GiB", max_num_seqs: int = 64) ->
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps without CUDA graphs")
+    g.add_argument("--keep-out-of-window-blocks", action="store_true",
+                   help="sliding-window layers keep every KV block (their window only masks) "
+                        "instead of releasing the blocks that fell out of it")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 3}\' or \'{"method": "draft", "model": DIR, '
@@ -48,6 +51,7 @@ def llm_from_args(args):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+               keep_out_of_window_blocks=args.keep_out_of_window_blocks,
                speculative=speculative_from_args(args))
 
 
@@ -62,6 +66,7 @@ def check_args(args) -> None:
     from kvslim.device import resolve_device
     from kvslim.formats.loader import resolve_dtype
     from kvslim.formats.registry import model_config_of
+    from kvslim.models.kv_groups import kv_cache_groups
     if args.threads is not None and args.threads < 1:
         raise KvslimError(f"--threads must be at least 1, got {args.threads}")
     if hasattr(args, "max_tokens"):              # demo has --max-tokens alone
@@ -71,7 +76,8 @@ def check_args(args) -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, model_config, device)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
-    num_kv_blocks(config, kv_block_bytes(model_config, config.block_size, kv_dtype))
+    groups = kv_cache_groups(model_config, not config.keep_out_of_window_blocks)
+    num_kv_blocks(config, kv_block_bytes(model_config, config.block_size, kv_dtype, groups))
 
 
 def engine_config_from_args(args):
@@ -81,7 +87,9 @@ def engine_config_from_args(args):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-        kv_cache_dtype=args.kv_cache_dtype, speculative=speculative_from_args(args))
+        kv_cache_dtype=args.kv_cache_dtype,
+        keep_out_of_window_blocks=args.keep_out_of_window_blocks,
+        speculative=speculative_from_args(args))
 
 
 def speculative_from_args(args) -> dict | None:

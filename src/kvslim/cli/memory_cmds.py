@@ -55,10 +55,10 @@ def resolve_model_config(model: str | None):
     default model). An existing path wins over a built-in name it happens to match. Configs are
     read for their shapes only: the planner also sizes architectures the engine does not run."""
     from kvslim.errors import KvslimError
-    from kvslim.formats.registry import DEFAULT_MODEL_ALIASES, resolve_model
+    from kvslim.formats.registry import DEFAULT_MODEL_ALIASES, GEMMA3_ALIASES, resolve_model
     from kvslim.models.config import ModelConfig
     from kvslim.plan.published import builtin_config, builtin_names
-    if model is None or model in DEFAULT_MODEL_ALIASES:
+    if model is None or model in DEFAULT_MODEL_ALIASES + GEMMA3_ALIASES:
         return ModelConfig.from_dir(resolve_model(model), runnable=False)
     path = Path(model).expanduser()
     if path.is_dir():
@@ -131,6 +131,23 @@ def format_plan(plan) -> str:
     lines[-len(rows) + 1] += f"   = {own.kv_elements_per_token:,} elements"
     lines += [f"note: {note}" for note in plan.notes]
     lines += ["", layouts_table(plan)]
+    if any(g.window is not None for g in plan.kv_groups):
+        lines += ["", groups_table(plan)]
+    return "\n".join(lines)
+
+
+def groups_table(plan) -> str:
+    """Per KV-cache group (layers sharing block tables), what a sequence holds at --context:
+    the blocks the engine keeps for it, and their bytes."""
+    from kvslim.plan.memory import both_units
+    lines = [f"KV-cache groups at {plan.context:,} tokens x {plan.batch} "
+             f"(blocks of {plan.block_size} tokens):",
+             "| layers | window | bytes/token | blocks per sequence | bytes |",
+             "|---|---:|---:|---:|---:|"]
+    for g in plan.kv_groups:
+        window = "full" if g.window is None else f"{g.window:,}"
+        lines.append(f"| {' '.join(map(str, g.layers))} | {window} | {g.bytes_per_token:,} | "
+                     f"{g.blocks_per_sequence:,} | {both_units(g.bytes)} |")
     return "\n".join(lines)
 
 

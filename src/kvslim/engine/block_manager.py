@@ -8,7 +8,12 @@
 - Freed blocks keep their contents and stay findable until reused. The free queue is in eviction
   order (least recently freed first; a sequence's tail blocks before its prefix).
 - Copy-on-write: a sequence about to write into a block it shares gets a private copy; the copy
-  itself is tensor work, returned as (src, dst) pairs for the model runner."""
+  itself is tensor work, returned as (src, dst) pairs for the model runner.
+- KV-cache groups (`models/kv_groups.py`): a sequence holds one block table per group, all drawn
+  from this one pool. A group with a window releases the blocks its next query can no longer see
+  (`release_out_of_window`), and allocates a prompt chunk by chunk instead of whole, so its blocks
+  stay bounded however long the context grows; a prefix-cache hit for it needs only the cached
+  blocks inside the window of the hit's end (earlier ones may already have been evicted)."""
 from __future__ import annotations
 
 import hashlib
@@ -17,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvslim.engine.sequence import Sequence
+from kvslim.models.kv_groups import NULL_BLOCK, first_needed_block
 
 
 def block_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
@@ -32,20 +38,22 @@ def block_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> 
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: bytes | None = None
+    hash: tuple[int, bytes] | None = None      # prefix-cache key: (group, digest)
     token_ids: tuple[int, ...] | None = None
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 watermark_blocks: int = 0):
+                 watermark_blocks: int = 0, group_windows: tuple[int | None, ...] = (None,)):
+        """group_windows: per KV-cache group, its window (None: it keeps every block)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = watermark_blocks
+        self.group_windows = tuple(group_windows)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[bytes, int] = {}       # block digest -> block id
+        self.cached: dict[tuple[int, bytes], int] = {}   # (group, block digest) -> block id
         self.num_cached_free_blocks = 0          # free blocks whose contents are still findable
         self.prefix_cache_queries = 0            # prompt tokens looked up at admission
         self.prefix_cache_hits = 0               # of those, served from the cache
@@ -59,52 +67,108 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
-    # ---- hashing -------------------------------------------------------------------------
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    def blocks_held(self, seq: Sequence) -> list[int]:
+        """Per group, the blocks the sequence holds (released window entries not counted)."""
+        return [sum(b != NULL_BLOCK for b in table) for table in seq.block_tables]
+
+    # ---- hashing and lookup --------------------------------------------------------------
     def _update_hashes(self, seq: Sequence, num_blocks: int) -> None:
         """Extend seq.block_hashes to its first `num_blocks` full blocks (incremental)."""
         for i in range(len(seq.block_hashes), num_blocks):
             parent = seq.block_hashes[i - 1] if i else None
             seq.block_hashes.append(block_hash(parent, seq.block_tokens(i)))
 
-    def _lookup(self, seq: Sequence) -> list[int]:
-        """Cached blocks matching the sequence's leading full blocks. The last token is never
-        served from the cache: its logits are needed, so it must be computed."""
+    def _cached_block(self, seq: Sequence, group: int, i: int) -> int | None:
+        """The cached block holding the sequence's block i for `group`, confirmed token by token."""
+        block_id = self.cached.get((group, seq.block_hashes[i]))
+        if block_id is None or self.blocks[block_id].token_ids != tuple(seq.block_tokens(i)):
+            return None
+        return block_id
+
+    def _lookup(self, seq: Sequence) -> tuple[int, list[list[int]]]:
+        """The longest cached prefix, in whole blocks, that every group can serve, and per group
+        the cached blocks it takes: all of them for a full group, those inside the window of the
+        prefix's end for a window group. The last token is never served from the cache: its
+        logits are needed, so it must be computed."""
+        none = [[] for _ in self.group_windows]
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
-            return []                   # prompt logprobs need the logits of every prompt token
+            return 0, none              # prompt logprobs need the logits of every prompt token
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._update_hashes(seq, max_blocks)
+        leading = {}
+        for g, window in enumerate(self.group_windows):
+            if window is None:
+                leading[g] = self._leading_hits(seq, g, max_blocks)
+                max_blocks = min(max_blocks, len(leading[g]))
+        for h in range(max_blocks, 0, -1):
+            hits = [leading[g][:h] if g in leading else self._window_hits(seq, g, h)
+                    for g in range(self.num_groups)]
+            if all(hit is not None for hit in hits):
+                return h, hits
+        return 0, none
+
+    def _leading_hits(self, seq: Sequence, group: int, limit: int) -> list[int]:
         hits = []
-        for i in range(max_blocks):
-            block_id = self.cached.get(seq.block_hashes[i])
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.block_tokens(i)):
+        for i in range(limit):
+            block_id = self._cached_block(seq, group, i)
+            if block_id is None:
                 break
             hits.append(block_id)
         return hits
+
+    def _window_hits(self, seq: Sequence, group: int, h: int) -> list[int] | None:
+        """A window group's cached blocks for a hit of `h` blocks: those the first computed
+        token can see, or None when one of them is gone."""
+        first = first_needed_block(h * self.block_size, self.group_windows[group], self.block_size)
+        hits = [self._cached_block(seq, group, i) for i in range(first, h)]
+        return None if None in hits else hits
 
     # ---- allocation ----------------------------------------------------------------------
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, seq: Sequence, keep_watermark: bool = True) -> bool:
-        """Room for all of the sequence's tokens, leaving `watermark_blocks` free for the
-        running sequences' next tokens (so that admission does not cause a preemption)."""
-        hits = self._lookup(seq)
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        needed = self._blocks_for(seq.num_tokens) - len(hits)
+    def _admission_blocks(self, seq: Sequence, group: int, computed: int,
+                          num_new_tokens: int | None) -> int:
+        """Table length a group gets at admission: every token for a full group; for a window
+        group only the first chunk (`num_new_tokens` after the cached prefix)."""
+        if self.group_windows[group] is None or num_new_tokens is None:
+            return self._blocks_for(seq.num_tokens)
+        return self._blocks_for(min(seq.num_tokens, computed + num_new_tokens))
+
+    def can_allocate(self, seq: Sequence, keep_watermark: bool = True,
+                     num_new_tokens: int | None = None) -> bool:
+        """Room for the sequence's tokens (a window group: its first `num_new_tokens`), leaving
+        `watermark_blocks` free for the running sequences' next tokens (so that admission does
+        not cause a preemption)."""
+        h, hits = self._lookup(seq)
+        computed = h * self.block_size
+        revived = sum(1 for hit in hits for b in hit if self.blocks[b].ref_count == 0)
+        needed = sum(self._admission_blocks(seq, g, computed, num_new_tokens) - h
+                     for g in range(self.num_groups))
         reserve = self.watermark_blocks if keep_watermark else 0
         return needed + revived + reserve <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence) -> None:
-        """Blocks for all of a waiting sequence's tokens; prefix-cache hits count as computed."""
-        assert not seq.block_table, "sequence already holds blocks"
-        hits = self._lookup(seq)
-        for block_id in hits:
-            self._take(block_id)
-        new = [self._allocate_new() for _ in range(self._blocks_for(seq.num_tokens) - len(hits))]
-        seq.block_table = hits + new
-        seq.block_table_dirty_from = 0
-        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
-        seq.num_registered_blocks = len(hits)
+    def allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> None:
+        """Blocks for a waiting sequence's tokens (see `can_allocate`); prefix-cache hits count
+        as computed."""
+        assert not any(seq.block_tables), "sequence already holds blocks"
+        h, hits = self._lookup(seq)
+        computed = h * self.block_size
+        for block_id in (b for hit in hits for b in hit):     # all hits before any new block:
+            self._take(block_id)                             # a new one may evict a free hit
+        tables = []
+        for g, hit in enumerate(hits):
+            new = self._admission_blocks(seq, g, computed, num_new_tokens) - h
+            tables.append([NULL_BLOCK] * (h - len(hit)) + hit
+                          + [self._allocate_new() for _ in range(new)])
+        seq.block_tables = tables
+        seq.dirty_from = [0] * self.num_groups
+        seq.num_computed_tokens = seq.num_cached_tokens = computed
+        seq.registered_blocks = [h] * self.num_groups
         self.prefix_cache_queries += seq.num_tokens
         self.prefix_cache_hits += seq.num_cached_tokens
 
@@ -127,54 +191,63 @@ class BlockManager:
         return block_id
 
     # ---- growth and copy-on-write --------------------------------------------------------
-    def _needs_copy(self, seq: Sequence) -> bool:
+    def _needs_copy(self, seq: Sequence, group: int) -> bool:
         """The next token lands in a partly filled block that someone else also holds."""
         pos = seq.num_computed_tokens
         idx = pos // self.block_size
-        return (pos % self.block_size != 0 and idx < len(seq.block_table)
-                and self.blocks[seq.block_table[idx]].ref_count > 1)
+        table = seq.block_tables[group]
+        return (pos % self.block_size != 0 and idx < len(table) and table[idx] != NULL_BLOCK
+                and self.blocks[table[idx]].ref_count > 1)
 
-    def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+    def _new_blocks_needed(self, seq: Sequence, group: int, num_new_tokens: int) -> int:
         total = self._blocks_for(seq.num_computed_tokens + num_new_tokens)
-        return max(0, total - len(seq.block_table))
+        return max(0, total - len(seq.block_tables[group]))
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self._new_blocks_needed(seq, num_new_tokens) + int(self._needs_copy(seq))
+        needed = sum(self._new_blocks_needed(seq, g, num_new_tokens) + self._needs_copy(seq, g)
+                     for g in range(self.num_groups))
         return needed <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make room for the next `num_new_tokens` tokens; returns block copies to perform."""
         copies = []
-        if self._needs_copy(seq):
-            idx = seq.num_computed_tokens // self.block_size
-            src = seq.block_table[idx]
-            dst = self._allocate_new()
-            self.blocks[src].ref_count -= 1
-            seq.block_table[idx] = dst
-            seq.block_table_dirty_from = min(seq.block_table_dirty_from, idx)
-            copies.append((src, dst))
-        needed = self._new_blocks_needed(seq, num_new_tokens)
-        if needed:
-            seq.block_table_dirty_from = min(seq.block_table_dirty_from, len(seq.block_table))
-            seq.block_table.extend(self._allocate_new() for _ in range(needed))
+        for g, table in enumerate(seq.block_tables):
+            if self._needs_copy(seq, g):
+                idx = seq.num_computed_tokens // self.block_size
+                src = table[idx]
+                dst = self._allocate_new()
+                self.blocks[src].ref_count -= 1
+                table[idx] = dst
+                seq.dirty_from[g] = min(seq.dirty_from[g], idx)
+                copies.append((src, dst))
+            needed = self._new_blocks_needed(seq, g, num_new_tokens)
+            if needed:
+                seq.dirty_from[g] = min(seq.dirty_from[g], len(table))
+                table.extend(self._allocate_new() for _ in range(needed))
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        child.block_table = list(parent.block_table)
-        child.block_table_dirty_from = 0
-        for block_id in child.block_table:
-            self.blocks[block_id].ref_count += 1
+        child.block_tables = [list(table) for table in parent.block_tables]
+        child.dirty_from = [0] * self.num_groups
+        for table in child.block_tables:
+            for block_id in table:
+                if block_id != NULL_BLOCK:
+                    self.blocks[block_id].ref_count += 1
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Free the blocks past the first `num_tokens` tokens (slots reserved for speculative
         tokens that were rejected). Their contents were never entered in the prefix cache."""
         keep = self._blocks_for(num_tokens)
-        self._release(seq.block_table[keep:])
-        del seq.block_table[keep:]
+        for table in seq.block_tables:
+            self._release(table[keep:])
+            del table[keep:]
 
-    def _release(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block, last first (tails are evicted before prefixes)."""
-        for block_id in reversed(block_ids):
+    def _release(self, block_ids: list[int], tail_first: bool = True) -> None:
+        """Drop one reference to each block (released window entries skipped), by default last
+        first (tails are evicted before prefixes)."""
+        for block_id in (reversed(block_ids) if tail_first else block_ids):
+            if block_id == NULL_BLOCK:
+                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
@@ -186,26 +259,44 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references. Tail blocks are queued for eviction first, so that
         shared prefixes survive longest."""
-        self._release(seq.block_table)
-        seq.block_table = []
-        seq.block_table_dirty_from = 0
-        seq.num_registered_blocks = 0
+        for table in seq.block_tables:
+            self._release(table)
+        seq.block_tables = [[] for _ in self.group_windows]
+        seq.dirty_from = [0] * self.num_groups
+        seq.registered_blocks = [0] * self.num_groups
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Window groups: release the blocks the next query can no longer see, oldest first
+        (the runner's copy of the table keeps their stale ids: attention masks them out)."""
+        for g, window in enumerate(self.group_windows):
+            if window is None:
+                continue
+            table = seq.block_tables[g]
+            first = min(first_needed_block(seq.num_computed_tokens, window, self.block_size),
+                        len(table))
+            start = first
+            while start > 0 and table[start - 1] != NULL_BLOCK:
+                start -= 1
+            self._release(table[start:first], tail_first=False)
+            table[start:first] = [NULL_BLOCK] * (first - start)
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Enter the sequence's newly completed full blocks into the prefix cache."""
+        """Enter the sequence's newly completed full blocks into the prefix cache, per group."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        if full <= seq.num_registered_blocks:
-            return
-        self._update_hashes(seq, full)
-        for i in range(seq.num_registered_blocks, full):
-            block = self.blocks[seq.block_table[i]]
-            h = seq.block_hashes[i]
-            if block.hash is None and h not in self.cached:
-                block.hash, block.token_ids = h, tuple(seq.block_tokens(i))
-                self.cached[h] = block.block_id
-        seq.num_registered_blocks = full
+        for g, table in enumerate(seq.block_tables):
+            full = min(seq.num_computed_tokens // self.block_size, len(table))
+            if full <= seq.registered_blocks[g]:
+                continue
+            self._update_hashes(seq, full)
+            for i in range(seq.registered_blocks[g], full):
+                if table[i] == NULL_BLOCK:
+                    continue
+                block, key = self.blocks[table[i]], (g, seq.block_hashes[i])
+                if block.hash is None and key not in self.cached:
+                    block.hash, block.token_ids = key, tuple(seq.block_tokens(i))
+                    self.cached[key] = block.block_id
+            seq.registered_blocks[g] = full
 
     def reset_prefix_cache(self) -> None:
         for block_id in self.free_queue:

@@ -1,8 +1,10 @@
-"""The runner's persistent copy of the block tables, as one [rows, max_blocks] tensor.
+"""The runner's persistent copy of the block tables: per KV-cache group, one [rows, max_blocks]
+tensor (`table[group]`). A running sequence owns the same row in every group for its whole life.
 
-Each running sequence owns a row for its whole life. Per step only the entries the block manager
-changed (`Sequence.block_table_dirty_from` onwards) are copied, so building a step's tables costs
-O(batch), not O(tokens in the cache)."""
+Per step only the entries the block manager changed (`Sequence.dirty_from` onwards, per group)
+are copied, so building a step's tables costs O(batch), not O(tokens in the cache). Entries a
+window group released keep their stale ids here (or 0 where a sequence never held a block):
+attention masks those positions, so they are never read into a result."""
 from __future__ import annotations
 
 import torch
@@ -11,11 +13,17 @@ from kvslim.engine.sequence import Sequence
 
 
 class BlockTables:
-    def __init__(self, num_rows: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(self, num_rows: int, max_blocks_per_seq: int, device: torch.device,
+                 num_groups: int = 1):
         self.device = device
-        self.table = torch.zeros(num_rows, max_blocks_per_seq, dtype=torch.long, device=device)
+        self.table = torch.zeros(num_groups, num_rows, max_blocks_per_seq, dtype=torch.long,
+                                 device=device)
         self.row_of: dict[int, int] = {}
         self.free_rows = list(range(num_rows - 1, -1, -1))
+
+    @property
+    def max_blocks(self) -> int:
+        return self.table.shape[2]
 
     def release(self, seq_id: int) -> None:
         row = self.row_of.pop(seq_id, None)
@@ -29,24 +37,29 @@ class BlockTables:
             row = self.row_of.get(seq.seq_id)
             if row is None:
                 row = self.row_of[seq.seq_id] = self._free_row()
-                seq.block_table_dirty_from = 0
-            start = seq.block_table_dirty_from
-            if start < len(seq.block_table):
-                self.table[row, start:len(seq.block_table)] = torch.tensor(
-                    seq.block_table[start:], dtype=torch.long)
-            seq.block_table_dirty_from = len(seq.block_table)
+                seq.dirty_from = [0] * len(seq.block_tables)
+            for g, table in enumerate(seq.block_tables):
+                start = seq.dirty_from[g]
+                if start < len(table):
+                    # A released entry (-1) becomes 0: a valid id whose contents are masked.
+                    self.table[g, row, start:len(table)] = torch.tensor(
+                        table[start:], dtype=torch.long).clamp_(min=0)
+                seq.dirty_from[g] = len(table)
             rows.append(row)
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _free_row(self) -> int:
         if not self.free_rows:                # more live sequences than expected: grow
             old = self.table
-            self.table = torch.zeros(2 * old.shape[0], old.shape[1], dtype=old.dtype,
+            groups, num_rows, width = old.shape
+            self.table = torch.zeros(groups, 2 * num_rows, width, dtype=old.dtype,
                                      device=self.device)
-            self.table[:old.shape[0]] = old
-            self.free_rows = list(range(self.table.shape[0] - 1, old.shape[0] - 1, -1))
+            self.table[:, :num_rows] = old
+            self.free_rows = list(range(2 * num_rows - 1, num_rows - 1, -1))
         return self.free_rows.pop()
 
-    def slots(self, rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Cache slot (block id * block_size + offset) of each (row, position) pair."""
-        return self.table[rows, positions // block_size] * block_size + positions % block_size
+    def slots(self, group: int, rows: torch.Tensor, positions: torch.Tensor,
+              block_size: int) -> torch.Tensor:
+        """Cache slot (block id * block_size + offset) of each (row, position) pair in `group`."""
+        return (self.table[group, rows, positions // block_size] * block_size
+                + positions % block_size)

@@ -38,6 +38,9 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0                        # for requests that sample without their own seed
     enforce_eager: bool = False          # on CUDA: no CUDA graphs for decode steps
+    # Sliding-window layers keep every block (their windows only mask), instead of releasing
+    # the blocks that fell out of the window: the mask-only path, for comparison.
+    keep_out_of_window_blocks: bool = False
     # Speculative decoding: a SpeculativeConfig or a dict of its options; None: off.
     speculative: SpeculativeConfig | dict | None = None
 

@@ -30,9 +30,14 @@ def _next_power_of_two(n: int) -> int:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, scratch_slot: int, max_num_seqs: int,
-                 max_blocks_per_seq: int, layer_windows: list[int | None], use_graphs: bool):
+                 max_blocks_per_seq: int, layer_windows: list[int | None],
+                 layer_group: list[int] | None = None, use_graphs: bool = False):
+        """layer_group: each layer's KV-cache group; every group has its own slot mapping and
+        block tables (static buffers [groups, ...])."""
         self.model, self.kv_caches = model, kv_caches
-        self.layer_windows = layer_windows
+        layer_group = layer_group or [0] * len(layer_windows)
+        self.layer_windows, self.layer_group = layer_windows, layer_group
+        num_groups = max(layer_group) + 1
         self.use_graphs = use_graphs
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
         self.max_blocks = max_blocks_per_seq
@@ -42,9 +47,11 @@ class DecodeGraphs:
         n = self.batch_sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), scratch_slot, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((num_groups, n), scratch_slot, dtype=torch.long,
+                                       device=dev)
         self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(num_groups, n, max_blocks_per_seq, dtype=torch.long,
+                                        device=dev)
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
 
@@ -56,14 +63,15 @@ class DecodeGraphs:
         return batch, min(_next_power_of_two(num_blocks), self.max_blocks)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            layout: PagedStepLayout) -> torch.Tensor | None:
-        """Hidden states [n, hidden] of a pure decode step, or None if it must run eagerly."""
-        n, width = input_ids.shape[0], layout.decode_block_tables.shape[1]
+            layouts: list[PagedStepLayout]) -> torch.Tensor | None:
+        """Hidden states [n, hidden] of a pure decode step (one layout per KV-cache group), or
+        None if it must run eagerly."""
+        n, width = input_ids.shape[0], layouts[0].decode_block_tables.shape[1]
         shape = self.shape_for(n, width)
         if shape is None or (shape not in self.graphs and len(self.graphs) >= MAX_GRAPHS):
             return None
         batch, _ = shape
-        self._fill(n, batch, input_ids, positions, layout)
+        self._fill(n, batch, input_ids, positions, layouts)
         if not self.use_graphs:
             return self._forward(*shape)[:n]
         if shape not in self.graphs:
@@ -72,25 +80,29 @@ class DecodeGraphs:
         graph.replay()
         return hidden[:n]
 
-    def _fill(self, n: int, batch: int, input_ids, positions, layout: PagedStepLayout) -> None:
-        width = layout.decode_block_tables.shape[1]
+    def _fill(self, n: int, batch: int, input_ids, positions,
+              layouts: list[PagedStepLayout]) -> None:
+        width = layouts[0].decode_block_tables.shape[1]
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
-        self.slot_mapping[:n] = layout.slot_mapping
-        self.context_lens[:n] = layout.decode_context_lens
-        self.block_tables[:n, :width] = layout.decode_block_tables
+        self.context_lens[:n] = layouts[0].decode_context_lens
+        for g, layout in enumerate(layouts):
+            self.slot_mapping[g, :n] = layout.slot_mapping
+            self.block_tables[g, :n, :width] = layout.decode_block_tables
         # Padding rows: position 0, one key, K/V written into the scratch block.
         self.input_ids[n:batch] = 0
         self.positions[n:batch] = 0
-        self.slot_mapping[n:batch] = self.scratch_slot
+        self.slot_mapping[:, n:batch] = self.scratch_slot
         self.context_lens[n:batch] = 1
 
     def _forward(self, batch: int, width: int) -> torch.Tensor:
-        layout = PagedStepLayout(
-            slot_mapping=self.slot_mapping[:batch], num_decode_tokens=batch,
-            decode_block_tables=self.block_tables[:batch, :width],
+        layouts = [PagedStepLayout(
+            slot_mapping=self.slot_mapping[g, :batch], num_decode_tokens=batch,
+            decode_block_tables=self.block_tables[g, :batch, :width],
             decode_context_lens=self.context_lens[:batch])
-        meta = build_layer_metadata(layout, self.block_size, self.layer_windows, graph_safe=True)
+            for g in range(self.slot_mapping.shape[0])]
+        meta = build_layer_metadata(layouts, self.block_size, self.layer_windows,
+                                    self.layer_group, graph_safe=True)
         attn = PagedAttention(self.kv_caches, meta)
         return self.model(self.input_ids[:batch], self.positions[:batch], attn=attn)
 

@@ -22,7 +22,7 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, seed: int = 0,
                  enforce_eager: bool = False, kv_cache_dtype: str = "auto",
-                 speculative: dict | None = None):
+                 speculative: dict | None = None, keep_out_of_window_blocks: bool = False):
         from kvslim.formats.registry import resolve_model
         self.model_dir = resolve_model(model)
         config = EngineConfig(
@@ -30,7 +30,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, dtype=dtype, device=device, seed=seed,
-            enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, speculative=speculative)
+            enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, speculative=speculative,
+            keep_out_of_window_blocks=keep_out_of_window_blocks)
         self.engine = LLMEngine(self.model_dir, config)
         self.tokenizer = self.engine.tokenizer
 

@@ -20,6 +20,7 @@ from kvslim.engine.speculative.draft import DraftModelProposer
 from kvslim.errors import EngineFailedError, InvalidRequestError, KvslimError
 from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
+from kvslim.models.kv_groups import longest_sequence
 from kvslim.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvslim.engine")
@@ -54,7 +55,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.config, eos, self.max_model_len)
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching,
-            watermark_blocks=max(1, self.runner.num_blocks // 100) if self.runner.num_blocks > 8 else 0)
+            watermark_blocks=max(1, self.runner.num_blocks // 100) if self.runner.num_blocks > 8 else 0,
+            group_windows=self.runner.kv_groups.windows)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, eos,
                                    self.config.enable_chunked_prefill)
@@ -84,11 +86,16 @@ class LLMEngine:
         who asks for more than the cache holds gets an error instead)."""
         from kvslim.attention import resolve_kv_cache_dtype
         from kvslim.engine.model_runner import kv_block_bytes
+        from kvslim.models.kv_groups import kv_cache_groups
+        cfg = self.config
         param = next(self.model.parameters())
-        kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, param.dtype, param.device)
-        capacity = (self.config.kv_cache_memory
-                    // kv_block_bytes(self.model_config, self.config.block_size, kv_dtype)
-                    * self.config.block_size)
+        kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, param.dtype, param.device)
+        groups = kv_cache_groups(self.model_config, not cfg.keep_out_of_window_blocks)
+        num_blocks = cfg.kv_cache_memory // kv_block_bytes(self.model_config, cfg.block_size,
+                                                           kv_dtype, groups)
+        limit = max(self.model_config.max_position_embeddings, cfg.max_model_len or 0)
+        capacity = longest_sequence(num_blocks, groups.windows, cfg.block_size,
+                                    cfg.max_num_batched_tokens, limit)
         if self.config.max_model_len is not None:
             if capacity and self.config.max_model_len > capacity:
                 raise KvslimError(
@@ -149,7 +156,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"max_model_len ({self.max_model_len})", "max_tokens")
-        capacity = self.runner.num_blocks * self.config.block_size
+        capacity = longest_sequence(self.runner.num_blocks, self.block_manager.group_windows,
+                                    self.config.block_size, self.config.max_num_batched_tokens,
+                                    total)
         if total > capacity:
             raise InvalidRequestError(
                 f"request needs {total} tokens of KV cache, but the whole cache holds {capacity} "
@@ -358,8 +367,9 @@ class LLMEngine:
             num_blocks=bm.num_blocks, block_size=bm.block_size,
             num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
             num_cached_free_blocks=bm.num_cached_free_blocks,
-            bytes_per_token=r.bytes_per_block // bm.block_size, bytes_per_block=r.bytes_per_block,
-            total_bytes=r.bytes_per_block * bm.num_blocks, max_tokens=bm.num_blocks * bm.block_size,
+            bytes_per_token=r.bytes_per_block * bm.num_groups // bm.block_size,
+            bytes_per_block=r.bytes_per_block, total_bytes=r.bytes_per_block * bm.num_blocks,
+            max_tokens=bm.num_blocks * bm.block_size // bm.num_groups,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             kv_cache_dtype=str(r.kv_dtype).removeprefix("torch."))

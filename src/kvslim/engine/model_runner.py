@@ -16,13 +16,17 @@ from kvslim.engine.decode_graphs import DecodeGraphs
 from kvslim.engine.prompt_logprobs import record_prompt_logprobs
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
+from kvslim.models.kv_groups import KVCacheGroups, kv_cache_groups, page_bytes_per_token
 from kvslim.models.llama import LlamaForCausalLM
 
 
-def kv_block_bytes(model_config, block_size: int, kv_dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block of every layer, in the cache's dtype; a quantized cache
-    adds its per-token scales."""
-    return block_size * model_config.kv_cache_bytes_per_token(kv_dtype)
+def kv_block_bytes(model_config, block_size: int, kv_dtype: torch.dtype,
+                   groups: KVCacheGroups | None = None) -> int:
+    """Bytes of one block id (page): K and V of `block_size` tokens for one layer at each
+    position of a KV-cache group (every layer, for a model with one group), in the cache's
+    dtype; a quantized cache adds its per-token scales."""
+    groups = groups or kv_cache_groups(model_config)
+    return block_size * page_bytes_per_token(model_config, groups, kv_dtype)
 
 
 def is_quantized(kv_dtype: torch.dtype) -> bool:
@@ -39,34 +43,41 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.block_size = config.block_size
         self.layer_windows = list(mc.layer_sliding_windows)   # fixed: not rebuilt per step
+        self.kv_groups = kv_cache_groups(mc, not config.keep_out_of_window_blocks)
+        self.layer_group = self.kv_groups.group_of_layer()
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
-        self.bytes_per_block = kv_block_bytes(mc, self.block_size, self.kv_dtype)
+        self.bytes_per_block = kv_block_bytes(mc, self.block_size, self.kv_dtype, self.kv_groups)
         self.num_blocks = num_kv_blocks(config, self.bytes_per_block)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self._allocate_cache(reserved_blocks=int(use_graphs))
         max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.block_tables = BlockTables(config.max_num_seqs, max_blocks_per_seq, self.device)
+        self.block_tables = BlockTables(config.max_num_seqs, max_blocks_per_seq, self.device,
+                                        len(self.kv_groups.groups))
         self.sampler = Sampler(mc.vocab_size, self.device, eos_token_ids, config.seed)
         self.decode_graphs = self._decode_graphs(use_graphs=True) if use_graphs else None
 
     def _allocate_cache(self, reserved_blocks: int) -> None:
-        """One K/V tensor per layer, [K/V, blocks, block_size, layer's kv_heads, head_dim] (the
-        layers of a non-uniform GQA model differ in KV heads), plus `reserved_blocks` the block
-        manager never hands out. A quantized cache adds, per layer, its scales:
-        [K/V, blocks, block_size, kv_heads]. A block id means the same slots in every layer."""
+        """One K/V tensor per position in a KV-cache group, [K/V, blocks, block_size, kv_heads,
+        head_dim], shared by the layer at that position of every group (for a model with one
+        group: one tensor per layer; the layers of a non-uniform GQA model differ in KV heads),
+        plus `reserved_blocks` the block manager never hands out. A quantized cache adds, per
+        position, its scales: [K/V, blocks, block_size, kv_heads]. A block id means the same
+        slots in every tensor; which group's layers it holds is the block manager's business."""
         mc = self.model.config
         blocks = self.num_blocks + reserved_blocks
-        shapes = [(2, blocks, self.block_size, heads) for heads in mc.kv_heads_per_layer]
+        shapes = [(2, blocks, self.block_size, mc.kv_heads_of(layer))
+                  for layer in self.kv_groups.groups[0].layers]
         self.kv_cache = [torch.zeros(*shape, mc.head_dim, dtype=self.kv_dtype, device=self.device)
                          for shape in shapes]
         self.kv_scales = None
         if not is_quantized(self.kv_dtype):
-            self.kv_caches = [KVCacheLayer(layer[0], layer[1]) for layer in self.kv_cache]
-            return
-        self.kv_scales = [torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=self.device)
-                          for shape in shapes]
-        self.kv_caches = [QuantizedKVCacheLayer(kv[0], kv[1], s[0], s[1], self.dtype)
-                          for kv, s in zip(self.kv_cache, self.kv_scales)]
+            storage = [KVCacheLayer(kv[0], kv[1]) for kv in self.kv_cache]
+        else:
+            self.kv_scales = [torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=self.device)
+                              for shape in shapes]
+            storage = [QuantizedKVCacheLayer(kv[0], kv[1], s[0], s[1], self.dtype)
+                       for kv, s in zip(self.kv_cache, self.kv_scales)]
+        self.kv_caches = [storage[j] for j in self.kv_groups.position_of_layer()]
 
     @property
     def kv_slot_bytes(self) -> int:
@@ -78,8 +89,8 @@ class ModelRunner:
     def _decode_graphs(self, use_graphs: bool) -> DecodeGraphs:
         # Padding rows write into the reserved block after the last one in use.
         return DecodeGraphs(self.model, self.kv_caches, self.num_blocks * self.block_size,
-                            self.config.max_num_seqs, self.block_tables.table.shape[1],
-                            self.layer_windows, use_graphs)
+                            self.config.max_num_seqs, self.block_tables.max_blocks,
+                            self.layer_windows, self.layer_group, use_graphs)
 
     def enable_padded_decode(self) -> None:
         """Run pure decode steps through the decode-graph path without CUDA graphs: padded
@@ -138,49 +149,55 @@ class ModelRunner:
             for layer in self.kv_cache + (self.kv_scales or []):
                 layer[:, list(dst)] = layer[:, list(src)]
         entries = _attention_order(out.scheduled)
-        input_ids, positions, layout, query_starts = self._prepare(entries)
+        input_ids, positions, layouts, query_starts = self._prepare(entries)
         hidden = None
-        if self.decode_graphs is not None and not layout.prefills:
-            hidden = self.decode_graphs.run(input_ids, positions, layout)
+        if self.decode_graphs is not None and not layouts[0].prefills:
+            hidden = self.decode_graphs.run(input_ids, positions, layouts)
         if hidden is None:
-            meta = build_layer_metadata(layout, self.block_size, self.layer_windows)
+            meta = build_layer_metadata(layouts, self.block_size, self.layer_windows,
+                                        self.layer_group)
             hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_caches, meta))
         return hidden, entries, query_starts
 
     def _prepare(self, entries: list[ScheduledSequence]):
-        """Flat inputs of the step (one-token queries first, then longer chunks) and their
-        layout for attention; also each entry's first row in the flat layout."""
+        """Flat inputs of the step (one-token queries first, then longer chunks), their layout
+        for attention in each KV-cache group (same tokens, the group's own blocks), and each
+        entry's first row in the flat layout."""
         bs, dev = self.block_size, self.device
+        groups = range(len(self.kv_groups.groups))
         singles = [e for e in entries if e.num_tokens == 1]
         tokens: list[int] = []
         positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        layout = PagedStepLayout(slot_mapping=torch.empty(0))
+        slots: list[list[torch.Tensor]] = [[] for _ in groups]
+        layouts = [PagedStepLayout(slot_mapping=torch.empty(0)) for _ in groups]
         if singles:
             seqs = [e.seq for e in singles]
             rows = self.block_tables.rows_for(seqs)
             pos = torch.tensor([e.start for e in singles], device=dev)
             tokens += [e.seq.token_ids[e.start] for e in singles]
             positions.append(pos)
-            slots.append(self.block_tables.slots(rows, pos, bs))
             max_blocks = int(pos.max()) // bs + 1
-            layout.num_decode_tokens = len(seqs)
-            layout.decode_block_tables = self.block_tables.table[rows, :max_blocks]
-            layout.decode_context_lens = pos + 1
+            for g, layout in zip(groups, layouts):
+                slots[g].append(self.block_tables.slots(g, rows, pos, bs))
+                layout.num_decode_tokens = len(seqs)
+                layout.decode_block_tables = self.block_tables.table[g, rows, :max_blocks]
+                layout.decode_context_lens = pos + 1
         for entry in entries[len(singles):]:
             seq, n, start = entry.seq, entry.num_tokens, entry.start
             row = self.block_tables.rows_for([seq])
             pos = torch.arange(start, start + n, device=dev)
-            layout.prefills.append(PrefillChunk(
-                query_start=len(tokens), query_len=n, context_len=start + n,
-                block_table=self.block_tables.table[row[0], :-(-(start + n) // bs)]))
+            for g, layout in zip(groups, layouts):
+                layout.prefills.append(PrefillChunk(
+                    query_start=len(tokens), query_len=n, context_len=start + n,
+                    block_table=self.block_tables.table[g, row[0], :-(-(start + n) // bs)]))
+                slots[g].append(self.block_tables.slots(g, row.expand(n), pos, bs))
             tokens += entry.input_token_ids
             positions.append(pos)
-            slots.append(self.block_tables.slots(row.expand(n), pos, bs))
         query_starts = list(itertools.accumulate((e.num_tokens for e in entries[:-1]), initial=0))
-        layout.slot_mapping = torch.cat(slots)
+        for g, layout in zip(groups, layouts):
+            layout.slot_mapping = torch.cat(slots[g])
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        return input_ids, torch.cat(positions), layout, query_starts
+        return input_ids, torch.cat(positions), layouts, query_starts
 
 
 def _attention_order(entries: list[ScheduledSequence]) -> list[ScheduledSequence]:

@@ -75,10 +75,10 @@ class KVCacheStats:
     num_used_blocks: int
     num_free_blocks: int
     num_cached_free_blocks: int
-    bytes_per_token: int                      # K/V elements, plus scales when quantized
-    bytes_per_block: int
+    bytes_per_token: int                      # all layers' K/V, plus scales when quantized
+    bytes_per_block: int                      # one block id: one KV-cache group's layers
     total_bytes: int
-    max_tokens: int                           # tokens the whole cache holds
+    max_tokens: int                           # token slots of one KV-cache group
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int

@@ -180,10 +180,11 @@ class Scheduler:
             if not self.enable_chunked_prefill and not seq.num_output_tokens \
                     and seq.num_tokens > budget:
                 break
-            if not self.bm.can_allocate(seq, keep_watermark=bool(self.running)):
+            if not self.bm.can_allocate(seq, keep_watermark=bool(self.running),
+                                        num_new_tokens=budget):
                 break
             self.waiting.popleft()
-            self.bm.allocate(seq)
+            self.bm.allocate(seq, num_new_tokens=budget)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
@@ -223,6 +224,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += entry.num_tokens
             self.bm.cache_computed_blocks(seq)
+            self.bm.release_out_of_window(seq)
             if not entry.sample:
                 continue
             results = sampled[seq.seq_id]
@@ -249,6 +251,7 @@ class Scheduler:
                 return
         self.bm.trim(seq, seq.num_computed_tokens)
         self.bm.cache_computed_blocks(seq)
+        self.bm.release_out_of_window(seq)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """n > 1: the siblings share every block of the computed prompt (copy-on-write)."""

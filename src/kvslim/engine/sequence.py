@@ -38,11 +38,13 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0           # tokens whose K/V are in the cache
     num_cached_tokens: int = 0             # of those, taken from the prefix cache at admission
-    block_table: list[int] = field(default_factory=list)
+    # One block table per KV-cache group (`models/kv_groups.py`; most models have one group).
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     block_hashes: list[bytes] = field(default_factory=list)  # chained digests of full blocks
-    num_registered_blocks: int = 0         # leading blocks already entered in the prefix cache
-    # Lowest block-table index changed since the runner last copied the table (see runner).
-    block_table_dirty_from: int = 0
+    # Per group: leading blocks already entered in the prefix cache (or released).
+    registered_blocks: list[int] = field(default_factory=lambda: [0])
+    # Per group: lowest table index changed since the runner last copied the table.
+    dirty_from: list[int] = field(default_factory=lambda: [0])
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -101,6 +103,11 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def block_table(self) -> list[int]:
+        """The first group's block table (the only one, for a model without window groups)."""
+        return self.block_tables[0]
+
+    @property
     def num_full_blocks(self) -> int:
         return self.num_tokens // self.block_size
 
@@ -136,12 +143,12 @@ class Sequence:
         child = Sequence(request_id=self.request_id, token_ids=list(self.token_ids),
                          params=self.params, block_size=self.block_size, index=index,
                          num_prompt_tokens=self.num_prompt_tokens, status=self.status,
-                         block_table_dirty_from=0,
                          num_computed_tokens=self.num_computed_tokens,
                          num_cached_tokens=self.num_cached_tokens,
                          block_hashes=list(self.block_hashes),
                          prompt_logprobs=self.prompt_logprobs,      # complete by now; shared
-                         num_registered_blocks=self.num_registered_blocks,
+                         registered_blocks=list(self.registered_blocks),
+                         dirty_from=[0] * len(self.block_tables),
                          arrival_time=self.arrival_time,
                          first_scheduled_time=self.first_scheduled_time)
         return child

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvslim.errors import KvslimError
 from kvslim.models.config import ModelConfig
+from kvslim.models.kv_groups import blocks_held, kv_cache_groups
 from kvslim.plan.parameters import parameter_counts
 from kvslim.plan.published import builtin_config
 
@@ -93,15 +94,53 @@ class Capacity:
     max_sequences: int                 # of `context` tokens each
 
 
-def kv_capacity(kv_budget_bytes: int, bytes_per_token: int, block_size: int, context: int
-                ) -> Capacity:
-    """The engine's own sizing: num_blocks = budget // bytes_per_block (ModelRunner); a sequence
-    of `context` tokens holds ceil(context / block_size) blocks."""
-    bytes_per_block = block_size * bytes_per_token
+def kv_capacity(kv_budget_bytes: int, bytes_per_token: int, block_size: int, context: int,
+                windows: tuple[int | None, ...] = (None,)) -> Capacity:
+    """The engine's own sizing: num_blocks = budget // bytes_per_block (ModelRunner), where a
+    block (page) holds one KV-cache group's layers (`models/kv_groups.py`; `windows` has one
+    entry per group, each group a 1/len(windows) share of `bytes_per_token`); a sequence of
+    `context` tokens holds ceil(context / block_size) blocks in each full group and those its
+    window still sees in each window group. max_tokens: the token slots of one group."""
+    bytes_per_block = block_size * bytes_per_token // len(windows)
     num_blocks = max(0, kv_budget_bytes) // bytes_per_block
-    blocks_per_seq = -(-context // block_size)
+    blocks_per_seq = sum(blocks_held(context, w, block_size) for w in windows)
     return Capacity(max(0, kv_budget_bytes), bytes_per_block, num_blocks,
-                    num_blocks * block_size, num_blocks // blocks_per_seq)
+                    num_blocks * block_size // len(windows), num_blocks // blocks_per_seq)
+
+
+@dataclass
+class KVGroupPlan:
+    """One KV-cache group: what a sequence of `context` tokens holds in it."""
+    layers: list[int]
+    window: int | None                 # None: keeps every block
+    bytes_per_token: int               # the group's layers, this model's layout
+    blocks_per_sequence: int           # what the engine holds between steps
+    bytes: int                         # those blocks, x batch
+
+
+def kv_group_plans(config: ModelConfig, per_token: int, context: int, batch: int,
+                   block_size: int) -> list[KVGroupPlan]:
+    """Per group, its blocks and bytes at `context` (groups hold equal bytes per token)."""
+    groups = kv_cache_groups(config).groups
+    share = per_token // len(groups)
+    plans = []
+    for group in groups:
+        blocks = blocks_held(context, group.window, block_size)
+        plans.append(KVGroupPlan(list(group.layers), group.window, share, blocks,
+                                 blocks * block_size * share * batch))
+    return plans
+
+
+def held_kv_bytes(config: ModelConfig, per_token: int, context: int, batch: int,
+                  block_size: int) -> int:
+    """KV bytes for `batch` sequences of `context` tokens: every token in the full groups (as
+    bytes, not whole blocks), the blocks the window still sees in the window groups."""
+    total = 0
+    for plan in kv_group_plans(config, per_token, context, batch, block_size):
+        held = context if plan.window is None else min(context, plan.blocks_per_sequence
+                                                       * block_size)
+        total += plan.bytes_per_token * held * batch
+    return total
 
 
 # ---- the plan ----------------------------------------------------------------------------------
@@ -131,6 +170,7 @@ class MemoryPlan:
     kv_bytes: int                      # this model's layout, context x batch
     layouts: list[LayoutPlan]
     memory_bytes: int | None = None    # the device budget, if given
+    kv_groups: list[KVGroupPlan] = field(default_factory=list)   # this model's layout
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -180,19 +220,22 @@ def plan_memory(config: ModelConfig, context: int = DEFAULT_CONTEXT, batch: int 
     kv_dtype = parse_storage_dtype(kv_dtype or default_kv, "--kv-dtype")
     total, active = parameter_counts(config)
     weight_bytes = storage_bytes(total, dtype)
+    windows = kv_cache_groups(config).windows
     layouts = []
     for layout in kv_layouts(config):
         per_token = storage_bytes(layout.elements_per_token, kv_dtype)
         if kv_dtype in SCALED_KV_DTYPES:
             per_token += layout.scale_bytes_per_token
         capacity = None if memory_bytes is None else \
-            kv_capacity(memory_bytes - weight_bytes, per_token, block_size, context)
+            kv_capacity(memory_bytes - weight_bytes, per_token, block_size, context, windows)
         layouts.append(LayoutPlan(layout.name, layout.label, layout.is_model,
                                   layout.elements_per_token, per_token,
-                                  per_token * context * batch, capacity))
+                                  held_kv_bytes(config, per_token, context, batch, block_size),
+                                  capacity))
     own = next(lp for lp in layouts if lp.is_model)
     plan = MemoryPlan(config, total, active, dtype, kv_dtype, context, batch, block_size,
-                      weight_bytes, own.kv_bytes_per_token, own.kv_bytes, layouts, memory_bytes)
+                      weight_bytes, own.kv_bytes_per_token, own.kv_bytes, layouts, memory_bytes,
+                      kv_group_plans(config, own.kv_bytes_per_token, context, batch, block_size))
     plan.notes = _notes(plan)
     return plan
 
@@ -202,11 +245,18 @@ def _notes(plan: MemoryPlan) -> list[str]:
     if plan.context > config.max_position_embeddings:
         notes.append(f"context {plan.context:,} is beyond the model's "
                      f"{config.max_position_embeddings:,} positions")
-    window = config.sliding_window
-    if window and window < min(plan.context, config.max_position_embeddings):
-        notes.append(f"sliding window {window:,}: a rolling-buffer cache would hold at most "
-                     f"{window:,} tokens per sequence; these figures (and kvslim's engine) keep "
-                     "every token")
+    windowed = [g for g in plan.kv_groups if g.window is not None]
+    if windowed and windowed[0].window < plan.context:
+        layers = sum(len(g.layers) for g in windowed)
+        notes.append(f"sliding window {windowed[0].window:,} on {layers} of "
+                     f"{config.num_hidden_layers} layers: the engine releases their blocks "
+                     f"that fell out of the window, so they hold "
+                     f"{windowed[0].blocks_per_sequence} blocks per sequence at any context "
+                     "(KV bytes here count that)")
+    elif config.sliding_window and config.sliding_window < plan.context:
+        notes.append(f"sliding window {config.sliding_window:,}: these layers cannot share "
+                     "block tables with the others (their KV heads differ), so the engine "
+                     "keeps every block and the window only masks")
     if plan.free_bytes is not None and plan.free_bytes <= 0:
         notes.append("the weights alone exceed --memory: nothing is left for the KV cache")
     if config.moe:
@@ -223,7 +273,8 @@ def _notes(plan: MemoryPlan) -> list[str]:
 
 def kv_curve(plan: MemoryPlan, contexts: list[int]) -> dict[str, list[int]]:
     """KV bytes (for `plan.batch` sequences) at each context, per layout name."""
-    return {lp.name: [lp.kv_bytes_per_token * c * plan.batch for c in contexts]
+    return {lp.name: [held_kv_bytes(plan.model, lp.kv_bytes_per_token, c, plan.batch,
+                                    plan.block_size) for c in contexts]
             for lp in plan.layouts}
 
 

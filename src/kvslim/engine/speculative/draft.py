@@ -24,6 +24,7 @@ from kvslim.engine.speculative.config import MAX_SPECULATIVE_TOKENS
 from kvslim.errors import KvslimError
 from kvslim.formats.loader import load_model
 from kvslim.models.config import ModelConfig
+from kvslim.models.kv_groups import kv_cache_groups
 
 Drafts = dict[int, tuple[list[int], torch.Tensor]]      # seq_id -> (tokens, q [k, vocab])
 
@@ -42,8 +43,12 @@ class DraftModelProposer:
         param = next(model.parameters())
         kv_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, param.dtype,
                                           param.device)
-        block_bytes = kv_block_bytes(model.config, engine_config.block_size, kv_dtype)
+        # The draft rolls its mirrors back to a common prefix, so it keeps every block (one
+        # group, windows only masked).
+        groups = kv_cache_groups(model.config, free_out_of_window=False)
+        block_bytes = kv_block_bytes(model.config, engine_config.block_size, kv_dtype, groups)
         config = replace(engine_config, speculative=None, enforce_eager=True,
+                         keep_out_of_window_blocks=True,
                          kv_cache_memory=target_num_blocks * block_bytes)
         self.runner = ModelRunner(model, config, [], max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,

@@ -1,0 +1,137 @@
+"""KV-cache groups: which layers share a block table, so that sliding-window layers can give
+back the blocks that fell out of their window while global layers keep every block.
+
+As in vLLM's hybrid KV-cache manager, layers are grouped by attention type (their window), and
+every group has the same number of layers, `group_size` (the gcd of the types' layer counts:
+Gemma 3 270M's 15 local + 3 global layers make 5 local groups and 1 global group of 3). A block
+id (a *page*) then means one block of `group_size` layers; position j of every group shares one
+storage tensor, and whichever group holds a page writes its layers there. All groups draw pages
+from one pool, so the budget never has to be split between local and global layers in advance.
+
+A sequence holds one block table per group. A global group's table covers every token; a window
+group's table keeps only the blocks its next query can still see (`first_needed_block`), the
+entries before are released (`NULL_BLOCK`), so its pages stop growing with the context.
+
+Plain Python: the engine's block manager, its model runner and the memory planner all size the
+cache from here, so they agree by construction."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvslim.models.config import ModelConfig
+
+NULL_BLOCK = -1          # a window group's released entry: no page behind it
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    layers: tuple[int, ...]
+    # Blocks entirely older than this many tokens before the next query are released; None:
+    # the group keeps every block (full attention, or freeing switched off).
+    window: int | None
+
+
+@dataclass(frozen=True)
+class KVCacheGroups:
+    groups: tuple[KVCacheGroup, ...]
+
+    @property
+    def group_size(self) -> int:
+        return len(self.groups[0].layers)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(g.window for g in self.groups)
+
+    def group_of_layer(self) -> list[int]:
+        """Per layer, the index of its group."""
+        owner = {layer: g for g, group in enumerate(self.groups) for layer in group.layers}
+        return [owner[layer] for layer in sorted(owner)]
+
+    def position_of_layer(self) -> list[int]:
+        """Per layer, its position inside its group: the storage tensor it writes to."""
+        pos = {layer: j for group in self.groups for j, layer in enumerate(group.layers)}
+        return [pos[layer] for layer in sorted(pos)]
+
+    @property
+    def is_hybrid(self) -> bool:
+        return len(self.groups) > 1
+
+
+def kv_cache_groups(config: ModelConfig, free_out_of_window: bool = True) -> KVCacheGroups:
+    """The model's groups. One group of every layer when all layers share one window (Llama:
+    none; Mistral: all windowed, so every layer's old blocks go). `free_out_of_window=False` is
+    the mask-only path: one group that keeps every block. Storage position j is shared by the
+    j-th layer of each group, so those layers must have equal KV heads; a non-uniform GQA model
+    that also mixes windows keeps every block instead (its windows remain masks)."""
+    layers = range(config.num_hidden_layers)
+    windows = config.layer_sliding_windows
+    types = list(dict.fromkeys(windows))
+    if not free_out_of_window:
+        return KVCacheGroups((KVCacheGroup(tuple(layers), None),))
+    if len(types) == 1:
+        return KVCacheGroups((KVCacheGroup(tuple(layers), types[0]),))
+    by_type = {w: [i for i in layers if windows[i] == w] for w in types}
+    size = math.gcd(*(len(ls) for ls in by_type.values()))
+    groups = tuple(KVCacheGroup(tuple(ls[i:i + size]), w)
+                   for w, ls in by_type.items() for i in range(0, len(ls), size))
+    heads = config.kv_heads_per_layer
+    if any(len({heads[g.layers[j]] for g in groups}) > 1 for j in range(size)):
+        return KVCacheGroups((KVCacheGroup(tuple(layers), None),))
+    return KVCacheGroups(groups)
+
+
+def first_needed_block(num_computed_tokens: int, window: int | None, block_size: int) -> int:
+    """The first block the next query (at position `num_computed_tokens`) can see: it attends to
+    the `window` positions ending at itself."""
+    if window is None:
+        return 0
+    return max(0, num_computed_tokens - window + 1) // block_size
+
+
+def blocks_held(num_tokens: int, window: int | None, block_size: int) -> int:
+    """Blocks one group holds for a sequence of `num_tokens` computed tokens between steps:
+    all of them for a full group, those its next query can see for a window group."""
+    if num_tokens <= 0:
+        return 0
+    last = (num_tokens - 1) // block_size
+    first = min(first_needed_block(num_tokens, window, block_size), last)
+    return last - first + 1
+
+
+def layer_bytes_per_token(config: ModelConfig, kv_cache_dtype) -> list[int]:
+    """Each layer's share of `kv_cache_bytes_per_token` (elements and scales are linear in a
+    layer's KV heads, so the shares are exact)."""
+    heads = config.kv_heads_per_layer
+    total = config.kv_cache_bytes_per_token(kv_cache_dtype)
+    return [total * h // sum(heads) for h in heads]
+
+
+def page_bytes_per_token(config: ModelConfig, groups: KVCacheGroups, kv_cache_dtype) -> int:
+    """Bytes one token slot of a page takes: one layer at each position of a group."""
+    per_layer = layer_bytes_per_token(config, kv_cache_dtype)
+    return sum(per_layer[layer] for layer in groups.groups[0].layers)
+
+
+def step_blocks(num_tokens: int, window: int | None, block_size: int, chunk: int) -> int:
+    """The most blocks one group holds for a sequence during a step that computes up to `chunk`
+    tokens and ends at `num_tokens`: a window group holds what the chunk's first query sees
+    through the chunk's end."""
+    full = -(-num_tokens // block_size)
+    if window is None:
+        return full
+    return min(full, -(-(window - 1 + chunk) // block_size) + 1)
+
+
+def longest_sequence(num_blocks: int, windows: tuple[int | None, ...], block_size: int,
+                     chunk: int, limit: int) -> int:
+    """The longest sequence (at most `limit` tokens) whose blocks in every group fit in
+    `num_blocks` during any step: the full groups grow with it, the window groups do not."""
+    def fits(n: int) -> bool:
+        return sum(step_blocks(n, w, block_size, chunk) for w in windows) <= num_blocks
+    lo, hi = 0, limit                        # fits() is monotone in n: bisect
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
