@@ -23,7 +23,8 @@ class PrefillChunk:
     query_start: int          # offset of the chunk in the step's flat tokens
     query_len: int            # tokens computed this step
     context_len: int          # cached prefix + query_len
-    block_table: torch.Tensor  # [num_blocks] block ids covering the context
+    block_table: torch.Tensor  # [num_blocks] block ids covering the context (from key_start)
+    key_start: int = 0        # position of the table's first key (a multiple of block_size)
 
 
 @dataclass
@@ -33,6 +34,7 @@ class PagedStepLayout:
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes]
+    decode_key_start: int = 0  # position of the tables' first key (a multiple of block_size)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -72,8 +74,9 @@ def _decode_allowed(layout: PagedStepLayout, block_size: int,
                     sliding_window: int | None) -> torch.Tensor:
     """Each decode sees the keys before its length (and inside its window), out of the padded
     width of the block tables."""
-    max_len = layout.decode_block_tables.shape[1] * block_size
-    key_pos = torch.arange(max_len, device=layout.slot_mapping.device)[None, :]
+    width = layout.decode_block_tables.shape[1] * block_size
+    start = layout.decode_key_start
+    key_pos = torch.arange(start, start + width, device=layout.slot_mapping.device)[None, :]
     lens = layout.decode_context_lens[:, None]
     allowed = key_pos < lens
     if sliding_window is not None:
@@ -86,7 +89,8 @@ def _prefill_allowed(chunk: PrefillChunk, device: torch.device,
     # A chunk with nothing cached before it and no window is plain causal attention: no mask.
     if chunk.query_len == chunk.context_len and sliding_window is None:
         return None
-    return causal_mask(chunk.query_len, chunk.context_len, device, sliding_window)[None]
+    return causal_mask(chunk.query_len, chunk.context_len, device, sliding_window,
+                       chunk.key_start)[None]
 
 
 def build_layer_metadata(layouts: PagedStepLayout | list[PagedStepLayout], block_size: int,

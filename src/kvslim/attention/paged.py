@@ -72,6 +72,7 @@ class PagedAttention:
                 keys, values = k[s:s + t], v[s:s + t]
             else:
                 keys, values = cache.gather(chunk.block_table)
-                keys, values = keys[:chunk.context_len], values[:chunk.context_len]
+                n = chunk.context_len - chunk.key_start
+                keys, values = keys[:n], values[:n]
             mask = masks.get(i, allowed, group, q.dtype)
             out[s:s + t] = grouped_sdpa(q[None, s:s + t], keys[None], values[None], mask, scale)[0]

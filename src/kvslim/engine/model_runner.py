@@ -16,7 +16,8 @@ from kvslim.engine.decode_graphs import DecodeGraphs
 from kvslim.engine.prompt_logprobs import record_prompt_logprobs
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
-from kvslim.models.kv_groups import KVCacheGroups, kv_cache_groups, page_bytes_per_token
+from kvslim.models.kv_groups import (KVCacheGroups, first_needed_block, kv_cache_groups,
+                                     page_bytes_per_token)
 from kvslim.models.llama import LlamaForCausalLM
 
 
@@ -159,6 +160,15 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_caches, meta))
         return hidden, entries, query_starts
 
+    def _first_block(self, group: int, position: int) -> int:
+        """The first block a query at `position` reads in `group`: a window group's attention
+        skips the blocks before its window (released, or stale), except on the decode-graph
+        path, whose tables have fixed widths."""
+        window = self.kv_groups.groups[group].window
+        if window is None or self.decode_graphs is not None:
+            return 0
+        return first_needed_block(position, window, self.block_size)
+
     def _prepare(self, entries: list[ScheduledSequence]):
         """Flat inputs of the step (one-token queries first, then longer chunks), their layout
         for attention in each KV-cache group (same tokens, the group's own blocks), and each
@@ -178,18 +188,22 @@ class ModelRunner:
             positions.append(pos)
             max_blocks = int(pos.max()) // bs + 1
             for g, layout in zip(groups, layouts):
+                first = min(self._first_block(g, e.start) for e in singles)
                 slots[g].append(self.block_tables.slots(g, rows, pos, bs))
                 layout.num_decode_tokens = len(seqs)
-                layout.decode_block_tables = self.block_tables.table[g, rows, :max_blocks]
+                layout.decode_block_tables = self.block_tables.table[g, rows, first:max_blocks]
+                layout.decode_key_start = first * bs
                 layout.decode_context_lens = pos + 1
         for entry in entries[len(singles):]:
             seq, n, start = entry.seq, entry.num_tokens, entry.start
             row = self.block_tables.rows_for([seq])
             pos = torch.arange(start, start + n, device=dev)
             for g, layout in zip(groups, layouts):
+                first = self._first_block(g, start)
                 layout.prefills.append(PrefillChunk(
                     query_start=len(tokens), query_len=n, context_len=start + n,
-                    block_table=self.block_tables.table[g, row[0], :-(-(start + n) // bs)]))
+                    block_table=self.block_tables.table[g, row[0], first:-(-(start + n) // bs)],
+                    key_start=first * bs))
                 slots[g].append(self.block_tables.slots(g, row.expand(n), pos, bs))
             tokens += entry.input_token_ids
             positions.append(pos)
