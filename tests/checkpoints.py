@@ -26,6 +26,11 @@ VARIANTS: dict[str, dict] = {
     # 4 experts, 2 per token, a window shorter than the longer prompts
     "mixtral": dict(arch="mixtral", num_attention_heads=4, num_key_value_heads=2,
                     num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
+    # Qwen3's q/k norms, 6 experts of their own width, 2 per token, their weights not
+    # renormalised (transformers' default for the flag Mixtral does not have)
+    "qwen3_moe": dict(arch="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                      num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=False),
     "yarn_rope": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2,
                       rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                     "original_max_position_embeddings": 16}),
@@ -53,13 +58,13 @@ VARIANTS: dict[str, dict] = {
 
 def hf_config(variant: str):
     from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Phi3Config, Qwen2Config, Qwen3Config)
+                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
     spec = dict(VARIANTS[variant])
     arch = spec.pop("arch")
     spec.pop("shard", None)
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
            "qwen3": Qwen3Config, "phi3": Phi3Config, "gemma3": Gemma3TextConfig,
-           "mixtral": MixtralConfig}[arch]
+           "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig}[arch]
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 max_position_embeddings=512, initializer_range=0.15, bos_token_id=None,
                 eos_token_id=None, pad_token_id=None, rms_norm_eps=1e-5)

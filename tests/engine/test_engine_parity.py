@@ -1,5 +1,6 @@
 """The paged engine against HF transformers `generate`, greedy, token for token — together,
-alone, under preemption, with chunked prefill and with prefix-cache hits."""
+alone, under preemption, with chunked prefill and with prefix-cache hits — and its prompt
+logprobs against transformers' logits."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -19,7 +20,7 @@ def prompts_of(lengths, seed=0, prefix=()):
 
 
 @pytest.fixture(scope="module", params=["mha", "gqa", "mqa", "qwen3", "phi3", "gemma3", "mixtral",
-                                        "yarn_rope"])
+                                        "qwen3_moe", "yarn_rope"])
 def case(request, hf_checkpoints):
     path = hf_checkpoints[request.param]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -36,6 +37,23 @@ def test_batched_matches_transformers(case):
     assert tokens(run(engine(path), prompts, PARAMS)) == refs
 
 
+def test_prompt_logprobs_match_transformers_logits(case):
+    """Every prompt position's log-softmax, batched through the paged engine in float32, within
+    1e-4 of transformers' (the logits up to each position's constant)."""
+    path, prompts, _, _, _ = case
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY)
+    for out, prompt in zip(run(engine(path), prompts, params), prompts):
+        assert len(out.prompt_logprobs) == len(prompt)
+        if len(prompt) == 1:
+            continue                            # a first token has no logprob
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)
+        want = ref[torch.arange(len(prompt) - 1), prompt[1:]]
+        got = torch.tensor([entry.logprob for entry in out.prompt_logprobs[1:]])
+        assert (got - want).abs().max().item() <= 1e-4
+
+
 def test_each_alone_matches_transformers(case):
     path, prompts, refs, _, _ = case
     eng = engine(path)
@@ -44,8 +62,8 @@ def test_each_alone_matches_transformers(case):
 
 def test_preemption_keeps_outputs_exact(case):
     path, prompts, refs, _, _ = case
-    mc_bytes = engine(path, kv_cache_memory="64KiB").runner.bytes_per_block
-    eng = engine(path, kv_cache_memory=12 * mc_bytes, block_size=8)   # 96 tokens of KV
+    per_token = engine(path, kv_cache_memory="64KiB").kv_cache_stats().bytes_per_token
+    eng = engine(path, kv_cache_memory=192 * per_token, block_size=8)  # 192 tokens, all layers
     assert tokens(run(eng, prompts, PARAMS)) == refs
     assert eng.kv_cache_stats().num_preemptions > 0
 

@@ -249,7 +249,8 @@ def test_a_quantized_import_is_refused(tmp_path):
 
 
 def test_an_architecture_without_an_exporter_is_refused(hf_checkpoints, tmp_path):
-    with pytest.raises(ConfigError, match="llama, phi3, qwen2, qwen3 GGUF files: Gemma3ForCausalLM"):
+    with pytest.raises(ConfigError,
+                       match="llama, phi3, qwen2, qwen3, qwen3moe GGUF files: Gemma3ForCausalLM"):
         export_gguf(hf_checkpoints["gemma3"], tmp_path / "g.gguf", "f32", show_progress=False)
     assert list(tmp_path.iterdir()) == []
 

@@ -138,8 +138,10 @@ def test_truncated_gguf(tmp_path):
 
 def test_other_architecture(tmp_path):
     write_tiny_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
-    with pytest.raises(ConfigError, match="GGUF architecture 'gpt2' is not supported"):
+    with pytest.raises(ConfigError) as err:
         import_gguf(tmp_path / "gpt2.gguf", tmp_path / "out", show_progress=False)
+    assert str(err.value) == ("gpt2.gguf: GGUF architecture 'gpt2' is not supported; kvslim "
+                              "imports llama, qwen2, qwen3, gemma3, phi3, qwen3moe GGUF files")
     assert not (tmp_path / "out").exists()
 
 

@@ -30,3 +30,19 @@ def test_experts_run_batched_and_match_token_by_token():
                            for wi, i in zip(w, idx)))
     torch.testing.assert_close(out.reshape(-1, 16), torch.stack(ref), atol=1e-5, rtol=1e-5)
     assert all(isinstance(e, SwiGLUMLP) for e in moe.experts)
+
+
+def test_without_norm_topk_prob_the_router_probabilities_weigh_as_they_are():
+    """Qwen3-MoE's flag off: the chosen experts' softmax probabilities, not rescaled to 1."""
+    torch.manual_seed(1)
+    moe = SparseMoE(16, 32, num_experts=6, top_k=2, norm_topk_prob=False)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(9, 16)
+    with torch.no_grad():
+        out = moe(x)
+        ref = []
+        for token in x:
+            w, idx = torch.topk(torch.softmax(moe.gate(token), -1), 2)
+            ref.append(sum(wi * moe.experts[int(i)](token[None])[0] for wi, i in zip(w, idx)))
+    torch.testing.assert_close(out, torch.stack(ref), atol=1e-5, rtol=1e-5)

@@ -66,3 +66,43 @@ def test_phi3_variants_kvslim_cannot_run_are_refused(extra, message):
     assert ModelConfig.from_hf_dict(PHI3).model_type == "phi3"
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf_dict({**PHI3, **extra})
+
+
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
+             "mlp_only_layers": []}
+
+
+def test_qwen3_moe_reads_its_experts_and_writes_them_back():
+    from kvslim.models.shape_only import MoEConfig
+    cfg = ModelConfig.from_hf_dict(QWEN3_MOE)
+    assert cfg.runnable and cfg.model_type == "qwen3_moe"
+    assert cfg.qk_norm and cfg.sliding_window is None and not cfg.qkv_bias
+    assert cfg.moe == MoEConfig(8, 2, 32, norm_topk_prob=True)
+    # transformers 5 saves the count under its alias; the flag defaults to false, as there
+    alias = {k: v for k, v in QWEN3_MOE.items() if k not in ("num_experts", "norm_topk_prob")}
+    moe = ModelConfig.from_hf_dict({**alias, "num_local_experts": 8}).moe
+    assert moe == MoEConfig(8, 2, 32, norm_topk_prob=False)
+    written = cfg.replace(raw={}).to_hf_dict()                 # as a GGUF import writes it
+    assert ModelConfig.from_hf_dict(written).moe == cfg.moe
+    assert "num_local_experts" not in ModelConfig.from_hf_dict({**alias, "num_local_experts": 8}
+                                                               ).to_hf_dict()
+
+
+@pytest.mark.parametrize("extra", [{"decoder_sparse_step": 2}, {"mlp_only_layers": [1]}])
+def test_qwen3_moe_with_dense_layers_is_refused(extra):
+    with pytest.raises(ConfigError, match="make some layers dense; kvslim runs Qwen3-MoE with "
+                                          "experts in every layer"):
+        ModelConfig.from_hf_dict({**QWEN3_MOE, **extra})
+
+
+def test_qwen2_moe_is_refused_naming_what_runs():
+    cfg = {**QWEN3_MOE, "architectures": ["Qwen2MoeForCausalLM"]}
+    with pytest.raises(ConfigError) as err:
+        ModelConfig.from_hf_dict(cfg)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("unsupported architecture 'Qwen2MoeForCausalLM'; kvslim supports ")
+    assert "MixtralForCausalLM, Qwen3MoeForCausalLM" in message

@@ -78,10 +78,11 @@ def test_transformers_loads_the_result_with_identical_logits(hf_checkpoints, tmp
         assert (hf(IDS).logits - logits(dst)).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "phi3", "mixtral", "gemma3"])
+@pytest.mark.parametrize("variant", ["qwen3", "phi3", "mixtral", "qwen3_moe", "gemma3"])
 def test_other_families_convert_and_transformers_loads_them(hf_checkpoints, tmp_path, variant):
     """Qwen3's q/k norms; Phi-3's fused qkv_proj / gate_up_proj, split at load, fused again
-    when written; Mixtral's experts under their checkpoint names; Gemma 3's layers."""
+    when written; Mixtral's experts under their checkpoint names; Qwen3-MoE's expert fields;
+    Gemma 3's layers."""
     dst = convert_to_gqa(hf_checkpoints[variant], tmp_path / "out", 1, "mean",
                          show_progress=False)
     hf = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()

@@ -1,9 +1,11 @@
 """Export an HF-format model directory as a GGUF file that llama.cpp and Ollama run (the `llama`
-architecture for Llama and Mistral; `qwen2`, `qwen3` and `phi3`, fused projections kept, for those): the inverse of
-`gguf_import`, using the same tensor-name tables (gguf_archs.py).
+architecture for Llama, Mistral and Mixtral; `qwen2`, `qwen3`, `qwen3moe` and `phi3`, fused
+projections kept, for those): the inverse of `gguf_import`, using the same tensor-name tables
+(gguf_archs.py).
 
 Like llama.cpp's own converter, it reorders Q and K rows of `llama` files (llama.cpp's RoPE
-rotates adjacent pairs there, HF's rotates halves), keeps 1-D tensors (norms, biases) in F32, and writes the byte-level
+rotates adjacent pairs there, HF's rotates halves), keeps 1-D tensors (norms, biases) and MoE
+routers in F32, stacks each MoE layer's experts (gguf_moe.py), and writes the byte-level
 BPE vocabulary with llama.cpp's token types. Everything is read and checked before the output is
 opened, and the file is written under a temporary name and renamed when complete, so a failed
 export leaves nothing behind. Tensors are converted and written one at a time."""
@@ -24,6 +26,7 @@ from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig, parse_dtype
 from kvslim.formats.gguf_archs import EXPORT_ARCHITECTURES, LAYER_TENSORS, permutes_qk
 from kvslim.formats.gguf_import import GLOBAL_TENSORS
+from kvslim.formats.gguf_moe import add_moe_metadata, check_exportable, is_router, stack_experts
 from kvslim.models.checkpoint_names import to_checkpoint
 from kvslim.formats.gguf_tokenizer import CONTROL, LLAMA3_SPLIT, USER_DEFINED
 from kvslim.formats.loader import load_model
@@ -62,10 +65,15 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "f16",
     if arch is None:
         raise ConfigError(f"export-gguf writes {', '.join(sorted(set(EXPORT_ARCHITECTURES.values())))} "
                           f"GGUF files: {config.architecture} cannot be exported yet")
+    if config.moe is not None:
+        check_exportable(config)
     vocab = gguf_vocab(model_dir, config)
     model = load_model(model_dir, dtype=parse_dtype(config.torch_dtype))
-    # the family's checkpoint names (Phi-3's fused projections), which its GGUF files keep
-    tensors = tensor_plan(to_checkpoint(model.hf_state_dict(), config), config, dtype, arch)
+    # the family's checkpoint names (Phi-3's fused projections), which its GGUF files keep; an
+    # MoE model's experts stacked under kvslim's names instead
+    state = model.hf_state_dict()
+    state = stack_experts(state, config) if config.moe else to_checkpoint(state, config)
+    tensors = tensor_plan(state, config, dtype, arch)
     tmp = out_path.with_name(f".{out_path.name}.partial")
     writer = gguf.GGUFWriter(str(tmp), arch)
     try:
@@ -92,8 +100,8 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "f16",
 
 # ---- metadata ------------------------------------------------------------------------------
 def add_model_metadata(writer, config: ModelConfig, name: str, dtype: str) -> None:
-    """The llama.* keys llama.cpp reads. Mistral's sliding window has no llama.* key: llama.cpp
-    runs such models with full attention, as its own converter does."""
+    """The llama.* keys llama.cpp reads. Mistral's and Mixtral's sliding window has no llama.*
+    key: llama.cpp runs such models with full attention, as its own converter does."""
     import gguf
     file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                   "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
@@ -117,6 +125,8 @@ def add_model_metadata(writer, config: ModelConfig, name: str, dtype: str) -> No
     if config.model_type == "phi3" and config.sliding_window:
         writer.add_sliding_window(config.sliding_window)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if config.moe is not None:
+        add_moe_metadata(writer, config)
     scaling = config.rope_scaling or {}
     if scaling.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -271,6 +281,7 @@ def tensor_plan(state: dict[str, torch.Tensor], config: ModelConfig, dtype: str,
             continue                   # llama.cpp reuses token_embd when `output` is absent
         name = gguf_tensor_name(hf_name, arch)
         kind = Q.Q8_0 if target in (Q.Q4_0, Q.Q4_1) and name in EMBEDDING_TENSORS else target
+        kind = Q.F32 if is_router(name) else kind
         value = permute_qk(name, value, config) if permutes_qk(arch) else value
         plan.append(TensorPlan(name, value, storage_type(value, kind)))
     return plan

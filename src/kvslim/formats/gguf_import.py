@@ -1,5 +1,6 @@
-"""Import a llama-architecture GGUF file as an HF-format model directory (float32 weights,
-config.json, a rebuilt tokenizer) that kvslim and transformers both load.
+"""Import a GGUF file (the llama architecture, Mixtral-style MoE among it, qwen2, qwen3, qwen3moe,
+phi3, gemma3) as an HF-format model directory (float32 weights, config.json, a rebuilt
+tokenizer) that kvslim and transformers both load.
 
 Everything is read and checked before anything is written, so a file kvslim cannot use leaves no
 output behind."""
@@ -19,7 +20,9 @@ from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig
 from kvslim.formats.gguf_blocks import TYPE_IDS, kept_type
 from kvslim.formats import gguf_gemma3
-from kvslim.formats.gguf_archs import FLOAT_ONLY, HF_ARCHITECTURES, LAYER_TENSORS, permutes_qk
+from kvslim.formats.gguf_archs import (FLOAT_ONLY, HF_ARCHITECTURES, LAYER_TENSORS,
+                                      MOE_HF_ARCHITECTURES, permutes_qk)
+from kvslim.formats.gguf_moe import legacy_expert_name, moe_config_fields, split_experts
 from kvslim.models.checkpoint_names import from_checkpoint
 from kvslim.formats.gguf_file import GGUFFile, dequantize_tensor
 from kvslim.formats.gguf_rope import llama3_scaling_from_divisors
@@ -54,10 +57,12 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool 
     tok_files = tokenizer_files(gguf)
     names = {t.name: hf_tensor_name(t.name, gguf.architecture) for t in gguf.tensors
              if t.name not in DERIVED_TENSORS}
-    if gguf.architecture in FLOAT_ONLY:
+    # MoE experts run as float layers: no block-kept expert kernels yet
+    if gguf.architecture in FLOAT_ONLY or config.moe is not None:
         if require_quantized:
-            raise ConfigError(f"{gguf.path.name}: kvslim imports {gguf.architecture} GGUF files "
-                              "as float32 only (--dtype float32)")
+            what = "MoE" if config.moe is not None else gguf.architecture
+            raise ConfigError(f"{gguf.path.name}: kvslim imports {what} GGUF files as float32 "
+                              "only (--dtype float32)")
         keep_quantized = False
     other = first_unkept_linear(gguf) if keep_quantized or require_quantized else None
     if other is not None and require_quantized:
@@ -74,8 +79,10 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool 
                            desc=f"importing {gguf.path.name}", unit="tensor",
                            disable=not show_progress):
             weight = from_gguf(tensor.name, dequantize_tensor(tensor), config)
-            # a family's checkpoint names (Phi-3's fused projections) as kvslim's
-            state.update(from_checkpoint(names[tensor.name], weight, config))
+            # an MoE layer's stacked experts one by one; a family's checkpoint names (Phi-3's
+            # fused projections) as kvslim's
+            for name, part in split_experts(names[tensor.name], weight):
+                state.update(from_checkpoint(name, part, config))
         out = save_model(state, config, out_dir, dtype=torch.float32)
     write_tokenizer_files(tok_files, out)
     return out
@@ -92,7 +99,8 @@ def from_gguf(gguf_name: str, weight: torch.Tensor, config: ModelConfig) -> torc
 
 def gguf_arch(config: ModelConfig) -> str:
     """The GGUF architecture a config was imported from."""
-    return next(a for a, hf in HF_ARCHITECTURES.items() if hf == config.architecture)
+    return next(a for table in (HF_ARCHITECTURES, MOE_HF_ARCHITECTURES)
+                for a, hf in table.items() if hf == config.architecture)
 
 
 def is_linear(gguf_name: str) -> bool:
@@ -160,7 +168,8 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     tokens = gguf.get("tokenizer.ggml.tokens") or []
     vocab = optional("vocab_size", None) or len(tokens) or _embedding_rows(gguf)
     eos = gguf.get("tokenizer.ggml.eos_token_id")
-    family = {"architecture": HF_ARCHITECTURES[arch], "qk_norm": arch == "qwen3"}
+    family = {"architecture": HF_ARCHITECTURES[arch], "qk_norm": arch in ("qwen3", "qwen3moe"),
+              **moe_config_fields(gguf, arch)}
     if arch == "phi3":
         family["sliding_window"] = optional("attention.sliding_window", None)
     if arch == "gemma3":
@@ -243,6 +252,8 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
             return f"model.layers.{layer}.{layer_tensors[part]}.{kind}"
     elif (m := _GLOBAL_NAME.fullmatch(gguf_name)) and m.group(1) in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
+    elif "ffn_gate_exps" in layer_tensors and (name := legacy_expert_name(gguf_name)):
+        return name
     raise ConfigError(f"unexpected GGUF tensor {gguf_name!r} for a {arch} model")
 
 

@@ -1,5 +1,6 @@
-"""A sparse mixture-of-experts feed-forward block (Mixtral): a router picks the top-k of E gated
-MLPs per token, their outputs are summed with the renormalised router probabilities.
+"""A sparse mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE): a router picks the top-k
+of E gated MLPs per token, their outputs are summed weighted by the router probabilities,
+renormalised over the chosen experts (Mixtral; Qwen3-MoE when `norm_topk_prob` is set).
 
 Experts run batched: each expert that any token of the step chose runs once, on all of its
 tokens gathered into one matrix (one GEMM per expert and projection), and the results are added
@@ -15,9 +16,10 @@ from kvslim.layers.mlp import SwiGLUMLP
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
-                 activation: str = "silu"):
+                 activation: str = "silu", norm_topk_prob: bool = True):
         super().__init__()
         self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
         self.gate = Linear(hidden, num_experts, bias=False)          # the router
         self.experts = nn.ModuleList(SwiGLUMLP(hidden, intermediate, activation=activation)
                                      for _ in range(num_experts))
@@ -25,10 +27,11 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        # as transformers: softmax in float32, top-k, renormalised over the chosen experts
+        # as transformers: softmax in float32, top-k, (renormalised over the chosen experts)
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(x)
         for e in torch.unique(chosen).tolist():
             token, slot = torch.where(chosen == e)

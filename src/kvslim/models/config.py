@@ -14,7 +14,7 @@ from kvslim.errors import ConfigError
 from kvslim.layers.quant_linear import QuantSpec
 from kvslim.models.hf_fields import (LAYER_KV_HEADS_KEY, activation_from_hf,
                                      check_rotary_fraction, gemma3_fields, gemma3_hf_fields,
-                                     layer_kv_heads_from_hf, rope_from_hf)
+                                     layer_kv_heads_from_hf, moe_hf_fields, rope_from_hf)
 from kvslim.models.shape_only import MLAConfig, MoEConfig, mla_from_hf, moe_from_hf
 
 # Architectures a model in models/ implements: the engine runs them.
@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3_text",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # Architectures read for their shapes only (`from_hf_dict(..., runnable=False)`), so that the
 # memory planner sizes them from the same parser; nothing in kvslim runs them.
@@ -60,7 +61,8 @@ class ModelConfig:
     """Everything the model and the engine need, read from (and written back to) HF config.json.
 
     `raw` keeps the original dict so that writers preserve fields kvslim does not interpret.
-    `moe` and `mla` are set only for shape-only architectures (the memory planner's). `name` and
+    `moe` is set for mixture-of-experts models (Mixtral, Qwen3-MoE; DeepSeek's for the memory
+    planner), `mla` only for the planner's latent-attention architectures. `name` and
     `source` say where the config came from (for display); they take no part in equality."""
 
     architecture: str
@@ -270,7 +272,7 @@ class ModelConfig:
             eos = cfg.get("eos_token_id")
             eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
             is_qwen2 = arch == "Qwen2ForCausalLM"
-            is_qwen3 = arch == "Qwen3ForCausalLM"
+            is_qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
             use_sw = cfg.get("use_sliding_window", not (is_qwen2 or is_qwen3))
             mla = mla_from_hf(cfg) if arch == "DeepseekV2ForCausalLM" else None
             layer_heads = layer_kv_heads_from_hf(cfg)
@@ -379,6 +381,8 @@ class ModelConfig:
         if self.model_type == "gemma3_text":
             cfg.pop("rope_theta", None)
             cfg.update(gemma3_hf_fields(self))
+        if self.moe is not None and self.runnable:
+            cfg.update(moe_hf_fields(self, cfg))
         return cfg
 
     def replace(self, **changes: Any) -> "ModelConfig":

@@ -1,5 +1,6 @@
 """Which model class runs a config: the Llama decoder for the Llama family (Llama, Mistral,
-Qwen2, Qwen3, Phi-3), Gemma 3's own arrangement of the same pieces."""
+Qwen2, Qwen3, Phi-3, and the MoE ones, Mixtral and Qwen3-MoE), Gemma 3's own arrangement of the
+same pieces."""
 from __future__ import annotations
 
 from kvslim.models.config import ModelConfig

@@ -95,3 +95,18 @@ def gemma3_hf_fields(config) -> dict[str, Any]:
                                 "sliding_attention": {"rope_type": "default",
                                                       "rope_theta": config.rope_local_theta}},
             "final_logit_softcapping": None, "attn_logit_softcapping": None}
+
+
+def moe_hf_fields(config, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A mixture-of-experts config's expert fields as transformers' Mixtral and Qwen3-MoE configs
+    read them: written out, since an imported GGUF file has no config.json to keep them from.
+    `cfg` loses the alias of the count that is not written (transformers 5 saves Qwen3-MoE's
+    `num_experts` as `num_local_experts`)."""
+    moe = config.moe
+    if config.model_type == "mixtral":
+        return {"num_local_experts": moe.num_experts,
+                "num_experts_per_tok": moe.num_experts_per_tok}
+    cfg.pop("num_local_experts", None)
+    return {"num_experts": moe.num_experts, "num_experts_per_tok": moe.num_experts_per_tok,
+            "moe_intermediate_size": moe.expert_intermediate_size,
+            "norm_topk_prob": moe.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": []}

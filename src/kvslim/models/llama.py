@@ -1,6 +1,7 @@
 """One GQA-native decoder for the Llama family (Llama, Mistral, Qwen2, and Qwen3: the same
-decoder with each query and key head RMS-normalised before RoPE). Parameter names follow
-HF transformers except for the fused projections, q/k/v (`qkv_proj`) and gate/up
+decoder with each query and key head RMS-normalised before RoPE; Mixtral and Qwen3-MoE: the
+Llama and Qwen3 decoders with a sparse mixture-of-experts MLP, layers/moe.py). Parameter names
+follow HF transformers except for the fused projections, q/k/v (`qkv_proj`) and gate/up
 (`gate_up_proj`); `packed_modules_mapping` is the weight-name rule between the two, used by
 `load_weights` (checkpoint in) and `hf_state_dict` (checkpoint out)."""
 from __future__ import annotations
@@ -31,7 +32,8 @@ class DecoderLayer(nn.Module):
                                    config.qkv_bias, config.o_bias, config.quantization,
                                    config.rms_norm_eps if config.qk_norm else None)
         self.mlp = (SparseMoE(config.hidden_size, config.moe.expert_intermediate_size,
-                              config.moe.num_experts, config.moe.num_experts_per_tok)
+                              config.moe.num_experts, config.moe.num_experts_per_tok,
+                              norm_topk_prob=config.moe.norm_topk_prob)
                     if config.moe else
                     SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
                               config.quantization))
