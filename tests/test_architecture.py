@@ -13,8 +13,8 @@ MAX_LINES = 400
 MAX_FUNCTION_LINES = 60
 
 # Folder (or top-level module) -> the folders and modules it may import. Lower layers first:
-# base (errors, paths, device) <- tokenizer, layers, attention <- models <- formats <- engine
-# <- server; surgery/train/eval use models/formats/tokenizer (and train's corpus streams);
+# base (errors, paths, device) <- tokenizer, layers, attention <- models <- formats <- parallel
+# <- engine <- server; surgery/train/eval use models/formats/tokenizer (and train's corpus streams);
 # experiments use surgery/train/eval (and bench, to time what they build); plan uses models;
 # bench uses engine/formats/plan/models
 # (and surgery's conversions); cli, demo and the package's
@@ -30,7 +30,10 @@ ALLOWED = {
     "attention": BASE,
     "models": KERNELS,
     "formats": KERNELS | {"models"},
-    "engine": KERNELS | {"models", "formats"},
+    "engine": KERNELS | {"models", "formats", "parallel"},
+    # Tensor parallelism shards models (and prices a rank's share with the planner's formulas);
+    # the engine runs its workers.
+    "parallel": KERNELS | {"models", "formats", "plan"},
     "server": KERNELS | {"models", "formats", "engine"},
     # Corpus streams (tokenized windows) live in train/: calibration and perplexity read them.
     "surgery": KERNELS | {"models", "formats", "train"},
