@@ -195,3 +195,26 @@ def test_planner_equals_engine_allocation_with_int8_kv(hf_checkpoints, variant):
     own = plan.layout(spec.attention_kind).capacity
     assert (own.num_blocks, own.max_tokens) == (runner.num_blocks, stats.max_tokens)
     assert stats.kv_cache_dtype == "int8"
+
+
+def test_memory_per_rank_with_tensor_parallelism():
+    """Llama-3-8B (32 query, 8 KV heads): 2 ranks split the KV heads, 16 ranks replicate them
+    (one per rank, each head on 2 ranks), so the per-rank cache stops shrinking at 8."""
+    def per_rank(n):
+        r = subprocess.run([sys.executable, "-m", "kvslim.cli.main", "memory", "Llama-3-8B",
+                            "--tensor-parallel-size", str(n), "--json"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        data = json.loads(r.stdout)
+        return data["kv_bytes_per_token"], data["tensor_parallel"]
+    full, two = per_rank(2)
+    _, eight = per_rank(8)
+    _, sixteen = per_rank(16)
+    assert two["kv_bytes_per_token"] == full // 2 and not two["replicated"]
+    assert eight["kv_bytes_per_token"] == sixteen["kv_bytes_per_token"] == full // 8
+    assert sixteen["replicated"] and set(sixteen["kv_replicas_per_layer"]) == {2}
+    assert sixteen["weight_bytes"] < eight["weight_bytes"] < two["weight_bytes"]
+    bad = subprocess.run([sys.executable, "-m", "kvslim.cli.main", "memory", "Llama-3-8B",
+                          "--tensor-parallel-size", "3"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
+    assert "cannot split 32 query heads" in bad.stderr

@@ -143,3 +143,23 @@ def test_cli_error_is_one_line(hf_checkpoints, tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
     assert "does not divide" in r.stderr
+
+
+@pytest.mark.parametrize("kv_heads,tp,expect", [
+    (2, 2, None),                                   # split: one KV head per rank
+    (1, 2, "must be replicated"),                   # MQA at 2 ranks: each stores the head
+    (2, 4, "must be replicated"),
+    (4, 3, "cannot run"),                           # 3 does not divide 8 query heads
+])
+def test_convert_warns_when_tensor_parallelism_would_replicate(hf_checkpoints, tmp_path,
+                                                                kv_heads, tp, expect):
+    r = subprocess.run([sys.executable, "-m", "kvslim.cli.main", "convert",
+                        str(hf_checkpoints["mha8"]), str(tmp_path / "o"), "--kv-heads",
+                        str(kv_heads), "--tensor-parallel-size", str(tp), "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    warning = json.loads(r.stdout)["tensor_parallel_warning"]
+    if expect is None:
+        assert warning is None and "warning" not in r.stderr
+    else:
+        assert expect in warning and expect in r.stderr

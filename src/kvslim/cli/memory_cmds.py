@@ -21,6 +21,10 @@ def register(sub) -> None:
     p.add_argument("--memory", help="device budget, e.g. 24GiB or 80GB (GB = 10^9, GiB = 2^30)")
     p.add_argument("--block-size", type=int, default=16,
                    help="KV block size in tokens, as the engine allocates (default 16)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="also show one rank's share at N tensor-parallel ranks: its weights, "
+                        "its KV heads (replicated when N exceeds them) and what fits in --memory "
+                        "per device")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (exact bytes)")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of KV bytes vs context")
     p.set_defaults(func=run_memory)
@@ -38,16 +42,62 @@ def run_memory(args) -> int:
                        args.block_size)
     if args.plot:
         plot_kv(plan, args.plot)
+    ranks = rank_plans(config, args, memory)
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
+        data = plan.to_dict()
+        if ranks is not None:
+            data["tensor_parallel"] = ranks
+        print(json.dumps(data, indent=2))
         return 0
     print(format_plan(plan))
     print()
     print(f"KV cache vs context, batch {plan.batch}, {plan.kv_dtype} (GB = 10^9 bytes):")
     print(markdown_table(plan))
+    if ranks is not None:
+        print()
+        print(format_ranks(ranks))
     if args.plot:
         print(f"\nwrote {args.plot}")
     return 0
+
+
+def rank_plans(config, args, memory: int | None) -> dict | None:
+    """One rank's share at --tensor-parallel-size (every rank holds the same), or None at 1:
+    `parallel.memory`'s per-rank bytes and the planner run on one rank's shapes."""
+    from dataclasses import asdict
+
+    from kvslim.parallel.memory import rank_config, tensor_parallel_memory
+    from kvslim.plan.memory import plan_memory
+    n = args.tensor_parallel_size
+    if n == 1:
+        return None
+    rank = tensor_parallel_memory(config, n, args.dtype, args.kv_dtype)
+    shard = plan_memory(rank_config(config, n), args.context, args.batch, args.dtype,
+                        args.kv_dtype, memory, args.block_size)
+    own = next(lp for lp in shard.layouts if lp.is_model)
+    return {**asdict(rank), "kv_bytes": own.kv_bytes, "replicated": rank.replicated,
+            "capacity": None if own.capacity is None else asdict(own.capacity)}
+
+
+def format_ranks(r: dict) -> str:
+    from kvslim.plan.memory import both_units
+    heads = sorted(set(r["kv_heads_per_layer"]))
+    replicas = max(r["kv_replicas_per_layer"])
+    lines = [f"Per rank at --tensor-parallel-size {r['world_size']} (every rank the same):",
+             f"{'weights (' + r['weights_dtype'] + ')':<32} {r['weight_bytes']:>20,} B   "
+             f"{both_units(r['weight_bytes'])}",
+             f"{'KV per token (' + r['kv_dtype'] + ')':<32} {r['kv_bytes_per_token']:>20,} B   "
+             f"{both_units(r['kv_bytes_per_token'])}",
+             f"{'KV for the context x batch':<32} {r['kv_bytes']:>20,} B   "
+             f"{both_units(r['kv_bytes'])}",
+             f"KV heads per layer on a rank: {' '.join(map(str, heads))}"
+             + (f" (each replicated on {replicas} ranks: beyond the model's KV heads, more "
+                "ranks no longer shrink a rank's cache)" if r["replicated"] else "")]
+    cap = r["capacity"]
+    if cap is not None:
+        lines.append(f"fits per device: {cap['max_tokens']:,} tokens, "
+                     f"{cap['max_sequences']:,} sequences of the context")
+    return "\n".join(lines)
 
 
 def resolve_model_config(model: str | None):
@@ -136,6 +186,17 @@ def format_plan(plan) -> str:
     return "\n".join(lines)
 
 
+def layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 4, 6, 7] -> '0-2 4 6-7'."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return " ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
 def groups_table(plan) -> str:
     """Per KV-cache group (layers sharing block tables), what a sequence holds at --context:
     the blocks the engine keeps for it, and their bytes."""
@@ -146,7 +207,7 @@ def groups_table(plan) -> str:
              "|---|---:|---:|---:|---:|"]
     for g in plan.kv_groups:
         window = "full" if g.window is None else f"{g.window:,}"
-        lines.append(f"| {' '.join(map(str, g.layers))} | {window} | {g.bytes_per_token:,} | "
+        lines.append(f"| {layer_ranges(g.layers)} | {window} | {g.bytes_per_token:,} | "
                      f"{g.blocks_per_sequence:,} | {both_units(g.bytes)} |")
     return "\n".join(lines)
 
@@ -156,7 +217,9 @@ def layouts_table(plan) -> str:
     from kvslim.plan.memory import both_units
     head = ["KV layout", "bytes/token", f"{plan.context:,} tokens x {plan.batch}"]
     if plan.memory_bytes is not None:
-        head += ["tokens that fit", f"sequences of {plan.context:,} that fit"]
+        windowed = any(g.window is not None for g in plan.kv_groups)
+        head += ["token slots per KV-cache group" if windowed else "tokens that fit",
+                 f"sequences of {plan.context:,} that fit"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for lp in plan.layouts:
         cells = [lp.label, f"{lp.kv_bytes_per_token:,}", both_units(lp.kv_bytes)]

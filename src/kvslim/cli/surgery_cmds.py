@@ -28,6 +28,9 @@ def register(sub) -> None:
     p.add_argument("--calib-samples", type=int, default=32, help="calibration windows")
     p.add_argument("--calib-seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                   help="warn when the KV heads chosen would have to be replicated (or cannot "
+                        "be split) across N tensor-parallel ranks")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--json", action="store_true",
                    help="print the result (per-layer KV heads, measured losses) as JSON")
@@ -71,6 +74,8 @@ def run_convert(args) -> int:
     from kvslim.surgery.convert import convert_to_budget, convert_to_gqa
     show = not (args.quiet or args.json)
     if args.kv_heads is not None:
+        _warn_tensor_parallel(args, ModelConfig.from_dir(args.src).num_attention_heads,
+                              [args.kv_heads])
         method = args.method or "mean"
         out = convert_to_gqa(args.src, args.dst, args.kv_heads, method, args.calib,
                              args.calib_samples, args.calib_seq_len, args.seed, show)
@@ -83,15 +88,38 @@ def run_convert(args) -> int:
         record = json.loads((out / "kv_allocation.json").read_text())
     config = ModelConfig.from_dir(out)
     heads = config.kv_heads_per_layer
+    warning = (_warn_tensor_parallel(args, config.num_attention_heads, heads)
+               if args.kv_heads is None else _tensor_parallel_note(args, config, heads))
     if args.json:
         print(json.dumps({**record, "model": str(out), "kv_heads": list(heads),
-                          "kv_bytes_per_token": config.kv_bytes_per_token(config.torch_dtype)}))
+                          "kv_bytes_per_token": config.kv_bytes_per_token(config.torch_dtype),
+                          "tensor_parallel_warning": warning}))
     elif args.kv_heads is not None:
         print(f"wrote {out} ({args.kv_heads} KV heads, method {method})")
     else:
         print(f"wrote {out} (KV heads per layer {' '.join(map(str, heads))}: {sum(heads)} in "
               f"all, allocation {args.allocate}, method {method})")
     return 0
+
+
+def _tensor_parallel_note(args, config, heads) -> str | None:
+    from kvslim.parallel.sharding import replication_warning
+    if args.tensor_parallel_size is None:
+        return None
+    return replication_warning(config.num_attention_heads, heads, args.tensor_parallel_size)
+
+
+def _warn_tensor_parallel(args, num_heads: int, heads) -> str | None:
+    """Print (stderr) and return the replication warning for --tensor-parallel-size."""
+    import sys
+
+    from kvslim.parallel.sharding import replication_warning
+    if args.tensor_parallel_size is None:
+        return None
+    warning = replication_warning(num_heads, heads, args.tensor_parallel_size)
+    if warning:
+        print(f"kvslim convert: warning: {warning}", file=sys.stderr)
+    return warning
 
 
 def uptrain_steps(args) -> int:

@@ -156,3 +156,23 @@ def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
         changes["moe"] = dataclasses.replace(
             config.moe, expert_intermediate_size=len(layout.expert_intermediate))
     return config.replace(**changes)
+
+
+def replication_warning(num_heads: int, kv_heads_per_layer: tuple[int, ...] | list[int],
+                        world_size: int) -> str | None:
+    """What `kvslim convert` says when KV-head counts do not shard cleanly at `world_size`:
+    replication (ranks beyond the KV heads each hold a copy, so a rank's cache stops shrinking)
+    or a count that cannot be split at all; None when every layer splits its KV heads."""
+    counts = sorted(set(kv_heads_per_layer))
+    try:
+        layouts = [kv_head_layout(num_heads, k, world_size) for k in counts]
+    except KvslimError as e:
+        return f"at --tensor-parallel-size {world_size} this model cannot run: {e}"
+    replicated = [k for k, layout in zip(counts, layouts) if layout[0].kv_replicas > 1]
+    if not replicated:
+        return None
+    k = replicated[0]
+    return (f"at --tensor-parallel-size {world_size}, {k} KV head{'s' if k > 1 else ''} per "
+            f"layer must be replicated: each of the {world_size} ranks stores one, "
+            f"{world_size // k}x the cache of the {k} heads (ranks beyond {k} no longer shrink "
+            f"a rank's KV cache); choose --kv-heads {world_size} or a multiple to split them")
