@@ -19,8 +19,9 @@ def prompts_of(lengths, seed=0, prefix=()):
     return [list(prefix) + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module", params=["mha", "gqa", "mqa", "qwen3", "phi3", "gemma3", "mixtral",
-                                        "qwen3_moe", "yarn_rope"])
+@pytest.fixture(scope="module", params=["mha", "gqa", "mqa", "qwen2_bias", "tied", "qwen3", "phi3",
+                                        "gemma3", "mixtral", "qwen3_moe", "llama3_rope",
+                                        "yarn_rope"])
 def case(request, hf_checkpoints):
     path = hf_checkpoints[request.param]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
