@@ -23,6 +23,13 @@ VARIANTS: dict[str, dict] = {
     "qwen2_bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24),
     "phi3": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2),   # fused qkv
+    # Phi-3's LongRoPE: short factors within the first 48 positions, long ones beyond
+    "phi3_longrope": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2,
+                          original_max_position_embeddings=48,
+                          rope_scaling={"type": "longrope",
+                                        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+                                        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0,
+                                                        16.0]}),
     # 4 experts, 2 per token, a window shorter than the longer prompts
     "mixtral": dict(arch="mixtral", num_attention_heads=4, num_key_value_heads=2,
                     num_local_experts=4, num_experts_per_tok=2, sliding_window=16),

@@ -55,10 +55,14 @@ PHI3 = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 100, "hidden_size": 
 
 @pytest.mark.parametrize("extra,message", [
     ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
-     "unsupported rope_scaling type 'longrope'; supported: default, linear, llama3, yarn"),
+     "longrope rope_scaling needs original_max_position_embeddings"),
+    ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 7},
+      "original_max_position_embeddings": 64},
+     "longrope long_factor has 7 entries, expected head_dim / 2 = 8"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
-     "unsupported rope_scaling type 'dynamic'; supported: default, linear, llama3, yarn"),
+     "unsupported rope_scaling type 'dynamic'; supported: default, linear, llama3, yarn, "
+     "longrope"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
      "yarn rope_scaling needs original_max_position_embeddings"),
 ])

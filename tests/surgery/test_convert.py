@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from checkpoints import VOCAB
+from checkpoints import VARIANTS, VOCAB
 from kvslim.errors import ConfigError, KvslimError
 from kvslim.models.config import ModelConfig
 from kvslim.formats.loader import load_model
@@ -78,20 +78,22 @@ def test_transformers_loads_the_result_with_identical_logits(hf_checkpoints, tmp
         assert (hf(IDS).logits - logits(dst)).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "phi3", "mixtral", "qwen3_moe", "gemma3"])
+@pytest.mark.parametrize("variant", ["qwen3", "phi3", "phi3_longrope", "mixtral", "qwen3_moe",
+                                     "gemma3"])
 def test_other_families_convert_and_transformers_loads_them(hf_checkpoints, tmp_path, variant):
     """Qwen3's q/k norms; Phi-3's fused qkv_proj / gate_up_proj, split at load, fused again
-    when written; Mixtral's experts under their checkpoint names; Qwen3-MoE's expert fields;
+    when written, and its LongRoPE written back as transformers reads it; Mixtral's experts under their checkpoint names; Qwen3-MoE's expert fields;
     Gemma 3's layers."""
     dst = convert_to_gqa(hf_checkpoints[variant], tmp_path / "out", 1, "mean",
                          show_progress=False)
     hf = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
-    assert hf.config.model_type in (variant, variant + "_text")
+    arch = VARIANTS[variant]["arch"]
+    assert hf.config.model_type in (arch, arch + "_text")
     assert hf.config.num_key_value_heads == 1
     with torch.no_grad():
         assert (hf(IDS).logits - logits(dst)).abs().max() <= 1e-4
     names = set(load_file(dst / "model.safetensors"))
-    assert ("model.layers.0.self_attn.qkv_proj.weight" in names) == (variant == "phi3")
+    assert ("model.layers.0.self_attn.qkv_proj.weight" in names) == (arch == "phi3")
 
 
 def test_align_refuses_qk_norms(hf_checkpoints, tmp_path, calib_file):

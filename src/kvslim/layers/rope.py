@@ -1,6 +1,15 @@
-"""Rotary position embeddings (RoPE) with the `linear`, `llama3` and `yarn` frequency scalings.
-(`dynamic` NTK and `longrope` change the frequencies with the current sequence's length, which a
-batch of sequences of different lengths does not have: config.py refuses them.)
+"""Rotary position embeddings (RoPE) with the `linear`, `llama3`, `yarn` and `longrope` (Phi-3's,
+also spelled `su`) frequency scalings. (`dynamic` NTK changes every frequency with the current
+sequence's length, which a batch of sequences of different lengths does not have, and cached
+keys would keep the old ones: config.py refuses it.)
+
+LongRoPE scales each frequency by `short_factor` within the original context and by
+`long_factor` beyond it. transformers switches the whole forward pass by its longest position;
+with a KV cache that means: each new token is rotated by the set its own position falls in, and
+a prompt longer than the original context is rotated by the long set throughout. kvslim chooses
+per position (as vLLM does), which is transformers' behaviour exactly for every prompt within the
+original context, however far generation goes past it; only a prompt already longer than the
+original context is rotated differently (its first positions by the short set).
 
 cos/sin are computed from positions on the fly in float32, like the reference implementation,
 so that any position (also after preemption or prefix-cache hits) is exact."""
@@ -24,13 +33,25 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling)
+    if rope_type == "longrope":
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
     raise ValueError(f"unsupported rope type {rope_type!r}")
+
+
+def longrope_long_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """LongRoPE's frequencies beyond the original context."""
+    inv_freq = rope_inv_freq(head_dim, theta, None)
+    return inv_freq / torch.tensor(scaling["long_factor"], dtype=torch.float32)
 
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
     """What cos and sin are multiplied by: 1, except for YaRN, whose softmax temperature is
-    folded in there (0.1 ln(factor) + 1 by default, as in the paper and transformers)."""
-    if (scaling or {}).get("rope_type") != "yarn":
+    folded in there (0.1 ln(factor) + 1 by default, as in the paper and transformers), and
+    LongRoPE (sqrt(1 + ln(factor) / ln(original context)))."""
+    rope_type = (scaling or {}).get("rope_type")
+    if rope_type == "longrope":
+        return _longrope_attention_factor(scaling)
+    if rope_type != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -39,6 +60,13 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
     if mscale and mscale_all_dim:
         return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
     return _yarn_mscale(factor)
+
+
+def _longrope_attention_factor(scaling: dict[str, Any]) -> float:
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, old_len = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
 
 
 def _yarn_factor(scaling: dict[str, Any]) -> float:
@@ -90,15 +118,27 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.attention_factor = rope_attention_factor(scaling)
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        # LongRoPE: the frequencies from `long_from` on (the original context's length).
+        self.long_from = None
+        if (scaling or {}).get("rope_type") == "longrope":
+            self.long_from = int(scaling["original_max_position_embeddings"])
+            self.register_buffer("long_inv_freq", longrope_long_inv_freq(head_dim, theta, scaling),
+                                 persistent=False)
 
     def reset(self, device: torch.device) -> None:
         """Recompute the frequencies on `device` (after a model built on the meta device is
         allocated: they are not in any checkpoint)."""
         self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        if self.long_from is not None:
+            self.long_inv_freq = longrope_long_inv_freq(self.head_dim, self.theta,
+                                                        self.scaling).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] -> cos, sin [..., head_dim], in the activation dtype."""
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        if self.long_from is not None:
+            long = positions[..., None].float() * self.long_inv_freq.to(positions.device)
+            freqs = torch.where(positions[..., None] >= self.long_from, long, freqs)
         emb = torch.cat((freqs, freqs), dim=-1)
         if self.attention_factor != 1.0:
             return ((emb.cos() * self.attention_factor).to(dtype),

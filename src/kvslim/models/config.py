@@ -34,7 +34,7 @@ SHAPE_ONLY_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
 }
 ARCHITECTURES = {**SUPPORTED_ARCHITECTURES, **SHAPE_ONLY_ARCHITECTURES}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -225,13 +225,23 @@ class ModelConfig:
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ConfigError(f"config.json: unsupported rope_scaling type {rope_type!r}; "
                                   f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-            missing = [k for k in ("factor", "original_max_position_embeddings")
-                       if rope_type == "yarn" and self.rope_scaling.get(k) is None]
-            if missing:
-                raise ConfigError(f"config.json: yarn rope_scaling needs {', '.join(missing)}")
+            self._validate_rope_scaling(rope_type)
         parse_dtype(self.torch_dtype)
         if self.runnable:
             self.quantization                       # noqa: B018 (validates quantization_config)
+
+    def _validate_rope_scaling(self, rope_type: str) -> None:
+        needs = {"yarn": ("factor", "original_max_position_embeddings"),
+                 "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+        missing = [k for k in needs.get(rope_type, ()) if self.rope_scaling.get(k) is None]
+        if missing:
+            raise ConfigError(f"config.json: {rope_type} rope_scaling needs {', '.join(missing)}")
+        if rope_type == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(self.rope_scaling[key]) != self.head_dim // 2:
+                    raise ConfigError(f"config.json: longrope {key} has "
+                                      f"{len(self.rope_scaling[key])} entries, expected "
+                                      f"head_dim / 2 = {self.head_dim // 2}")
 
     def _validate_layer_kv_heads(self) -> None:
         heads = self.layer_kv_heads

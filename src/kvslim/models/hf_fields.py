@@ -21,9 +21,23 @@ def rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if "type" in merged and "rope_type" not in merged:
         merged["rope_type"] = merged.pop("type")
     merged.pop("type", None)
+    if merged.get("rope_type") == "su":                 # LongRoPE's first name (Phi-3)
+        merged["rope_type"] = "longrope"
     if merged.get("rope_type", "default") == "default":
         return theta, None
+    if merged["rope_type"] == "longrope":
+        _longrope_defaults(cfg, merged)
     return theta, merged
+
+
+def _longrope_defaults(cfg: dict[str, Any], scaling: dict[str, Any]) -> None:
+    """Phi-3 keeps LongRoPE's original context beside rope_scaling, and its factor is the ratio
+    of the two contexts (as transformers derives it)."""
+    if scaling.get("original_max_position_embeddings") is None:
+        scaling["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings")
+    old = scaling["original_max_position_embeddings"]
+    if scaling.get("factor") is None and old:
+        scaling["factor"] = cfg.get("max_position_embeddings", old) / old
 
 
 def layer_kv_heads_from_hf(cfg: dict[str, Any]) -> tuple[int, ...] | None:
