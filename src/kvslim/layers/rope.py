@@ -21,6 +21,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvslim.errors import ConfigError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# The fields each scaling cannot do without.
+_REQUIRED = {"yarn": ("factor", "original_max_position_embeddings"),
+             "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+
+
+def validate_rope_scaling(scaling: dict[str, Any], head_dim: int) -> None:
+    """A config.json rope_scaling this module can run, or a one-line ConfigError naming why not."""
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"config.json: unsupported rope_scaling type {rope_type!r}; "
+                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    missing = [k for k in _REQUIRED.get(rope_type, ()) if scaling.get(k) is None]
+    if missing:
+        raise ConfigError(f"config.json: {rope_type} rope_scaling needs {', '.join(missing)}")
+    for key in ("short_factor", "long_factor") if rope_type == "longrope" else ():
+        if len(scaling[key]) != head_dim // 2:
+            raise ConfigError(f"config.json: longrope {key} has {len(scaling[key])} entries, "
+                              f"expected head_dim / 2 = {head_dim // 2}")
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))

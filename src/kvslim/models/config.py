@@ -12,6 +12,7 @@ import torch
 from kvslim.attention.kv_cache import KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES
 from kvslim.errors import ConfigError
 from kvslim.layers.quant_linear import QuantSpec
+from kvslim.layers.rope import validate_rope_scaling
 from kvslim.models.hf_fields import (LAYER_KV_HEADS_KEY, activation_from_hf,
                                      check_rotary_fraction, gemma3_fields, gemma3_hf_fields,
                                      layer_kv_heads_from_hf, moe_hf_fields, rope_from_hf)
@@ -34,7 +35,6 @@ SHAPE_ONLY_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
 }
 ARCHITECTURES = {**SUPPORTED_ARCHITECTURES, **SHAPE_ONLY_ARCHITECTURES}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -221,27 +221,10 @@ class ModelConfig:
         if self.head_dim % 2 != 0:
             raise ConfigError(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_scaling is not None and self.runnable:     # RoPE matters only to a run
-            rope_type = self.rope_scaling.get("rope_type", "default")
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ConfigError(f"config.json: unsupported rope_scaling type {rope_type!r}; "
-                                  f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-            self._validate_rope_scaling(rope_type)
+            validate_rope_scaling(self.rope_scaling, self.head_dim)
         parse_dtype(self.torch_dtype)
         if self.runnable:
             self.quantization                       # noqa: B018 (validates quantization_config)
-
-    def _validate_rope_scaling(self, rope_type: str) -> None:
-        needs = {"yarn": ("factor", "original_max_position_embeddings"),
-                 "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
-        missing = [k for k in needs.get(rope_type, ()) if self.rope_scaling.get(k) is None]
-        if missing:
-            raise ConfigError(f"config.json: {rope_type} rope_scaling needs {', '.join(missing)}")
-        if rope_type == "longrope":
-            for key in ("short_factor", "long_factor"):
-                if len(self.rope_scaling[key]) != self.head_dim // 2:
-                    raise ConfigError(f"config.json: longrope {key} has "
-                                      f"{len(self.rope_scaling[key])} entries, expected "
-                                      f"head_dim / 2 = {self.head_dim // 2}")
 
     def _validate_layer_kv_heads(self) -> None:
         heads = self.layer_kv_heads
