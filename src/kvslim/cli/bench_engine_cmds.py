@@ -5,6 +5,7 @@ import json
 
 import torch
 
+from kvslim.cli.engine_args import add_parallel_args, parallel_from_args
 from kvslim.errors import KvslimError
 
 
@@ -37,11 +38,12 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--compare", default="hf,llamacpp", help="peers: hf, llamacpp, or ''")
     p.add_argument("--hf-batch-size", type=int, default=8)
-    p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--kv-cache-memory", default="2GiB", help="per tensor-parallel rank")
     _kv_cache_dtype(p)
     _speculative(p)
     _model_dtype(p)
     _common(p)
+    add_parallel_args(p)
     p.set_defaults(func=run_throughput_cmd)
 
     p = kinds.add_parser("latency", help="batch-1/8 decode speed and roofline vs peers")
@@ -126,7 +128,8 @@ def run_throughput_cmd(args) -> int:
     result = run_throughput(model, w, parse_compare(args.compare), args.hf_batch_size,
                             args.kv_cache_memory, show_progress=not args.json,
                             kv_cache_dtype=args.kv_cache_dtype,
-                            speculative=_speculative_config(args))
+                            speculative=_speculative_config(args),
+                            parallel=parallel_from_args(args))
     return _emit(args, result, format_throughput)
 
 

@@ -31,6 +31,19 @@ def add_engine_args(p, kv_cache_memory: str = "1GiB", max_num_seqs: int = 64) ->
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: one per core). On cores that other busy "
                         "processes share, fewer threads (often 1) decode faster")
+    add_parallel_args(g)
+
+
+def add_parallel_args(g) -> None:
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N ranks, each with its own KV-cache share "
+                        "(--kv-cache-memory is per rank); ranks run as local processes, or one "
+                        "per torchrun process (RANK/WORLD_SIZE set) across machines")
+    g.add_argument("--tensor-parallel-oversubscribe", action="store_true",
+                   help="allow more tensor-parallel ranks on this machine than CPU cores")
+    g.add_argument("--distributed-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a rank that does not answer a collective within this fails the engine "
+                        "(default 60)")
 
 
 def llm_from_args(args):
@@ -52,7 +65,7 @@ def llm_from_args(args):
                max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
                keep_out_of_window_blocks=args.keep_out_of_window_blocks,
-               speculative=speculative_from_args(args))
+               speculative=speculative_from_args(args), **parallel_from_args(args))
 
 
 def check_args(args) -> None:
@@ -66,7 +79,9 @@ def check_args(args) -> None:
     from kvslim.device import resolve_device
     from kvslim.formats.loader import resolve_dtype
     from kvslim.formats.registry import model_config_of
+    from kvslim.engine.parallel_executor import check_tensor_parallel
     from kvslim.models.kv_groups import kv_cache_groups
+    from kvslim.parallel import local_config
     if args.threads is not None and args.threads < 1:
         raise KvslimError(f"--threads must be at least 1, got {args.threads}")
     if hasattr(args, "max_tokens"):              # demo has --max-tokens alone
@@ -76,6 +91,9 @@ def check_args(args) -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, model_config, device)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
+    check_tensor_parallel(model_config, config)
+    # kv_cache_memory is per rank, and a rank's cache holds its KV heads
+    model_config = local_config(model_config, config.tensor_parallel_size)
     groups = kv_cache_groups(model_config, not config.keep_out_of_window_blocks)
     num_kv_blocks(config, kv_block_bytes(model_config, config.block_size, kv_dtype, groups))
 
@@ -89,7 +107,16 @@ def engine_config_from_args(args):
         dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
         kv_cache_dtype=args.kv_cache_dtype,
         keep_out_of_window_blocks=args.keep_out_of_window_blocks,
-        speculative=speculative_from_args(args))
+        speculative=speculative_from_args(args), **parallel_from_args(args))
+
+
+def parallel_from_args(args) -> dict:
+    """The tensor-parallel fields of EngineConfig (and LLM); defaults for a command without
+    the flags."""
+    return dict(tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                tensor_parallel_oversubscribe=getattr(args, "tensor_parallel_oversubscribe",
+                                                      False),
+                distributed_timeout=getattr(args, "distributed_timeout", 60.0))
 
 
 def speculative_from_args(args) -> dict | None:

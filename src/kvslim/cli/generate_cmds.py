@@ -41,7 +41,11 @@ def build_prompt(llm, text: str, raw: bool, system: str | None):
 
 
 def run_generate(args) -> int:
-    llm = llm_from_args(args)
+    with llm_from_args(args) as llm:             # stops tensor-parallel ranks at the end
+        return _generate(llm, args)
+
+
+def _generate(llm, args) -> int:
     params = sampling_from_args(args)
     prompt = build_prompt(llm, args.prompt, args.raw, args.system)
     if args.json:

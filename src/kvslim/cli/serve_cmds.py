@@ -64,7 +64,10 @@ def run_serve(args) -> int:
     # makes that re-raise harmless (exit 0 after the drain) and still stops a server that gets
     # SIGTERM before uvicorn has installed its own handler.
     signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "should_exit", True))
-    server.run()
+    try:
+        server.run()
+    finally:
+        llm.shutdown()                           # the tensor-parallel ranks, if any
     # Drained: a repeated SIGTERM while the interpreter shuts down (when Python has put the
     # default handler back) would turn this clean exit into a kill.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvslim.engine.speculative.config import SpeculativeConfig
 from kvslim.errors import KvslimError
+from kvslim.parallel.sharding import check_world_size
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
@@ -43,6 +44,15 @@ class EngineConfig:
     keep_out_of_window_blocks: bool = False
     # Speculative decoding: a SpeculativeConfig or a dict of its options; None: off.
     speculative: SpeculativeConfig | dict | None = None
+    # Tensor parallelism (`engine/parallel_executor.py`): ranks that each hold a slice of the
+    # model and its own share of the KV cache (kv_cache_memory is per rank).
+    tensor_parallel_size: int = 1
+    # Start more ranks on this machine than it has CPU cores: each rank then competes for a
+    # core, which only tests and experiments want (CUDA ranks always need a device each).
+    tensor_parallel_oversubscribe: bool = False
+    # Seconds a rank waits in a collective of the model's forward before giving up (a rank that
+    # hangs fails the engine instead of stalling it forever); also the rendezvous' limit.
+    distributed_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
@@ -55,6 +65,16 @@ class EngineConfig:
                               f"got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise KvslimError(f"max_model_len must be positive, got {self.max_model_len}")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        check_world_size(self.tensor_parallel_size)
+        if not self.distributed_timeout > 0:
+            raise KvslimError(f"distributed_timeout must be positive seconds, got "
+                              f"{self.distributed_timeout!r}")
+        if self.tensor_parallel_size > 1 and self.speculative is not None:
+            raise KvslimError("speculative decoding with tensor_parallel_size > 1 is not "
+                              "supported yet")
 
 
 def num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:

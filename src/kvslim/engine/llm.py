@@ -22,7 +22,13 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, seed: int = 0,
                  enforce_eager: bool = False, kv_cache_dtype: str = "auto",
-                 speculative: dict | None = None, keep_out_of_window_blocks: bool = False):
+                 speculative: dict | None = None, keep_out_of_window_blocks: bool = False,
+                 tensor_parallel_size: int = 1, tensor_parallel_oversubscribe: bool = False,
+                 distributed_timeout: float = 60.0):
+        """tensor_parallel_size > 1 starts that many ranks (`engine/parallel_executor.py`):
+        call `shutdown` (or use the LLM as a context manager) to stop them; they also stop at
+        interpreter exit. Under torchrun, LLM() on ranks > 0 never returns (SystemExit(0)
+        once rank 0 shuts down)."""
         from kvslim.formats.registry import resolve_model
         self.model_dir = resolve_model(model)
         config = EngineConfig(
@@ -31,7 +37,10 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, dtype=dtype, device=device, seed=seed,
             enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, speculative=speculative,
-            keep_out_of_window_blocks=keep_out_of_window_blocks)
+            keep_out_of_window_blocks=keep_out_of_window_blocks,
+            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_oversubscribe=tensor_parallel_oversubscribe,
+            distributed_timeout=distributed_timeout)
         self.engine = LLMEngine(self.model_dir, config)
         self.tokenizer = self.engine.tokenizer
 
@@ -98,6 +107,16 @@ class LLM:
 
     def kv_cache_stats(self) -> KVCacheStats:
         return self.engine.kv_cache_stats()
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel ranks, if any (idempotent)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
 
 def _per_prompt(params, n: int) -> list[SamplingParams]:

@@ -5,19 +5,22 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass, field, replace
 
 from kvslim.engine.block_manager import BlockManager
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.detokenizer import IncrementalDetokenizer
-from kvslim.engine.model_runner import ModelRunner
+from kvslim.engine.model_runner import ModelRunner, max_model_len_for
+from kvslim.engine.parallel_executor import TensorParallelExecutor
+from kvslim.engine.parallel_worker import RankKVStats, kv_stats
 from kvslim.engine.outputs import CompletionOutput, KVCacheStats, RequestMetrics, RequestOutput
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.engine.scheduler import Scheduler
 from kvslim.engine.sequence import Sequence
 from kvslim.engine.speculative.decoder import SpecDecodeStats, SpeculativeDecoder
 from kvslim.engine.speculative.draft import DraftModelProposer
-from kvslim.errors import EngineFailedError, InvalidRequestError, KvslimError
+from kvslim.errors import EngineFailedError, InvalidRequestError
 from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
 from kvslim.models.kv_groups import longest_sequence
@@ -44,15 +47,35 @@ class RequestState:
 class LLMEngine:
     def __init__(self, model_dir, config: EngineConfig | None = None, tokenizer: Tokenizer | None = None):
         self.config = config or EngineConfig()
-        device = resolve_device(self.config.device)
-        self.model = load_model(model_dir, dtype=self.config.dtype, device=device)
-        self.model.prepare_for_inference()
+        self.parallel: TensorParallelExecutor | None = None      # tensor_parallel_size > 1
+        self.model = self._load(model_dir)
+        try:
+            self._build(model_dir, tokenizer)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _load(self, model_dir):
+        """The model (rank 0's shard, the other ranks started, with tensor parallelism)."""
+        if self.config.tensor_parallel_size == 1:
+            model = load_model(model_dir, dtype=self.config.dtype,
+                               device=resolve_device(self.config.device))
+            model.prepare_for_inference()
+            return model
+        self.parallel = TensorParallelExecutor.start(model_dir, self.config)
+        weakref.finalize(self, self.parallel.shutdown)       # at gc and at interpreter exit
+        return self.parallel.model
+
+    def _build(self, model_dir, tokenizer: Tokenizer | None) -> None:
         self.model_config = self.model.config
         self.tokenizer = tokenizer or Tokenizer.from_dir(model_dir)
         eos = list(dict.fromkeys(self.tokenizer.eos_token_ids + self.model_config.eos_token_ids))
         self.eos_token_ids = eos
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = max_model_len_for(self.model, self.config)
         self.runner = ModelRunner(self.model, self.config, eos, self.max_model_len)
+        # What runs each step: the runner, or the executor that runs it on every rank.
+        self.executor = (self.runner if self.parallel is None
+                         else self.parallel.attach(self.runner, self.max_model_len, eos))
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching,
             watermark_blocks=max(1, self.runner.num_blocks // 100) if self.runner.num_blocks > 8 else 0,
@@ -80,30 +103,6 @@ class LLMEngine:
                                        self.runner.num_blocks, self.max_model_len,
                                        self.model_config.vocab_size, self.eos_token_ids)
         return SpeculativeDecoder(spec, draft)
-
-    def _max_model_len(self) -> int:
-        """The model's context, capped by what the KV cache can hold for one sequence (a user
-        who asks for more than the cache holds gets an error instead)."""
-        from kvslim.attention import resolve_kv_cache_dtype
-        from kvslim.engine.model_runner import kv_block_bytes
-        from kvslim.models.kv_groups import kv_cache_groups
-        cfg = self.config
-        param = next(self.model.parameters())
-        kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, param.dtype, param.device)
-        groups = kv_cache_groups(self.model_config, not cfg.keep_out_of_window_blocks)
-        num_blocks = cfg.kv_cache_memory // kv_block_bytes(self.model_config, cfg.block_size,
-                                                           kv_dtype, groups)
-        limit = max(self.model_config.max_position_embeddings, cfg.max_model_len or 0)
-        capacity = longest_sequence(num_blocks, groups.windows, cfg.block_size,
-                                    cfg.max_num_batched_tokens, limit)
-        if self.config.max_model_len is not None:
-            if capacity and self.config.max_model_len > capacity:
-                raise KvslimError(
-                    f"max_model_len={self.config.max_model_len} needs more KV cache than "
-                    f"kv_cache_memory={self.config.kv_cache_memory} bytes holds ({capacity} "
-                    f"tokens); raise kv_cache_memory or lower max_model_len")
-            return self.config.max_model_len
-        return max(1, min(self.model_config.max_position_embeddings, capacity))
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -150,7 +149,7 @@ class LLMEngine:
                 f"prompt has {n_prompt} tokens, but max_model_len is {self.max_model_len}",
                 "prompt")
         if params.max_tokens is None:
-            params = _replace(params, max_tokens=self.max_model_len - n_prompt)
+            params = replace(params, max_tokens=self.max_model_len - n_prompt)
         total = n_prompt + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
@@ -214,7 +213,7 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
-        self.runner.release(out.released_seq_ids)
+        self.executor.release(out.released_seq_ids)
         if self.spec is not None:
             self.spec.release(out.released_seq_ids)
         if out.is_empty:
@@ -225,10 +224,11 @@ class LLMEngine:
         self.peak_num_running = max(self.peak_num_running, len(out.scheduled))
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         try:                         # one forward pass for the whole batch: no single culprit
-            sampled = self.runner.execute(out, self.spec and self.spec.draft_probs)
+            sampled = self.executor.execute(out, self.spec and self.spec.draft_probs)
             self._record_speculation(out, sampled)
             updated = self.scheduler.postprocess(out, sampled)
         except Exception as e:
+            self.shutdown()                  # other ranks may be mid-step: the engine is done
             raise EngineFailedError(f"the model step failed: {type(e).__name__}: {e}") from e
         touched: dict[str, RequestState] = {}
         failed: list[RequestOutput] = []
@@ -374,6 +374,16 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             kv_cache_dtype=str(r.kv_dtype).removeprefix("torch."))
 
+    def rank_kv_stats(self) -> list[RankKVStats]:
+        """Each rank's KV cache as its runner allocated it (one entry on one rank)."""
+        return self.parallel.rank_kv_stats() if self.parallel else [kv_stats(0, self.runner)]
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (idempotent; a no-op on one rank, whose engine then
+        stays usable). Also runs at garbage collection and at interpreter exit."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
+
     def spec_decode_stats(self) -> SpecDecodeStats | None:
         """Draft and accepted tokens so far; None when the engine does not speculate."""
         return None if self.spec is None else self.spec.stats
@@ -385,8 +395,3 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
-
-
-def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    from dataclasses import replace
-    return replace(params, **changes)

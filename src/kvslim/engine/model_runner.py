@@ -16,8 +16,9 @@ from kvslim.engine.decode_graphs import DecodeGraphs
 from kvslim.engine.prompt_logprobs import record_prompt_logprobs
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
+from kvslim.errors import KvslimError
 from kvslim.models.kv_groups import (KVCacheGroups, first_needed_block, kv_cache_groups,
-                                     page_bytes_per_token)
+                                     longest_sequence, page_bytes_per_token)
 from kvslim.models.llama import LlamaForCausalLM
 
 
@@ -28,6 +29,28 @@ def kv_block_bytes(model_config, block_size: int, kv_dtype: torch.dtype,
     dtype; a quantized cache adds its per-token scales."""
     groups = groups or kv_cache_groups(model_config)
     return block_size * page_bytes_per_token(model_config, groups, kv_dtype)
+
+
+def max_model_len_for(model, config: EngineConfig) -> int:
+    """The model's context, capped by what the KV cache can hold for one sequence (a user
+    who asks for more than the cache holds gets an error instead). For a tensor-parallel shard
+    `model.config` is the rank's: its cache, its capacity (the same on every rank)."""
+    mc = model.config
+    param = next(model.parameters())
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, param.dtype, param.device)
+    groups = kv_cache_groups(mc, not config.keep_out_of_window_blocks)
+    num_blocks = config.kv_cache_memory // kv_block_bytes(mc, config.block_size, kv_dtype, groups)
+    limit = max(mc.max_position_embeddings, config.max_model_len or 0)
+    capacity = longest_sequence(num_blocks, groups.windows, config.block_size,
+                                config.max_num_batched_tokens, limit)
+    if config.max_model_len is not None:
+        if capacity and config.max_model_len > capacity:
+            raise KvslimError(
+                f"max_model_len={config.max_model_len} needs more KV cache than "
+                f"kv_cache_memory={config.kv_cache_memory} bytes holds ({capacity} "
+                f"tokens); raise kv_cache_memory or lower max_model_len")
+        return config.max_model_len
+    return max(1, min(mc.max_position_embeddings, capacity))
 
 
 def is_quantized(kv_dtype: torch.dtype) -> bool:
@@ -49,7 +72,9 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.bytes_per_block = kv_block_bytes(mc, self.block_size, self.kv_dtype, self.kv_groups)
         self.num_blocks = num_kv_blocks(config, self.bytes_per_block)
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        # Not with tensor parallelism: the graphs would capture the ranks' collectives too.
+        use_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                      and config.tensor_parallel_size == 1)
         self._allocate_cache(reserved_blocks=int(use_graphs))
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.block_tables = BlockTables(config.max_num_seqs, max_blocks_per_seq, self.device,
@@ -105,11 +130,13 @@ class ModelRunner:
             self.block_tables.release(seq_id)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, draft_probs: dict[int, torch.Tensor] | None = None
-                ) -> dict[int, list[SampleResult]]:
+    def execute(self, out: SchedulerOutput, draft_probs: dict[int, torch.Tensor] | None = None,
+                sample: bool = True) -> dict[int, list[SampleResult]]:
         """Run the step and sample: per sequence, its results (n > 1 parents: one per
         completion; speculative entries: the accepted drafts, then one more token).
-        `draft_probs` holds a draft model's distributions for its drafts, by seq_id."""
+        `draft_probs` holds a draft model's distributions for its drafts, by seq_id.
+        sample=False: a tensor-parallel worker's step, the same forward and the same logits
+        calls (each a collective every rank must join), but only rank 0 samples."""
         hidden, entries, query_starts = self.forward(out)
         draft_probs = draft_probs or {}
         spec_rows, sample_rows, requests, spec = [], [], [], []
@@ -127,6 +154,8 @@ class ModelRunner:
         if not spec_rows and not sample_rows:
             return {}
         logits = self.model.compute_logits(hidden[spec_rows + sample_rows])   # one lm_head call
+        if not sample:
+            return {}
         results: dict[int, list[SampleResult]] = {}
         for entry, first in spec:
             seq, drafts = entry.seq, entry.draft_token_ids
