@@ -197,15 +197,12 @@ def test_planner_equals_engine_allocation_with_int8_kv(hf_checkpoints, variant):
     assert stats.kv_cache_dtype == "int8"
 
 
-def test_memory_per_rank_with_tensor_parallelism():
+def test_memory_per_rank_with_tensor_parallelism(capsys):
     """Llama-3-8B (32 query, 8 KV heads): 2 ranks split the KV heads, 16 ranks replicate them
     (one per rank, each head on 2 ranks), so the per-rank cache stops shrinking at 8."""
     def per_rank(n):
-        r = subprocess.run([sys.executable, "-m", "kvslim.cli.main", "memory", "Llama-3-8B",
-                            "--tensor-parallel-size", str(n), "--json"],
-                           capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        data = json.loads(r.stdout)
+        assert main(["memory", "Llama-3-8B", "--tensor-parallel-size", str(n), "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
         return data["kv_bytes_per_token"], data["tensor_parallel"]
     full, two = per_rank(2)
     _, eight = per_rank(8)

@@ -153,15 +153,14 @@ def test_cli_error_is_one_line(hf_checkpoints, tmp_path):
     (2, 4, "must be replicated"),
     (4, 3, "cannot run"),                           # 3 does not divide 8 query heads
 ])
-def test_convert_warns_when_tensor_parallelism_would_replicate(hf_checkpoints, tmp_path,
+def test_convert_warns_when_tensor_parallelism_would_replicate(hf_checkpoints, tmp_path, capsys,
                                                                 kv_heads, tp, expect):
-    r = subprocess.run([sys.executable, "-m", "kvslim.cli.main", "convert",
-                        str(hf_checkpoints["mha8"]), str(tmp_path / "o"), "--kv-heads",
-                        str(kv_heads), "--tensor-parallel-size", str(tp), "--json"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    warning = json.loads(r.stdout)["tensor_parallel_warning"]
+    from kvslim.cli.main import main
+    assert main(["convert", str(hf_checkpoints["mha8"]), str(tmp_path / "o"), "--kv-heads",
+                 str(kv_heads), "--tensor-parallel-size", str(tp), "--json"]) == 0
+    r = capsys.readouterr()
+    warning = json.loads(r.out)["tensor_parallel_warning"]
     if expect is None:
-        assert warning is None and "warning" not in r.stderr
+        assert warning is None and "warning" not in r.err
     else:
-        assert expect in warning and expect in r.stderr
+        assert expect in warning and expect in r.err
