@@ -57,7 +57,7 @@ def run_degree(model_dir, degree: int, prompts: list[list[int]], args) -> dict:
         decode.sort()
         return {"degree": degree, "tokens": [outs[k] for k in sorted(outs, key=_req_index)],
                 "weight_bytes_rank0": shard_weight_bytes(engine),
-                "kv_bytes_per_token_per_rank": [r.kv_slot_bytes for r in ranks],
+                "kv_bytes_per_token_per_rank": [r.kv_bytes_per_token for r in ranks],
                 "num_blocks_per_rank": [r.num_blocks for r in ranks],
                 "prefill_s": round(sum(prefill), 3),
                 "decode_step_ms_median": round(1000 * decode[len(decode) // 2], 2),

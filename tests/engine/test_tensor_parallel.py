@@ -111,11 +111,11 @@ def test_each_rank_holds_the_planners_kv_bytes(engines):
     stats = tp.rank_kv_stats()
     assert [s.rank for s in stats] == list(range(TP))
     want = tensor_parallel_memory(config, TP).kv_bytes_per_token
-    assert {s.kv_slot_bytes for s in stats} == {want}
+    assert {s.kv_bytes_per_token for s in stats} == {s.kv_slot_bytes for s in stats} == {want}
     assert {s.num_blocks for s in stats} == {NUM_BLOCKS}
     assert tp.kv_cache_stats().bytes_per_token == want
     whole = tensor_parallel_memory(config, 1).kv_bytes_per_token
-    assert one.rank_kv_stats()[0].kv_slot_bytes == whole
+    assert one.rank_kv_stats()[0].kv_bytes_per_token == whole
     # split KV heads shrink a rank's share; a replicated head (MQA) does not
     assert want * (TP if config.num_key_value_heads >= TP else 1) == whole
 

@@ -68,6 +68,9 @@ class RankKVStats:
     num_blocks: int
     bytes_per_block: int
     kv_slot_bytes: int                 # bytes one token takes in the allocated tensors
+    # All layers' bytes per token (a block holds one KV-cache group's layers: kv_slot_bytes
+    # times the groups), what the planner's per-rank figure counts.
+    kv_bytes_per_token: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,8 @@ def _describe(error: Exception) -> str:
 
 
 def kv_stats(rank: int, runner: ModelRunner) -> RankKVStats:
-    return RankKVStats(rank, runner.num_blocks, runner.bytes_per_block, runner.kv_slot_bytes)
+    return RankKVStats(rank, runner.num_blocks, runner.bytes_per_block, runner.kv_slot_bytes,
+                       runner.kv_slot_bytes * len(runner.kv_groups.groups))
 
 
 def worker_step(out: SchedulerOutput, released_seq_ids: list[int]) -> WorkerStep:
