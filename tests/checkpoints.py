@@ -82,14 +82,35 @@ def hf_config(variant: str):
 
 
 def make_hf_model(variant: str, seed: int = 0):
+    return random_hf_model(hf_config(variant), seed)
+
+
+def random_hf_model(config, seed: int = 0):
+    """A transformers model of `config` with random weights, biases and norms included."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(variant), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():                   # HF zero-initialises biases and ones norms: randomise
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     return model
+
+
+def write_random_checkpoint(config, root: Path, seed: int = 0) -> Path:
+    """`random_hf_model(config)` saved with the test tokenizer (a variant's config, edited)."""
+    random_hf_model(config, seed).save_pretrained(root)
+    write_tokenizer(root)
+    return root
+
+
+def dense_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """Greedy tokens from a kvslim model's dense forward, recomputing the whole sequence."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model.logits(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
 
 
 def write_tokenizer(path: Path) -> None:

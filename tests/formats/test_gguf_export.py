@@ -258,19 +258,10 @@ def test_an_architecture_without_an_exporter_is_refused(hf_checkpoints, tmp_path
 def qwen3_head_dim_128(root):
     """transformers' GGUF reader builds Qwen3 with its default head_dim, 128 (as every released
     Qwen3 has): a tiny checkpoint with that head size."""
-    from checkpoints import hf_config, write_tokenizer
-    from transformers import AutoModelForCausalLM
+    from checkpoints import hf_config, write_random_checkpoint
     cfg = hf_config("qwen3")
     cfg.head_dim = 128
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(root)
-    write_tokenizer(root)
-    return root
+    return write_random_checkpoint(cfg, root)
 
 
 @pytest.mark.parametrize("variant,arch", [("qwen2_bias", "qwen2"), ("qwen3", "qwen3"),

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
-from checkpoints import VOCAB, hf_config, write_tokenizer
+from checkpoints import VOCAB, dense_greedy, hf_config, write_random_checkpoint
 from gguf_files import write_tiny_gguf
 from kvslim.errors import ConfigError
 from kvslim.formats.gguf_export import export_gguf
@@ -36,12 +36,6 @@ def metadata(path) -> dict:
     return {key: field.contents() for key, field in reader.fields.items()}
 
 
-def greedy(model, prompt: list[int], steps: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(model.logits(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
@@ -94,7 +88,7 @@ def test_mixtral_round_trip_gives_the_original_logits(hf_checkpoints, mixtral_gg
     assert hf.config.model_type == "mixtral"
     for n in (5, 12):
         prompt = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-        assert greedy(again, prompt, 24) == hf_greedy(hf, prompt, 24)
+        assert dense_greedy(again, prompt, 24) == hf_greedy(hf, prompt, 24)
 
 
 def unstacked(src, dst):
@@ -155,18 +149,9 @@ def test_quantized_mixtral_keeps_its_router_f32_and_imports_as_float(mixtral_ggu
 def qwen3_moe_checkpoint(root):
     """transformers' GGUF reader takes Qwen3-MoE's expert width from no key (it keeps its
     default, 768) and renormalises the top-k weights, as llama.cpp does: a tiny checkpoint so."""
-    from transformers import AutoModelForCausalLM
     cfg = hf_config("qwen3_moe")
     cfg.moe_intermediate_size, cfg.norm_topk_prob = 768, True
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(root)
-    write_tokenizer(root)
-    return root
+    return write_random_checkpoint(cfg, root)
 
 
 def test_qwen3moe_round_trip_and_transformers_reads_it(tmp_path):
@@ -187,7 +172,7 @@ def test_qwen3moe_round_trip_and_transformers_reads_it(tmp_path):
         assert (ref(IDS).logits - ours.logits(IDS)).abs().max().item() <= 1e-5
         assert (again.logits(IDS) - ours.logits(IDS)).abs().max().item() <= 1e-5
     prompt = IDS[0, :5].tolist()
-    assert greedy(again, prompt, 24) == hf_greedy(ref, prompt, 24)
+    assert dense_greedy(again, prompt, 24) == hf_greedy(ref, prompt, 24)
 
 
 def test_qwen3_moe_without_renormalised_weights_is_not_exported(hf_checkpoints, tmp_path):

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from checkpoints import VARIANTS, VOCAB
+from checkpoints import VARIANTS, VOCAB, dense_greedy
 from kvslim.formats.loader import load_model
 
 LENGTHS = [23, 9, 17, 1]
@@ -48,12 +48,6 @@ def test_unpadded_rows_match_padded(hf_checkpoints, variant):
             torch.testing.assert_close(batched[row, mask[row]], alone, atol=1e-5, rtol=0)
 
 
-def greedy(model, prompt: list[int], steps: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(model.logits(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -64,7 +58,7 @@ def test_greedy_32_tokens_match_generate(hf_checkpoints, variant):
         prompt = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(n))
         ref = ref_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32,
                                  do_sample=False, pad_token_id=0)
-        assert greedy(ours, prompt[0].tolist(), 32) == ref[0, n:].tolist()
+        assert dense_greedy(ours, prompt[0].tolist(), 32) == ref[0, n:].tolist()
 
 
 def test_reduced_precision_runs(hf_checkpoints):
