@@ -54,10 +54,6 @@ class KVCacheGroups:
         pos = {layer: j for group in self.groups for j, layer in enumerate(group.layers)}
         return [pos[layer] for layer in sorted(pos)]
 
-    @property
-    def is_hybrid(self) -> bool:
-        return len(self.groups) > 1
-
 
 def kv_cache_groups(config: ModelConfig, free_out_of_window: bool = True) -> KVCacheGroups:
     """The model's groups. One group of every layer when all layers share one window (Llama:
