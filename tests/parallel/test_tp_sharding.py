@@ -119,18 +119,13 @@ def test_the_shard_holds_its_slices():
 
 
 @pytest.mark.parametrize("spoil,message", [
-    ("quantized", "tensor parallelism of quantized models \\(gptq\\) is not supported yet"),
     ("prepared", "shard the model before prepare_for_inference"),
     ("sharded", "already a tensor-parallel shard"),
     ("unknown", "cannot split model.layers.0.extra \\(Linear\\)"),
 ])
 def test_what_shard_model_refuses(spoil, message):
     model = init_model(ModelConfig.from_hf_dict(BASE))
-    if spoil == "quantized":
-        model.config = ModelConfig.from_hf_dict(
-            {**BASE, "quantization_config": {"quant_method": "gptq", "bits": 4,
-                                             "group_size": 32}})
-    elif spoil == "prepared":
+    if spoil == "prepared":
         if not model.prepare_for_inference():
             pytest.skip("no packed CPU kernel here")
     elif spoil == "sharded":

@@ -200,18 +200,24 @@ def int4_linear(x: torch.Tensor, packed: Int4Weight,
 
 # --- W8A8: per-token int8 activations x per-channel int8 weights -----------------------------
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 rows and float32 [rows, 1] scales, symmetric, from each row's largest magnitude."""
+def quantize_per_token(x: torch.Tensor, amax: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 rows and float32 [rows, 1] scales, symmetric, from each row's largest magnitude
+    (`amax` [rows, 1] when it spans more columns than x holds: a tensor-parallel row shard)."""
     xf = x.float()
-    sx = (xf.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    if amax is None:
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+    sx = (amax.float() / 127).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.round(xf / sx).clamp(-127, 127).to(torch.int8), sx
 
 
 def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantizes each row of x to int8, multiplies in integers, rescales to x's dtype."""
+                bias: torch.Tensor | None = None, amax: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """Quantizes each row of x to int8 (its scale from `amax` when given, see
+    `quantize_per_token`), multiplies in integers, rescales to x's dtype."""
     rows = _rows(x, qweight.shape[1])
-    xq, sx = quantize_per_token(rows)
+    xq, sx = quantize_per_token(rows, amax)
     acc = _int_mm(xq, qweight)
     if acc is None:             # exact while |sums| < 2^24, float rounding beyond
         acc = F.linear(xq.float(), qweight.float())

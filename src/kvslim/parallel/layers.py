@@ -153,17 +153,23 @@ class ParallelLMHead(Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = super().forward(x)
-        lead, rows = local.shape[:-1], local.shape[-1]
-        local = local.reshape(-1, rows).contiguous()
-        # the concatenated form ([N * tokens, rows]): gloo does not take the stacked one
-        gathered = local.new_empty(self.world_size * local.shape[0], rows)
-        _all_gather(gathered, local, group=self.group)
-        logits = (gathered.view(self.world_size, -1, rows).permute(1, 0, 2)
-                  .reshape(*lead, self.world_size * rows))
-        if logits.shape[-1] == self.vocab_size:
-            return logits
-        return logits[..., :self.vocab_size].contiguous()
+        return gather_logits(super().forward(x), self.vocab_size, self.world_size, self.group)
+
+
+def gather_logits(local: torch.Tensor, vocab_size: int, world_size: int, group=None
+                  ) -> torch.Tensor:
+    """Every rank's block of logits [..., rows] concatenated along the vocabulary, the padding
+    rows cut off: [..., vocab_size]."""
+    lead, rows = local.shape[:-1], local.shape[-1]
+    local = local.reshape(-1, rows).contiguous()
+    # the concatenated form ([N * tokens, rows]): gloo does not take the stacked one
+    gathered = local.new_empty(world_size * local.shape[0], rows)
+    _all_gather(gathered, local, group=group)
+    logits = (gathered.view(world_size, -1, rows).permute(1, 0, 2)
+              .reshape(*lead, world_size * rows))
+    if logits.shape[-1] == vocab_size:
+        return logits
+    return logits[..., :vocab_size].contiguous()
 
 
 def reduce_output(module: nn.Module, inputs, output: torch.Tensor, group=None) -> torch.Tensor:

@@ -23,8 +23,9 @@ What a rank holds (`sharding.rank_layout`):
 Afterwards `model.config` is `sharding.local_config` (the rank's head and intermediate counts,
 the full vocab_size), so what sizes itself from the config (the engine's KV cache) sizes the
 rank's share; `model.tensor_parallel` (a `TensorParallelShard`) keeps the rank, the group, the
-full config and the layout. Not supported, refused with a KvslimError: quantized models (the
-packed int4/GGUF/W8A8 layouts would each need their own slicing rule), MLA, shared experts, a
+full config and the layout. Quantized layers (GPTQ/AWQ int4 and int8, W8A8, GGUF blocks and a
+GGUF embedding table) are cut from their packed tensors by the same layout
+(`parallel/quant_layers.py`). Not supported, refused with a KvslimError: MLA, shared experts, a
 model whose kernels `prepare_for_inference` already chose (shard first, then prepare), and any
 module with weights this file does not know how to split. world_size 1 returns the model
 untouched: no collective, no process group needed."""
@@ -38,14 +39,20 @@ import torch.distributed as dist
 from torch import nn
 
 from kvslim.errors import KvslimError
+from kvslim.layers.block_quant_embedding import BlockQuantEmbedding, TiedBlockQuantHead
+from kvslim.layers.block_quant_linear import BlockQuantLinear
 from kvslim.layers.linear import Linear, MergedLinear, QKVLinear
 from kvslim.layers.mlp import SwiGLUMLP
 from kvslim.layers.moe import SparseMoE
 from kvslim.layers.norm import GemmaRMSNorm, RMSNorm
+from kvslim.layers.quant_linear import QuantLinear, QuantMergedLinear, QuantQKVLinear
 from kvslim.layers.self_attention import Attention
+from kvslim.layers.w8a8_linear import W8A8Linear
 from kvslim.models.config import ModelConfig
 from kvslim.parallel.layers import (ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
                                     column_shard, merged_shard, reduce_output, row_shard)
+from kvslim.parallel.quant_layers import (VocabParallelBlockEmbedding, quant_column_shard,
+                                          quant_lm_head, quant_row_shard)
 from kvslim.parallel.sharding import (HeadShard, RankLayout, check_world_size, local_config,
                                       rank_layout)
 
@@ -90,27 +97,46 @@ def shard_model(model: nn.Module, rank: int, world_size: int, group=None) -> nn.
 
 def _shard_attention(attn: Attention, heads: HeadShard, group) -> None:
     d = attn.head_dim
-    attn.qkv_proj = column_shard(attn.qkv_proj, heads, d)
     q = heads.q_heads
-    attn.o_proj = RowParallelLinear.from_full(attn.o_proj, range(q.start * d, q.stop * d), group)
+    columns = range(q.start * d, q.stop * d)
+    if isinstance(attn.qkv_proj, QuantLinear):
+        rows = {"q": heads.q_heads, "k": heads.kv_heads, "v": heads.kv_heads}
+        attn.qkv_proj = quant_column_shard(attn.qkv_proj, {
+            key: range(r.start * d, r.stop * d) for key, r in rows.items()})
+        attn.o_proj = quant_row_shard(attn.o_proj, columns, group)
+    else:
+        attn.qkv_proj = column_shard(attn.qkv_proj, heads, d)
+        attn.o_proj = RowParallelLinear.from_full(attn.o_proj, columns, group)
     attn.num_heads, attn.num_kv_heads = heads.num_heads, heads.num_kv_heads
 
 
 def _shard_mlp(mlp: SwiGLUMLP, part: range, group, reduce: bool = True) -> None:
     """reduce=False for an expert: its down_proj returns a partial sum that the MoE block
     reduces once for all experts (an expert has no bias, `_check_shardable`)."""
-    mlp.gate_up_proj = merged_shard(mlp.gate_up_proj, part)
-    mlp.down_proj = (RowParallelLinear.from_full(mlp.down_proj, part, group) if reduce
-                     else row_shard(mlp.down_proj, part))
+    if isinstance(mlp.gate_up_proj, QuantLinear):          # experts are never quantized
+        mlp.gate_up_proj = quant_column_shard(mlp.gate_up_proj,
+                                              {key: part for key in mlp.gate_up_proj.shard_sizes})
+        mlp.down_proj = quant_row_shard(mlp.down_proj, part, group)
+    else:
+        mlp.gate_up_proj = merged_shard(mlp.gate_up_proj, part)
+        mlp.down_proj = (RowParallelLinear.from_full(mlp.down_proj, part, group) if reduce
+                         else row_shard(mlp.down_proj, part))
     mlp.intermediate = len(part)
 
 
 def _shard_vocab(model: nn.Module, layout: RankLayout, vocab_size: int, group) -> None:
-    embed = model.model.embed_tokens
-    tied = model.lm_head.weight is embed.weight
-    model.model.embed_tokens = VocabParallelEmbedding.from_full(embed, layout.vocab, group)
-    tied_to = model.model.embed_tokens.weight if tied else None
-    model.lm_head = ParallelLMHead.from_full(model.lm_head, layout.vocab, vocab_size,
+    embed, head = model.model.embed_tokens, model.lm_head
+    if isinstance(embed, BlockQuantEmbedding):
+        model.model.embed_tokens = VocabParallelBlockEmbedding.from_full(embed, layout.vocab,
+                                                                         group)
+    else:
+        model.model.embed_tokens = VocabParallelEmbedding.from_full(embed, layout.vocab, group)
+    if isinstance(head, QuantLinear):
+        model.lm_head = quant_lm_head(head, model.model.embed_tokens, layout.vocab, vocab_size,
+                                      layout.world_size, group)
+        return
+    tied_to = model.model.embed_tokens.weight if head.weight is embed.weight else None
+    model.lm_head = ParallelLMHead.from_full(head, layout.vocab, vocab_size,
                                              layout.world_size, group, tied_to)
 
 
@@ -120,12 +146,10 @@ _WHOLE = (RMSNorm, GemmaRMSNorm)          # replicated on every rank
 
 def _check_shardable(model: nn.Module, config: ModelConfig, rank: int, world_size: int,
                      group) -> None:
-    if config.quantization is not None:
-        raise KvslimError(f"tensor parallelism of quantized models "
-                          f"({config.quantization.method}) is not supported yet")
     if hasattr(model, "tensor_parallel"):
         raise KvslimError("this model is already a tensor-parallel shard")
-    if any(isinstance(m, Linear) and m.cpu_kernel is not None for m in model.modules()):
+    if any(isinstance(m, Linear) and m.cpu_kernel is not None or
+           isinstance(m, QuantLinear) and m.kernel is not None for m in model.modules()):
         raise KvslimError("shard the model before prepare_for_inference (its kernels hold the "
                           "full weights)")
     if dist.is_available() and dist.is_initialized():
@@ -136,35 +160,60 @@ def _check_shardable(model: nn.Module, config: ModelConfig, rank: int, world_siz
     covered = []
     for name, module in model.named_modules():
         if isinstance(module, Attention):
-            _require(name, module, qkv_proj=QKVLinear, o_proj=Linear)
+            _require(name, module, qkv_proj=_fused(module.qkv_proj, QKVLinear),
+                     o_proj=_single(module.o_proj))
         elif isinstance(module, SparseMoE):
-            _require(name, module, gate=Linear)
+            _require(name, module, gate=(Linear,))
             for i, expert in enumerate(module.experts):
-                _require(f"{name}.experts.{i}", expert, gate_up_proj=MergedLinear,
-                         down_proj=Linear)
+                _require(f"{name}.experts.{i}", expert, gate_up_proj=(MergedLinear,),
+                         down_proj=(Linear,))
                 if expert.down_proj.bias is not None:
                     raise KvslimError(f"{name}.experts.{i}: tensor parallelism of MoE experts "
                                       "with biases is not supported")
         elif isinstance(module, SwiGLUMLP):
-            _require(name, module, gate_up_proj=MergedLinear, down_proj=Linear)
+            _require(name, module, gate_up_proj=_fused(module.gate_up_proj, MergedLinear),
+                     down_proj=_single(module.down_proj))
         else:
             continue
         covered.append(name + ".")
-    allowed = {"model.embed_tokens": nn.Embedding, "lm_head": Linear}
+    allowed = {"model.embed_tokens": (nn.Embedding, BlockQuantEmbedding),
+               "lm_head": (Linear, BlockQuantLinear, TiedBlockQuantHead)}
     for name, module in model.named_modules():
-        if next(module.parameters(recurse=False), None) is None or isinstance(module, _WHOLE):
+        if not _holds_tensors(module) or isinstance(module, _WHOLE):
             continue
         if any(name.startswith(prefix) for prefix in covered):
             continue
-        if name in allowed and type(module) is allowed[name]:
+        if name in allowed and type(module) in allowed[name]:
             continue
         raise KvslimError(f"tensor parallelism cannot split {name} ({type(module).__name__})")
 
 
-def _require(name: str, module: nn.Module, **children: type) -> None:
-    """Each named child has exactly that type (a subclass may lay its weights out otherwise)."""
-    for child, cls in children.items():
+def _holds_tensors(module: nn.Module) -> bool:
+    """Parameters or persistent buffers (a quantized layer's weights; not RoPE's tables), or a
+    head over another module's quantized table."""
+    persistent = set(module._buffers) - module._non_persistent_buffers_set
+    return (next(module.parameters(recurse=False), None) is not None or bool(persistent) or
+            isinstance(module, TiedBlockQuantHead))
+
+
+# The quantized layers `quant_layers` can cut: fused (q/k/v, gate/up) and single ones.
+_QUANT_FUSED = (QuantQKVLinear, QuantMergedLinear, BlockQuantLinear, W8A8Linear)
+_QUANT_SINGLE = (QuantLinear, BlockQuantLinear, W8A8Linear)
+
+
+def _fused(layer: nn.Module, float_cls: type) -> tuple[type, ...]:
+    return _QUANT_FUSED if isinstance(layer, QuantLinear) else (float_cls,)
+
+
+def _single(layer: nn.Module) -> tuple[type, ...]:
+    return _QUANT_SINGLE if isinstance(layer, QuantLinear) else (Linear,)
+
+
+def _require(name: str, module: nn.Module, **children: tuple[type, ...]) -> None:
+    """Each named child has exactly one of those types (a subclass may lay its weights out
+    otherwise)."""
+    for child, classes in children.items():
         found = getattr(module, child, None)
-        if type(found) is not cls:
+        if type(found) not in classes:
             raise KvslimError(f"tensor parallelism cannot split {name}.{child} "
                               f"({type(found).__name__})")
