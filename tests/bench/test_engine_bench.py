@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kvslim.bench.capacity import conversions, run_capacity
 from kvslim.bench.latency import run_latency
@@ -12,6 +13,8 @@ from kvslim.bench.throughput import run_throughput
 from kvslim.bench.workload import Workload
 from kvslim.errors import KvslimError
 from kvslim.bench.runners import parse_compare
+from kvslim.models.config import ModelConfig
+from kvslim.parallel.memory import tensor_parallel_memory
 
 
 def test_throughput_runs_kvslim_and_hf_on_the_same_work(hf_checkpoints):
@@ -34,6 +37,27 @@ def test_latency_reports_roofline_fractions(hf_checkpoints):
     e = r.results[1]
     assert e.bytes_per_step == r.weight_bytes + 2 * (10 + 3) * r.kv_bytes_per_token
     assert e.fraction_of_bandwidth > 0
+
+
+def test_latency_with_tensor_parallel_ranks_counts_every_ranks_cache(hf_checkpoints):
+    """2 ranks: each holds half the KV heads, so a step reads the whole model's cache; the
+    label says how kvslim ran. Through the CLI, --json carries the degree."""
+    path = hf_checkpoints["gqa"]
+    r = subprocess.run([sys.executable, "-m", "kvslim.cli.main", "bench", "latency",
+                        "--model", str(path), "--input-len", "8", "--output-len", "4",
+                        "--batches", "1,2", "--compare", "", "--repeats", "1",
+                        "--tensor-parallel-size", "2", "--tensor-parallel-oversubscribe",
+                        "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    config = ModelConfig.from_dir(path)
+    per_rank = tensor_parallel_memory(config, 2, "fp32", "fp32").kv_bytes_per_token
+    assert d["tensor_parallel_size"] == 2
+    assert d["kv_bytes_per_token"] == 2 * per_rank == config.kv_cache_bytes_per_token(
+        torch.float32)
+    assert [(e["batch"], e["label"]) for e in d["results"]] == [
+        (1, "kvslim (2 tensor-parallel ranks)"), (2, "kvslim (2 tensor-parallel ranks)")]
+    assert all(e["decode_tokens_per_s"] > 0 for e in d["results"])
 
 
 def test_capacity_grows_with_fewer_kv_heads(hf_checkpoints, tmp_path):

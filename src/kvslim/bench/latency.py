@@ -1,7 +1,12 @@
 """`kvslim bench latency`: decode speed at batch 1 and batch 8 — time to first token, time per
 output token, decode tokens/s — for kvslim and its peers in the same run, with the roofline: the
 machine's measured memory bandwidth and the fraction of it each engine's decode step achieves
-(weights + KV-cache bytes read per step / step time)."""
+(weights + KV-cache bytes read per step / step time).
+
+With tensor parallelism (`parallel`, `--tensor-parallel-size N`) kvslim's ranks read their
+shards at the same time, so a step's bytes are those of all the ranks together: the whole
+checkpoint once, and every rank's KV cache (a replicated KV head is read by each rank holding
+it: `kv_bytes_per_token` is N times one rank's)."""
 from __future__ import annotations
 
 import statistics
@@ -39,10 +44,11 @@ class LatencyResult:
     threads: int
     bandwidth: Bandwidth
     weight_bytes: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int                  # all tensor-parallel ranks together
     results: list[EngineLatency] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     repeats: int = 1
+    tensor_parallel_size: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,24 +76,37 @@ def run_latency(model_dir, input_len: int = 128, output_len: int = 64,
                 batches: tuple[int, ...] = (1, 8), compare: list[str] = (),
                 show_progress: bool = True, repeats: int = 3,
                 kv_cache_dtype: str = "auto", bandwidth: Bandwidth | None = None,
-                speculative: dict | None = None) -> LatencyResult:
+                speculative: dict | None = None, parallel: dict | None = None
+                ) -> LatencyResult:
     """Each engine and batch measured `repeats` times, the engines taking turns within every
     round, so that a slow spell of a shared machine does not fall on one engine only; the
     tables show medians. `bandwidth`: the machine's, measured once by a caller that runs this
-    many times (default: measured here)."""
+    many times (default: measured here). `parallel`: kvslim's tensor-parallel options."""
+    parallel = parallel or {}
+    ranks = parallel.get("tensor_parallel_size", 1)
     llm = kvslim_llm(model_dir, "1GiB", max_num_seqs=max(batches), kv_cache_dtype=kv_cache_dtype,
-                     speculative=speculative)
+                     speculative=speculative, **parallel)
+    try:
+        return _measure_all(llm, model_dir, input_len, output_len, batches, compare,
+                            show_progress, repeats, bandwidth, ranks)
+    finally:
+        llm.shutdown()                       # the tensor-parallel ranks, if any
+
+
+def _measure_all(llm, model_dir, input_len, output_len, batches, compare, show_progress,
+                 repeats, bandwidth, ranks: int) -> LatencyResult:
     # Counted from the checkpoint: the engine's runtime layout (packed weights) is not the
-    # model's size. Every weight is read once per decode step.
+    # model's size. Every weight is read once per decode step (by the rank holding it).
     weight_bytes = stored_weight_bytes(model_dir, llm.engine.model_config,
                                        llm.engine.runner.dtype.itemsize)
+    per_rank_kv = llm.engine.runner.bytes_per_block // llm.engine.config.block_size
     result = LatencyResult(str(model_dir), input_len, output_len, torch.get_num_threads(),
-                           bandwidth or memory_bandwidth(), weight_bytes,
-                           llm.engine.runner.bytes_per_block // llm.engine.config.block_size,
-                           repeats=repeats)
+                           bandwidth or memory_bandwidth(), weight_bytes, ranks * per_rank_kv,
+                           repeats=repeats, tensor_parallel_size=ranks)
     w = Workload(max(batches), input_len, output_len, seed=1)
     prompts = w.prompts(llm.engine.model_config.vocab_size, special_ids(llm.tokenizer))
-    engines = [("kvslim", "kvslim", _kvslim_measure(llm, prompts, output_len))]
+    label = "kvslim" if ranks == 1 else f"kvslim ({ranks} tensor-parallel ranks)"
+    engines = [("kvslim", label, _kvslim_measure(llm, prompts, output_len))]
     for name, runner in peers(compare, model_dir, result.skipped, show_progress):
         engines.append((name, runner.label, _peer_measure(name, runner, prompts, output_len)))
     if "llamacpp" in compare:

@@ -58,6 +58,7 @@ def register_engine_benchmarks(kinds) -> None:
     _speculative(p)
     _model_dtype(p)
     _common(p)
+    add_parallel_args(p)
     p.set_defaults(func=run_latency_cmd)
 
     p = kinds.add_parser("profile", help="where a decode step's time goes: GEMM, attention, "
@@ -143,7 +144,8 @@ def run_latency_cmd(args) -> int:
     result = run_latency(model, args.input_len, args.output_len, batches,
                          parse_compare(args.compare), show_progress=not args.json,
                          repeats=args.repeats, kv_cache_dtype=args.kv_cache_dtype,
-                         speculative=_speculative_config(args))
+                         speculative=_speculative_config(args),
+                         parallel=parallel_from_args(args))
     return _emit(args, result, format_latency)
 
 
