@@ -49,6 +49,23 @@ def test_degrees_that_cannot_split_the_heads(num_heads, kv_heads, n, message):
         kv_head_layout(num_heads, kv_heads, n)
 
 
+@pytest.mark.parametrize("shape,quant,n,message", [
+    ({}, {"quant_method": "gguf", "file": "m.gguf"}, 4,
+     "tensor_parallel_size 4 gives each rank 16 inputs of the quantized o_proj \\(gguf\\), "
+     "not a multiple of 32"),
+    ({"hidden_size": 32}, {"quant_method": "gptq", "bits": 4, "group_size": 32}, 8,
+     "tensor_parallel_size 8 gives each rank 4 inputs of the quantized o_proj \\(gptq\\), "
+     "not a multiple of 8"),
+])
+def test_quantized_slices_off_their_packing_are_refused_before_loading(shape, quant, n, message):
+    """8 query heads: GGUF's 32-input blocks split 8 heads of 8 two ways, not four; GPTQ's
+    int32 words (8 values at 4 bits) split 8 heads of 4 four ways, not eight."""
+    config = ModelConfig.from_hf_dict({**BASE, **shape, "quantization_config": quant})
+    rank_layout(config, 0, n // 2)
+    with pytest.raises(KvslimError, match=message):
+        rank_layout(config, 0, n)
+
+
 def test_intermediate_and_vocab():
     assert split_evenly(128, 4, "intermediate_size")[1] == range(32, 64)
     with pytest.raises(KvslimError, match="cannot split intermediate_size 100"):

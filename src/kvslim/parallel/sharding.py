@@ -132,8 +132,33 @@ def rank_layout(config: ModelConfig, rank: int, world_size: int) -> RankLayout:
                               f"({config.architecture}) is not implemented")
         experts = split_evenly(config.moe.expert_intermediate_size, world_size,
                                "the experts' intermediate size")[rank]
+    _check_quantized_slices(config, heads, intermediate, world_size)
     return RankLayout(rank, world_size, heads, intermediate, experts,
                       vocab_shard(config.vocab_size, rank, world_size))
+
+
+# Inputs a row-parallel slice of a quantized layer must be a multiple of: the int32 word a GPTQ
+# layer packs along its inputs (32 / bits values), the 32-input block of GGUF's kernels.
+def _row_slice_multiple(config: ModelConfig) -> int | None:
+    quant = config.quantization
+    if quant is None or quant.method == "w8a8":
+        return None
+    return 32 if quant.method == "gguf" else quant.pack
+
+
+def _check_quantized_slices(config: ModelConfig, heads, intermediate: range,
+                            world_size: int) -> None:
+    """o_proj's and down_proj's input slices of a quantized model must fall on its packing
+    (parallel/quant_layers.py cuts the packed tensors, never a float copy)."""
+    multiple = _row_slice_multiple(config)
+    if multiple is None:
+        return
+    slices = {"o_proj": heads[0].num_heads * config.head_dim, "down_proj": len(intermediate)}
+    for name, size in slices.items():
+        if size % multiple:
+            raise KvslimError(
+                f"tensor_parallel_size {world_size} gives each rank {size} inputs of the "
+                f"quantized {name} ({config.quantization.method}), not a multiple of {multiple}")
 
 
 def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
