@@ -10,7 +10,11 @@ decode step times of one batch, and whether the greedy tokens equal N = 1's.
 
 The default models show both sides of the GQA point: the reference MHA model (8 KV heads) splits
 its KV heads, so a rank's cache halves at N = 2; Gemma 3 270M (MQA, one KV head) must replicate
-its head, so a rank's cache does not shrink at all.
+its head, so a rank's cache does not shrink at all. `--quantized` takes a GGUF model's quantized
+import instead (its linear layers and token embeddings stay in their blocks and each rank holds
+its slice of them), e.g. SmolLM2-135M's Q4_1 file, whose 9 query and 3 KV heads split at N = 3:
+
+    python benchmarks/tensor_parallel.py --models default --degrees 1 3 --quantized --oversubscribe
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ def run_degree(model_dir, degree: int, prompts: list[list[int]], args) -> dict:
         ranks = engine.rank_kv_stats()
         decode.sort()
         return {"degree": degree, "tokens": [outs[k] for k in sorted(outs, key=_req_index)],
+                "prompt_logprobs": prompt_logprobs(engine, prompts),
                 "weight_bytes_rank0": shard_weight_bytes(engine),
                 "kv_bytes_per_token_per_rank": [r.kv_bytes_per_token for r in ranks],
                 "num_blocks_per_rank": [r.num_blocks for r in ranks],
@@ -66,6 +71,23 @@ def run_degree(model_dir, degree: int, prompts: list[list[int]], args) -> dict:
         engine.shutdown()
 
 
+def prompt_logprobs(engine: LLMEngine, prompts: list[list[int]]) -> list[float]:
+    """Every prompt token's logprob (the first of each prompt excepted), in prompt order: how
+    far the ranks' logits are from one rank's, through the engine."""
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = [e.logprob for e in out.prompt_logprobs[1:]]
+    return [x for k in sorted(outs, key=_req_index) for x in outs[k]]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _req_index(request_id: str) -> int:
     return int(request_id.rsplit("-", 1)[-1])
 
@@ -73,7 +95,7 @@ def _req_index(request_id: str) -> int:
 def measure(args) -> dict:
     rows = []
     for name in args.models:
-        model_dir = resolve_model(name, quantized=False)
+        model_dir = resolve_model(name, quantized=args.quantized)
         spec = ModelConfig.from_dir(model_dir)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, spec.vocab_size, (args.input_len,), generator=g).tolist()
@@ -84,30 +106,40 @@ def measure(args) -> dict:
             r = run_degree(model_dir, n, prompts, args)
             plan = tensor_parallel_memory(spec, n, "fp32", "fp32") if n > 1 else None
             base = base or r
-            rows.append({"model": name, **{k: v for k, v in r.items() if k != "tokens"},
+            drift = max(abs(x - y) for x, y in zip(r["prompt_logprobs"],
+                                                   base["prompt_logprobs"]))
+            prefix = [common_prefix(a, b) for a, b in zip(r["tokens"], base["tokens"])]
+            rows.append({"model": name, **{k: v for k, v in r.items()
+                                           if k not in ("tokens", "prompt_logprobs")},
                          "same_tokens_as_n1": r["tokens"] == base["tokens"],
+                         # greedy tokens before the first that differs from N = 1's, mean
+                         "tokens_before_divergence": sum(prefix) / len(prefix),
+                         "max_prompt_logprob_diff_vs_n1": float(f"{drift:.3g}"),
                          "planner_kv_bytes_per_token": (plan.kv_bytes_per_token if plan
                                                         else spec.kv_cache_bytes_per_token(
                                                             torch.float32)),
                          "kv_replicated": bool(plan and plan.replicated)})
     return {"batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
-            "threads": torch.get_num_threads(), "rows": rows}
+            "threads": torch.get_num_threads(), "quantized": args.quantized, "rows": rows}
 
 
 def markdown(result: dict) -> str:
     lines = [f"Batch of {result['batch']} prompts of {result['input_len']} tokens, "
-             f"{result['output_len']} greedy tokens each, float32 on CPU "
+             f"{result['output_len']} greedy tokens each, "
+             f"{'GGUF blocks kept, ' if result.get('quantized') else ''}float32 on CPU "
              f"({result['threads']} threads in all, split between the ranks):", "",
              "| model | N | weights per rank | KV bytes/token per rank (planner) | KV heads "
-             "| prefill s | decode step ms | decode tok/s | tokens = N 1 |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---|"]
+             "| prefill s | decode step ms | decode tok/s | tokens = N 1 (mean equal prefix) "
+             "| max prompt logprob diff |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---|---:|"]
     for r in result["rows"]:
         kv = r["kv_bytes_per_token_per_rank"][0]
         heads = "replicated" if r["kv_replicated"] else ("split" if r["degree"] > 1 else "all")
         lines.append(f"| {r['model']} | {r['degree']} | {r['weight_bytes_rank0'] / 2**20:.1f} MiB"
                      f" | {kv:,} ({r['planner_kv_bytes_per_token']:,}) | {heads} | "
                      f"{r['prefill_s']} | {r['decode_step_ms_median']} | {r['decode_tok_s']} | "
-                     f"{r['same_tokens_as_n1']} |")
+                     f"{r['same_tokens_as_n1']} ({r['tokens_before_divergence']:.1f} of "
+                     f"{result['output_len']}) | {r['max_prompt_logprob_diff_vs_n1']:.2g} |")
     return "\n".join(lines)
 
 
@@ -121,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", default="256MiB", help="per rank")
     p.add_argument("--oversubscribe", action="store_true",
                    help="allow more ranks than CPU cores (--tensor-parallel-oversubscribe)")
+    p.add_argument("--quantized", action="store_true",
+                   help="GGUF models: the quantized import (blocks kept), not the float32 one")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     result = measure(args)
