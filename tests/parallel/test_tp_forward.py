@@ -11,7 +11,7 @@ import torch
 from checkpoints import VARIANTS, make_hf_model
 from kvslim.formats.loader import init_model, load_model
 from kvslim.models.config import ModelConfig
-from tp_launch import run_ranks
+from tp_launch import launched_once_per_degree
 from tp_workers import parity
 
 TOLERANCE = 1e-5                       # float32 logits: only the summation order differs
@@ -60,15 +60,8 @@ def models(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def results(models, tmp_path_factory) -> dict:
     """world_size -> [per rank: case -> figures]; launched once per degree, on first use."""
-    cache = {}
-
-    def get(world_size: int):
-        if world_size not in cache:
-            cases = {name: models[name] for name in CASES[world_size]}
-            cache[world_size] = run_ranks(parity, world_size,
-                                          tmp_path_factory.mktemp(f"tp{world_size}"), cases)
-        return cache[world_size]
-    return get
+    return launched_once_per_degree(
+        parity, lambda n: {name: models[name] for name in CASES[n]}, tmp_path_factory.mktemp)
 
 
 @pytest.mark.parametrize("world_size,case",

@@ -31,7 +31,7 @@ from kvslim.layers.w8a8_linear import W8A8_SPEC, W8A8Linear
 from kvslim.parallel import shard_model
 from kvslim.parallel.quant_layers import quant_row_shard
 from kvslim.surgery.quantize.model import quantize_model
-from tp_launch import run_ranks
+from tp_launch import launched_once_per_degree, run_ranks
 from tp_workers import parity
 
 TOLERANCE = 1e-5
@@ -83,18 +83,14 @@ def models(hf_checkpoints, tmp_path_factory) -> dict[str, torch.nn.Module]:
 
 @pytest.fixture(scope="module")
 def results(models, tmp_path_factory):
-    cache = {}
-
-    def get(world_size: int):
-        if world_size not in cache:
-            saved = {}
-            for name in CASES[world_size]:
-                saved[name] = str(tmp_path_factory.getbasetemp() / f"tpq_{name}.pt")
-                torch.save(models[name], saved[name])
-            cache[world_size] = run_ranks(parity, world_size,
-                                          tmp_path_factory.mktemp(f"tpq{world_size}"), saved)
-        return cache[world_size]
-    return get
+    """world_size -> [per rank: case -> figures], the models saved whole for the ranks."""
+    root = tmp_path_factory.mktemp("tpq_saved")
+    saved = {}
+    for name, model in models.items():
+        saved[name] = str(root / f"{name}.pt")
+        torch.save(model, saved[name])
+    return launched_once_per_degree(
+        parity, lambda n: {name: saved[name] for name in CASES[n]}, tmp_path_factory.mktemp)
 
 
 @pytest.mark.parametrize("world_size,case",

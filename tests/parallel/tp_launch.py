@@ -50,3 +50,17 @@ def run_ranks(fn, world_size: int, workdir: Path, *args, timeout: float = 180.0)
                 process.kill()
                 process.join()
     return [torch.load(workdir / f"result{r}.pt") for r in range(world_size)]
+
+
+def launched_once_per_degree(fn, cases, mktemp):
+    """world_size -> `run_ranks(fn, world_size, ...)` over `cases(world_size)`, each degree
+    launched once, on first use, for a module's tests to share (starting the ranks costs more
+    than the small models they run)."""
+    cache = {}
+
+    def get(world_size: int) -> list:
+        if world_size not in cache:
+            cache[world_size] = run_ranks(fn, world_size, mktemp(f"tp{world_size}"),
+                                          cases(world_size))
+        return cache[world_size]
+    return get
