@@ -11,8 +11,11 @@ def _step(kv, tables, lens, q, k, v):
     slots = torch.stack([tables[i, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
                          for i, n in enumerate(lens.tolist())])
     layout = PagedStepLayout(slot_mapping=slots, num_decode_tokens=len(lens),
-                             decode_block_tables=tables, decode_context_lens=lens)
+                             decode_block_tables=tables, decode_context_lens=lens,
+                             decode_context_lens_host=lens.tolist())
     meta = build_paged_metadata(layout, BLOCK)
+    # the lone decode takes the unmasked path, its length read from the host's copy
+    assert meta.single_decode_len == (lens.tolist()[0] if len(lens) == 1 else None)
     return PagedAttention([KVCacheLayer(kv[0], kv[1])], meta).attend(0, q, k, v, D ** -0.5)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from checkpoints import VOCAB
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.llm_engine import LLMEngine
 from kvslim.engine.sampling_params import SamplingParams
@@ -13,6 +14,12 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 def engine(path, **config) -> LLMEngine:
     config.setdefault("kv_cache_memory", "8MiB")
     return LLMEngine(path, EngineConfig(dtype="float32", device="cpu", **config))
+
+
+def prompts_of(lengths, seed: int = 0, prefix=()) -> list[list[int]]:
+    """Random prompts of these lengths (token ids < VOCAB), each after `prefix`."""
+    g = torch.Generator().manual_seed(seed)
+    return [list(prefix) + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 def run(eng: LLMEngine, prompts, params: SamplingParams | list[SamplingParams]) -> list:

@@ -1,6 +1,7 @@
 """The decode-graph path (what CUDA graphs record and replay): padded batches read from static
-buffers. Run eagerly here, it must give HF's greedy tokens, write padding rows only into the
-reserved block, and leave no block in use."""
+buffers, every padded shape prepared at start-up. Run eagerly here, it must give HF's greedy
+tokens, run only prepared shapes, write padding rows only into the reserved block, and leave no
+block in use."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -22,7 +23,10 @@ def test_capture_sizes_and_padding_shapes():
     graphs = DecodeGraphs(None, [layer], 48,
                           max_num_seqs=6, max_blocks_per_seq=10, layer_windows=[None],
                           use_graphs=False)
+    assert graphs.widths == [4, 10]                # gather: widths 4x apart, then the table's
+    assert graphs.graphs == {}                     # nothing before prepare()
     assert graphs.shape_for(3, 3) == (4, 4)
+    assert graphs.shape_for(1, 5) == (1, 10)
     assert graphs.shape_for(5, 9) == (6, 10)      # width capped at the table's
     assert graphs.shape_for(7, 1) is None          # more sequences than any padded batch
     assert graphs.shape_for(1, 11) is None
@@ -37,6 +41,9 @@ def test_padded_decode_matches_transformers(hf_checkpoints, variant, monkeypatch
     refs = [hf_greedy(hf, [p], n)[0] for p, n in zip(prompts, NEW)]
     eng = engine(path, max_num_seqs=12)
     eng.runner.enable_padded_decode()
+    prepared = dict(eng.runner.decode_graphs.graphs)       # at start-up: every padded shape
+    widths = eng.runner.decode_graphs.widths
+    assert set(prepared) == {(b, w) for b in capture_batch_sizes(12) for w in widths}
     shapes = []
     forward = DecodeGraphs._forward
     monkeypatch.setattr(DecodeGraphs, "_forward",
@@ -45,4 +52,5 @@ def test_padded_decode_matches_transformers(hf_checkpoints, variant, monkeypatch
     params = [SamplingParams(max_tokens=n, **GREEDY) for n in NEW]
     assert tokens(run(eng, prompts, params)) == refs
     assert {b for b, _ in shapes} >= {12, 8, 4, 2, 1}     # padded batches did run
+    assert set(shapes) <= set(prepared) and eng.runner.decode_graphs.graphs == prepared
     assert sum(r.abs().sum() for r in reserved) > 0   # padding rows wrote there, not live blocks

@@ -6,17 +6,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from checkpoints import VOCAB
-from engine_helpers import GREEDY, engine, hf_greedy, run, tokens
+from engine_helpers import GREEDY, engine, hf_greedy, prompts_of, run, tokens
 from kvslim.engine.sampling_params import SamplingParams
 
 LENGTHS = [3, 17, 40, 5, 33, 64, 1, 20, 9]
 NEW = 24
 SHARED = torch.randint(0, VOCAB, (50,), generator=torch.Generator().manual_seed(9)).tolist()
 
-
-def prompts_of(lengths, seed=0, prefix=()):
-    g = torch.Generator().manual_seed(seed)
-    return [list(prefix) + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module", params=["mha", "gqa", "mqa", "qwen2_bias", "tied", "qwen3", "phi3",

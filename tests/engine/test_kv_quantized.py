@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from checkpoints import VOCAB
-from engine_helpers import GREEDY, engine, run, tokens
+from engine_helpers import GREEDY, engine, prompts_of, run, tokens
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.errors import KvslimError
@@ -14,10 +14,6 @@ LENGTHS = [3, 17, 40, 5, 33, 64, 1, 20, 9]
 PARAMS = SamplingParams(max_tokens=16, **GREEDY)
 SHARED = torch.randint(0, VOCAB, (50,), generator=torch.Generator().manual_seed(9)).tolist()
 
-
-def prompts_of(lengths, seed=0, prefix=()):
-    g = torch.Generator().manual_seed(seed)
-    return [list(prefix) + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module", params=["gqa", "mqa", "head_dim"])

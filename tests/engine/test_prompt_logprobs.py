@@ -5,17 +5,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from checkpoints import VOCAB
-from engine_helpers import GREEDY, engine, run
+from engine_helpers import GREEDY, engine, prompts_of, run
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.errors import InvalidRequestError
 
 LENGTHS = [1, 2, 17, 40, 64]
 
-
-def prompts_of(lengths, seed=3, prefix=()):
-    g = torch.Generator().manual_seed(seed)
-    return [list(prefix) + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module", params=["gqa", "mqa"])
@@ -48,14 +43,14 @@ def check(outputs, hf, prompts, k):
 
 def test_prompt_logprobs_match_transformers(case):
     path, hf = case
-    prompts = prompts_of(LENGTHS)
+    prompts = prompts_of(LENGTHS, seed=3)
     params = SamplingParams(max_tokens=2, prompt_logprobs=3, **GREEDY)
     check(run(engine(path), prompts, params), hf, prompts, 3)
 
 
 def test_chunked_prefill_and_preemption_score_every_token_once(case):
     path, hf = case
-    prompts = prompts_of([60, 45, 70, 50])
+    prompts = prompts_of([60, 45, 70, 50], seed=3)
     eng = engine(path, max_num_batched_tokens=16, kv_cache_memory="40KiB", max_num_seqs=4)
     params = SamplingParams(max_tokens=24, prompt_logprobs=0, **GREEDY)
     outputs = run(eng, prompts, params)
@@ -80,7 +75,7 @@ def test_cached_prefix_is_recomputed_for_scoring(case):
 
 def test_n_completions_share_the_prompt_logprobs(case):
     path, hf = case
-    prompts = prompts_of([12])
+    prompts = prompts_of([12], seed=3)
     params = SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=1, prompt_logprobs=0)
     (out,) = run(engine(path), prompts, params)
     assert len(out.outputs) == 3

@@ -4,18 +4,30 @@ else.
 
 - `DenseAttention`: causal attention over a padded [batch, time] block (training, perplexity).
 - `PagedAttention`: the engine's flat batch of prefill chunks and decodes over a paged KV cache,
-  reading the `PagedAttentionMetadata` that `build_paged_metadata` makes from the step's layout;
-  each layer's cache is a `KVCacheLayer` (model dtype) or `QuantizedKVCacheLayer` (int8/fp8).
+  gathering each sequence's context, reading the `PagedAttentionMetadata` that
+  `build_paged_metadata` makes from the step's layout; each layer's cache is a `KVCacheLayer`
+  (model dtype) or `QuantizedKVCacheLayer` (int8/fp8). The reference path.
+- `FlexPagedAttention`: the same step in one FlexAttention call per layer, reading K/V in place
+  through the block tables (`flex_metadata.py` builds its mask once per step).
+- `backends.py`: which of the two a step uses ("auto", "gather", "flex") and the one builder of
+  the step's context.
 
-Both group query heads over KV heads by reshaping (see `grouped.py`): K and V are never copied
-once per query head, and the same torch code runs on CPU and CUDA."""
+All group query heads over KV heads without copying K/V per head (see `grouped.py`; FlexAttention
+with `enable_gqa`)."""
+from kvslim.attention.backends import (ATTENTION_BACKENDS, build_paged_attention,
+                                       resolve_attention_backend)
 from kvslim.attention.dense import DenseAttention
-from kvslim.attention.kv_cache import (KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, KVCacheLayer, QuantizedKVCacheLayer,
-                                       resolve_kv_cache_dtype)
+from kvslim.attention.flex import FlexPagedAttention
+from kvslim.attention.flex_metadata import FlexAttentionMetadata, build_flex_layer_metadata
+from kvslim.attention.kv_cache import (KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, KVCacheLayer,
+                                       QuantizedKVCacheLayer, resolve_kv_cache_dtype)
 from kvslim.attention.metadata import (PagedAttentionMetadata, PagedStepLayout, PrefillChunk,
                                        build_layer_metadata, build_paged_metadata)
 from kvslim.attention.paged import PagedAttention
 
-__all__ = ["KV_SCALE_DTYPE", "QUANTIZED_KV_DTYPES", "DenseAttention", "KVCacheLayer", "QuantizedKVCacheLayer",
-           "resolve_kv_cache_dtype", "PagedAttention", "PagedAttentionMetadata", "PagedStepLayout",
-           "PrefillChunk", "build_layer_metadata", "build_paged_metadata"]
+__all__ = ["ATTENTION_BACKENDS", "KV_SCALE_DTYPE", "QUANTIZED_KV_DTYPES", "DenseAttention",
+           "FlexAttentionMetadata", "FlexPagedAttention", "KVCacheLayer",
+           "QuantizedKVCacheLayer", "PagedAttention", "PagedAttentionMetadata", "PagedStepLayout",
+           "PrefillChunk", "build_flex_layer_metadata", "build_layer_metadata",
+           "build_paged_attention", "build_paged_metadata", "resolve_attention_backend",
+           "resolve_kv_cache_dtype"]

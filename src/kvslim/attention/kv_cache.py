@@ -41,6 +41,10 @@ class KVCacheLayer:
         return self.k_cache.shape[1]
 
     @property
+    def num_blocks(self) -> int:
+        return self.k_cache.shape[0]
+
+    @property
     def device(self) -> torch.device:
         return self.k_cache.device
 

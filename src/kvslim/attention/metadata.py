@@ -11,7 +11,9 @@ The layout is split from the metadata because the CUDA-graph decode path needs o
 masks for it, or reading a length back to the host, would be wasted work on the hot path."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,6 +37,10 @@ class PagedStepLayout:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes]
     decode_key_start: int = 0  # position of the tables' first key (a multiple of block_size)
+    # The same lengths as host ints, where the runner has them (not on the decode-graph path):
+    # decisions about the step read these, never the tensor, so building the metadata does not
+    # wait for the device.
+    decode_context_lens_host: list[int] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -50,7 +56,8 @@ class PagedAttentionMetadata:
 def build_paged_metadata(layout: PagedStepLayout, block_size: int,
                          sliding_window: int | None = None, graph_safe: bool = False,
                          ) -> PagedAttentionMetadata:
-    """graph_safe: no host synchronisation (the decode path a CUDA graph records)."""
+    """graph_safe: the decode path a CUDA graph records (every shape fixed: no lone-decode
+    special case)."""
     single_decode_len = _single_decode_len(layout, sliding_window, graph_safe)
     decode_allowed = None
     if layout.num_decode_tokens and single_decode_len is None:
@@ -64,9 +71,12 @@ def build_paged_metadata(layout: PagedStepLayout, block_size: int,
 def _single_decode_len(layout: PagedStepLayout, sliding_window: int | None,
                        graph_safe: bool) -> int | None:
     # A lone decode (batch-1 generation) reads exactly its context: no mask, and SDPA's
-    # unmasked path, instead of masking the padding of its last block.
-    if layout.num_decode_tokens == 1 and sliding_window is None and not graph_safe:
-        return int(layout.decode_context_lens[0])
+    # unmasked path, instead of masking the padding of its last block. Its length comes from
+    # the host's copy: reading the tensor would stop the host until the device catches up.
+    lens = layout.decode_context_lens_host
+    if (layout.num_decode_tokens == 1 and sliding_window is None and not graph_safe
+            and lens is not None):
+        return lens[0]
     return None
 
 
@@ -97,13 +107,22 @@ def build_layer_metadata(layouts: PagedStepLayout | list[PagedStepLayout], block
                          layer_windows: list[int | None], layer_group: list[int] | None = None,
                          graph_safe: bool = False) -> list[PagedAttentionMetadata]:
     """Per layer, the metadata of its window over its KV-cache group's layout (`layouts[g]`; one
-    layout serves every layer when the cache has one group): one object per distinct (group,
-    window), shared by the layers that have it. A model that mixes local and global layers
-    builds one per group."""
+    layout serves every layer when the cache has one group). A model that mixes local and
+    global layers builds one per group."""
+    return share_per_layer(layouts, layer_windows, layer_group,
+                           lambda layout, group, window: build_paged_metadata(
+                               layout, block_size, window, graph_safe))
+
+
+def share_per_layer(layouts: PagedStepLayout | list[PagedStepLayout],
+                    layer_windows: list[int | None], layer_group: list[int] | None,
+                    build: Callable[[PagedStepLayout, int, int | None], Any]) -> list:
+    """Per layer, `build(layout of its group, group, window)`, called once per distinct
+    (group, window) and shared by the layers that have it (every backend's metadata is built
+    this way: the layers of one step never rebuild what another layer has)."""
     if isinstance(layouts, PagedStepLayout):
         layouts = [layouts]
     layer_group = layer_group or [0] * len(layer_windows)
     keys = list(zip(layer_group, layer_windows))
-    built = {(g, w): build_paged_metadata(layouts[g], block_size, w, graph_safe)
-             for g, w in dict.fromkeys(keys)}
+    built = {(g, w): build(layouts[g], g, w) for g, w in dict.fromkeys(keys)}
     return [built[key] for key in keys]

@@ -21,6 +21,11 @@ def add_engine_args(p, kv_cache_memory: str = "1GiB", max_num_seqs: int = 64) ->
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps without CUDA graphs")
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "gather", "flex"),
+                   help="paged attention: gather (copies each context out, the reference), flex "
+                        "(FlexAttention reading the cache in place) or auto (flex on CUDA, "
+                        "gather on the CPU, where it measured faster; a quantized KV cache "
+                        "always gathers)")
     g.add_argument("--keep-out-of-window-blocks", action="store_true",
                    help="sliding-window layers keep every KV block (their window only masks) "
                         "instead of releasing the blocks that fell out of it")
@@ -65,6 +70,7 @@ def llm_from_args(args):
                max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
                keep_out_of_window_blocks=args.keep_out_of_window_blocks,
+               attention_backend=args.attention_backend,
                speculative=speculative_from_args(args), **parallel_from_args(args))
 
 
@@ -107,6 +113,7 @@ def engine_config_from_args(args):
         dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
         kv_cache_dtype=args.kv_cache_dtype,
         keep_out_of_window_blocks=args.keep_out_of_window_blocks,
+        attention_backend=args.attention_backend,
         speculative=speculative_from_args(args), **parallel_from_args(args))
 
 

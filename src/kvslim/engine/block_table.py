@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvslim.device import host_tensor
 from kvslim.engine.sequence import Sequence
 
 
@@ -30,9 +31,10 @@ class BlockTables:
         if row is not None:
             self.free_rows.append(row)
 
-    def rows_for(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Row index of each sequence, syncing the entries changed since the last step."""
-        rows = []
+    def rows_for(self, seqs: list[Sequence]) -> list[int]:
+        """Row index of each sequence, syncing the entries changed since the last step: all of
+        them in one copy to the device, which does not wait for it (`host_tensor`)."""
+        rows, updates = [], ([], [], [], [])        # group, row, column, block id
         for seq in seqs:
             row = self.row_of.get(seq.seq_id)
             if row is None:
@@ -40,13 +42,19 @@ class BlockTables:
                 seq.dirty_from = [0] * len(seq.block_tables)
             for g, table in enumerate(seq.block_tables):
                 start = seq.dirty_from[g]
-                if start < len(table):
+                n = len(table) - start
+                if n > 0:
+                    updates[0].extend([g] * n)
+                    updates[1].extend([row] * n)
+                    updates[2].extend(range(start, len(table)))
                     # A released entry (-1) becomes 0: a valid id whose contents are masked.
-                    self.table[g, row, start:len(table)] = torch.tensor(
-                        table[start:], dtype=torch.long).clamp_(min=0)
+                    updates[3].extend(max(0, b) for b in table[start:])
                 seq.dirty_from[g] = len(table)
             rows.append(row)
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        if updates[0]:
+            g, r, c, ids = host_tensor(list(updates), torch.long, self.device)
+            self.table[g, r, c] = ids
+        return rows
 
     def _free_row(self) -> int:
         if not self.free_rows:                # more live sequences than expected: grow

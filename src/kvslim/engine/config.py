@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvslim.attention.backends import check_attention_backend
 from kvslim.engine.speculative.config import SpeculativeConfig
 from kvslim.errors import KvslimError
 from kvslim.parallel.sharding import check_world_size
@@ -39,6 +40,10 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0                        # for requests that sample without their own seed
     enforce_eager: bool = False          # on CUDA: no CUDA graphs for decode steps
+    # Paged attention: "gather" (each context copied out, the reference), "flex" (FlexAttention
+    # reading the cache in place) or "auto" (attention/backends.py: flex on CUDA, the measured
+    # faster one on the CPU). A quantized KV cache always gathers.
+    attention_backend: str = "auto"
     # Sliding-window layers keep every block (their windows only mask), instead of releasing
     # the blocks that fell out of the window: the mask-only path, for comparison.
     keep_out_of_window_blocks: bool = False
@@ -63,6 +68,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise KvslimError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")
+        check_attention_backend(self.attention_backend)
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise KvslimError(f"max_model_len must be positive, got {self.max_model_len}")
         self._check_parallel()

@@ -4,19 +4,19 @@ A decode step of a small model on a GPU is a few hundred tiny kernels; launching
 from Python costs more than running them. Like vLLM and nano-vllm, the engine records the whole
 decoder for a decode batch once into a CUDA graph and then replays it with one launch per step.
 
-A graph fixes every shape and address, so each one is captured for a padded batch size and a
-padded block-table width (a power of two), on first use, reading from static buffers the step's
-inputs are copied into. Padding rows are harmless: they write their K/V into a scratch block the
-block manager never hands out, attend to one cached position and their outputs are dropped.
-Without `use_graphs` (CPU) the same padded static-buffer path runs eagerly, which is how the
-tests check it."""
+A graph fixes every shape and address, so each one is recorded for a padded batch size
+(`capture_batch_sizes`) and a padded block-table width (`capture_widths`), reading from static
+buffers the step's inputs are copied into. All of them are recorded at start-up (`prepare`), so
+no capture, and no compilation behind one, ever happens while serving; a step larger than every
+prepared shape runs eagerly. Padding rows are harmless: they write their K/V into a scratch block
+the block manager never hands out, attend to one cached position and their outputs are dropped.
+Without `use_graphs` (CPU) the same padded static-buffer path runs eagerly, each shape once at
+start-up too, which is how the tests check it."""
 from __future__ import annotations
 
 import torch
 
-from kvslim.attention import PagedAttention, PagedStepLayout, build_layer_metadata
-
-MAX_GRAPHS = 64         # captured (batch, width) shapes; beyond that, new shapes run eagerly
+from kvslim.attention import PagedStepLayout, build_paged_attention
 
 
 def capture_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -24,22 +24,35 @@ def capture_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+def capture_widths(max_blocks: int, backend: str) -> list[int]:
+    """Block-table widths graphs are recorded at. FlexAttention reads the pool in place at any
+    width (the width only sizes the step's metadata): one width, the largest. The gather path
+    copies width * block_size keys per decode: widths growing 4x, so a step's tables are padded
+    to at most 4x what they need, with few graphs (4 up to 256 blocks, 5 up to 1024)."""
+    if backend == "flex":
+        return [max_blocks]
+    widths, width = [], 4
+    while width < max_blocks:
+        widths.append(width)
+        width *= 4
+    return widths + [max_blocks]
 
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, scratch_slot: int, max_num_seqs: int,
                  max_blocks_per_seq: int, layer_windows: list[int | None],
-                 layer_group: list[int] | None = None, use_graphs: bool = False):
+                 layer_group: list[int] | None = None, use_graphs: bool = False,
+                 backend: str = "gather"):
         """layer_group: each layer's KV-cache group; every group has its own slot mapping and
-        block tables (static buffers [groups, ...])."""
-        self.model, self.kv_caches = model, kv_caches
+        block tables (static buffers [groups, ...]). backend: the resolved attention backend.
+        Call `prepare` before the first step."""
+        self.model, self.kv_caches, self.backend = model, kv_caches, backend
         layer_group = layer_group or [0] * len(layer_windows)
         self.layer_windows, self.layer_group = layer_windows, layer_group
         num_groups = max(layer_group) + 1
         self.use_graphs = use_graphs
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
+        self.widths = capture_widths(max_blocks_per_seq, backend)
         self.max_blocks = max_blocks_per_seq
         self.block_size = kv_caches[0].block_size
         self.scratch_slot = scratch_slot
@@ -52,36 +65,50 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
         self.block_tables = torch.zeros(num_groups, n, max_blocks_per_seq, dtype=torch.long,
                                         device=dev)
-        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
+        # Prepared shapes: their graph and its output buffer, or None on the eager path.
+        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor] | None] = {}
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
 
     def shape_for(self, num_seqs: int, num_blocks: int) -> tuple[int, int] | None:
         """The padded (batch, table width) a step runs at, or None when it is too large."""
         batch = next((b for b in self.batch_sizes if b >= num_seqs), None)
-        if batch is None or num_blocks > self.max_blocks:
-            return None
-        return batch, min(_next_power_of_two(num_blocks), self.max_blocks)
+        width = next((w for w in self.widths if w >= num_blocks), None)
+        return None if batch is None or width is None else (batch, width)
+
+    @torch.inference_mode()
+    def prepare(self) -> None:
+        """Record every padded shape, largest batch first (later, smaller graphs reuse its
+        memory pool); on the eager path, run each once. Every row is padding meanwhile."""
+        for batch in reversed(self.batch_sizes):
+            for width in self.widths:
+                self._pad(0, batch)
+                if self.use_graphs:
+                    self.graphs[(batch, width)] = self._capture(batch, width)
+                else:
+                    self._forward(batch, width)
+                    self.graphs[(batch, width)] = None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             layouts: list[PagedStepLayout]) -> torch.Tensor | None:
         """Hidden states [n, hidden] of a pure decode step (one layout per KV-cache group), or
-        None if it must run eagerly."""
+        None if it must run eagerly (no prepared shape fits)."""
         n, width = input_ids.shape[0], layouts[0].decode_block_tables.shape[1]
         shape = self.shape_for(n, width)
-        if shape is None or (shape not in self.graphs and len(self.graphs) >= MAX_GRAPHS):
-            return None
-        batch, _ = shape
-        self._fill(n, batch, input_ids, positions, layouts)
-        if not self.use_graphs:
-            return self._forward(*shape)[:n]
         if shape not in self.graphs:
-            self.graphs[shape] = self._capture(*shape)
-        graph, hidden = self.graphs[shape]
+            return None
+        self._fill(n, shape[0], input_ids, positions, layouts)
+        recorded = self.graphs[shape]
+        if recorded is None:
+            return self._forward(*shape)[:n]
+        graph, hidden = recorded
         graph.replay()
         return hidden[:n]
 
     def _fill(self, n: int, batch: int, input_ids, positions,
               layouts: list[PagedStepLayout]) -> None:
+        """Copy the step into the static buffers (device to device: no host synchronisation).
+        Table columns past the step's width keep older ids: every backend ignores entries past
+        a row's context length."""
         width = layouts[0].decode_block_tables.shape[1]
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
@@ -89,6 +116,9 @@ class DecodeGraphs:
         for g, layout in enumerate(layouts):
             self.slot_mapping[g, :n] = layout.slot_mapping
             self.block_tables[g, :n, :width] = layout.decode_block_tables
+        self._pad(n, batch)
+
+    def _pad(self, n: int, batch: int) -> None:
         # Padding rows: position 0, one key, K/V written into the scratch block.
         self.input_ids[n:batch] = 0
         self.positions[n:batch] = 0
@@ -101,9 +131,8 @@ class DecodeGraphs:
             decode_block_tables=self.block_tables[g, :batch, :width],
             decode_context_lens=self.context_lens[:batch])
             for g in range(self.slot_mapping.shape[0])]
-        meta = build_layer_metadata(layouts, self.block_size, self.layer_windows,
-                                    self.layer_group, graph_safe=True)
-        attn = PagedAttention(self.kv_caches, meta)
+        attn = build_paged_attention(self.backend, self.kv_caches, layouts, self.layer_windows,
+                                     self.layer_group, graph_safe=True)
         return self.model(self.input_ids[:batch], self.positions[:batch], attn=attn)
 
     def _capture(self, batch: int, width: int):

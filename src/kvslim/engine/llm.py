@@ -24,7 +24,7 @@ class LLM:
                  enforce_eager: bool = False, kv_cache_dtype: str = "auto",
                  speculative: dict | None = None, keep_out_of_window_blocks: bool = False,
                  tensor_parallel_size: int = 1, tensor_parallel_oversubscribe: bool = False,
-                 distributed_timeout: float = 60.0):
+                 distributed_timeout: float = 60.0, attention_backend: str = "auto"):
         """tensor_parallel_size > 1 starts that many ranks (`engine/parallel_executor.py`):
         call `shutdown` (or use the LLM as a context manager) to stop them; they also stop at
         interpreter exit. Under torchrun, LLM() on ranks > 0 never returns (SystemExit(0)
@@ -37,6 +37,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, dtype=dtype, device=device, seed=seed,
             enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, speculative=speculative,
+            attention_backend=attention_backend,
             keep_out_of_window_blocks=keep_out_of_window_blocks,
             tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_oversubscribe=tensor_parallel_oversubscribe,

@@ -7,9 +7,10 @@ import itertools
 
 import torch
 
-from kvslim.attention import (KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, KVCacheLayer, PagedAttention, PagedStepLayout,
-                              PrefillChunk, QuantizedKVCacheLayer, build_layer_metadata,
-                              resolve_kv_cache_dtype)
+from kvslim.attention import (KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, KVCacheLayer, PagedStepLayout,
+                              PrefillChunk, QuantizedKVCacheLayer, build_paged_attention,
+                              resolve_attention_backend, resolve_kv_cache_dtype)
+from kvslim.device import host_tensor
 from kvslim.engine.block_table import BlockTables
 from kvslim.engine.config import EngineConfig, num_kv_blocks
 from kvslim.engine.decode_graphs import DecodeGraphs
@@ -72,6 +73,8 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.bytes_per_block = kv_block_bytes(mc, self.block_size, self.kv_dtype, self.kv_groups)
         self.num_blocks = num_kv_blocks(config, self.bytes_per_block)
+        self.attention_backend = resolve_attention_backend(
+            config.attention_backend, self.device, is_quantized(self.kv_dtype), self.block_size)
         # Not with tensor parallelism: the graphs would capture the ranks' collectives too.
         use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                       and config.tensor_parallel_size == 1)
@@ -113,10 +116,14 @@ class ModelRunner:
         return sum(t[:, 0, 0].numel() * t.element_size() for t in tensors)
 
     def _decode_graphs(self, use_graphs: bool) -> DecodeGraphs:
-        # Padding rows write into the reserved block after the last one in use.
-        return DecodeGraphs(self.model, self.kv_caches, self.num_blocks * self.block_size,
-                            self.config.max_num_seqs, self.block_tables.max_blocks,
-                            self.layer_windows, self.layer_group, use_graphs)
+        """Every padded decode shape prepared now (captured, with CUDA graphs), before the
+        first step. Padding rows write into the reserved block after the last one in use."""
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.num_blocks * self.block_size,
+                              self.config.max_num_seqs, self.block_tables.max_blocks,
+                              self.layer_windows, self.layer_group, use_graphs,
+                              self.attention_backend)
+        graphs.prepare()
+        return graphs
 
     def enable_padded_decode(self) -> None:
         """Run pure decode steps through the decode-graph path without CUDA graphs: padded
@@ -175,18 +182,18 @@ class ModelRunner:
         in the order of their rows, and each entry's first row."""
         copies = out.block_copies
         if copies:
-            src, dst = list(zip(*copies))
+            src, dst = host_tensor(list(zip(*copies)), torch.long, self.device)
             for layer in self.kv_cache + (self.kv_scales or []):
-                layer[:, list(dst)] = layer[:, list(src)]
+                layer[:, dst] = layer[:, src]
         entries = _attention_order(out.scheduled)
         input_ids, positions, layouts, query_starts = self._prepare(entries)
         hidden = None
         if self.decode_graphs is not None and not layouts[0].prefills:
             hidden = self.decode_graphs.run(input_ids, positions, layouts)
         if hidden is None:
-            meta = build_layer_metadata(layouts, self.block_size, self.layer_windows,
-                                        self.layer_group)
-            hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_caches, meta))
+            attn = build_paged_attention(self.attention_backend, self.kv_caches, layouts,
+                                         self.layer_windows, self.layer_group)
+            hidden = self.model(input_ids, positions, attn=attn)
         return hidden, entries, query_starts
 
     def _first_block(self, group: int, position: int) -> int:
@@ -201,46 +208,47 @@ class ModelRunner:
     def _prepare(self, entries: list[ScheduledSequence]):
         """Flat inputs of the step (one-token queries first, then longer chunks), their layout
         for attention in each KV-cache group (same tokens, the group's own blocks), and each
-        entry's first row in the flat layout."""
-        bs, dev = self.block_size, self.device
-        groups = range(len(self.kv_groups.groups))
-        singles = [e for e in entries if e.num_tokens == 1]
-        tokens: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[list[torch.Tensor]] = [[] for _ in groups]
-        layouts = [PagedStepLayout(slot_mapping=torch.empty(0)) for _ in groups]
-        if singles:
-            seqs = [e.seq for e in singles]
-            rows = self.block_tables.rows_for(seqs)
-            pos = torch.tensor([e.start for e in singles], device=dev)
-            tokens += [e.seq.token_ids[e.start] for e in singles]
-            positions.append(pos)
-            max_blocks = int(pos.max()) // bs + 1
-            for g, layout in zip(groups, layouts):
-                first = min(self._first_block(g, e.start) for e in singles)
-                slots[g].append(self.block_tables.slots(g, rows, pos, bs))
-                layout.num_decode_tokens = len(seqs)
-                layout.decode_block_tables = self.block_tables.table[g, rows, first:max_blocks]
-                layout.decode_key_start = first * bs
-                layout.decode_context_lens = pos + 1
-        for entry in entries[len(singles):]:
-            seq, n, start = entry.seq, entry.num_tokens, entry.start
-            row = self.block_tables.rows_for([seq])
-            pos = torch.arange(start, start + n, device=dev)
-            for g, layout in zip(groups, layouts):
-                first = self._first_block(g, start)
-                layout.prefills.append(PrefillChunk(
-                    query_start=len(tokens), query_len=n, context_len=start + n,
-                    block_table=self.block_tables.table[g, row[0], first:-(-(start + n) // bs)],
-                    key_start=first * bs))
-                slots[g].append(self.block_tables.slots(g, row.expand(n), pos, bs))
+        entry's first row in the flat layout. Everything the host decides is decided from
+        Python values, and the inputs reach the device in one copy that does not wait for it."""
+        nd = sum(1 for e in entries if e.num_tokens == 1)
+        rows = self.block_tables.rows_for([e.seq for e in entries])
+        tokens = [e.seq.token_ids[e.start] for e in entries[:nd]]
+        positions = [e.start for e in entries[:nd]]
+        token_rows = rows[:nd]
+        for entry, row in zip(entries[nd:], rows[nd:]):
             tokens += entry.input_token_ids
-            positions.append(pos)
+            positions += range(entry.start, entry.start + entry.num_tokens)
+            token_rows += [row] * entry.num_tokens
+        input_ids, pos, rows_t = host_tensor([tokens, positions, token_rows], torch.long,
+                                             self.device)
+        layouts = [self._layout(g, pos, rows_t, entries, rows, nd)
+                   for g in range(len(self.kv_groups.groups))]
         query_starts = list(itertools.accumulate((e.num_tokens for e in entries[:-1]), initial=0))
-        for g, layout in zip(groups, layouts):
-            layout.slot_mapping = torch.cat(slots[g])
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        return input_ids, torch.cat(positions), layouts, query_starts
+        return input_ids, pos, layouts, query_starts
+
+    def _layout(self, group: int, pos: torch.Tensor, rows_t: torch.Tensor,
+                entries: list[ScheduledSequence], rows: list[int], nd: int) -> PagedStepLayout:
+        """One KV-cache group's layout of the step; pos and rows_t are every token's position
+        and block-table row, on the device."""
+        bs, table = self.block_size, self.block_tables.table[group]
+        layout = PagedStepLayout(slot_mapping=self.block_tables.slots(group, rows_t, pos, bs))
+        if nd:
+            starts = [e.start for e in entries[:nd]]
+            first = min(self._first_block(group, start) for start in starts)
+            layout.num_decode_tokens = nd
+            layout.decode_block_tables = table[rows_t[:nd], first:max(starts) // bs + 1]
+            layout.decode_key_start = first * bs
+            layout.decode_context_lens = pos[:nd] + 1
+            layout.decode_context_lens_host = [start + 1 for start in starts]
+        query_start = nd
+        for entry, row in zip(entries[nd:], rows[nd:]):
+            end = entry.start + entry.num_tokens
+            first = self._first_block(group, entry.start)
+            layout.prefills.append(PrefillChunk(
+                query_start=query_start, query_len=entry.num_tokens, context_len=end,
+                block_table=table[row, first:-(-end // bs)], key_start=first * bs))
+            query_start += entry.num_tokens
+        return layout
 
 
 def _attention_order(entries: list[ScheduledSequence]) -> list[ScheduledSequence]:

@@ -148,10 +148,10 @@ class Sampler:
 
     # ---- drawing -------------------------------------------------------------------------
     def _draw(self, logits: torch.Tensor, samples: list[tuple[Sequence, int]]) -> torch.Tensor:
-        greedy = torch.tensor([s.params.greedy for s, _ in samples], device=self.device)
         tokens = logits.argmax(dim=-1)
-        if bool(greedy.all()):
+        if all(s.params.greedy for s, _ in samples):      # decided on the host: no sync
             return tokens
+        greedy = torch.tensor([s.params.greedy for s, _ in samples], device=self.device)
         params = [s.params for s, _ in samples]
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
                              device=self.device)[:, None]

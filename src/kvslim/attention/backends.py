@@ -1,0 +1,81 @@
+"""Which paged-attention backend a step uses, and the one place that builds its context.
+
+- "gather" (`paged.py`, the reference): copies each sequence's context out of the paged cache
+  into a dense tensor, every layer and step, and runs SDPA on it (decodes batched, prefill
+  chunks one by one).
+- "flex" (`flex.py`): one FlexAttention call per layer over the whole pool, reading K/V in place
+  through the block tables, decodes and prefill chunks together.
+- "auto": flex on CUDA, and on the CPU what measured faster there (`CPU_DEFAULT`).
+
+The engine resolves the name once (`resolve_attention_backend`) and builds each step's context
+with `build_paged_attention`, on the eager path and on the decode-graph path alike."""
+from __future__ import annotations
+
+import torch
+
+from kvslim.attention.flex import FlexPagedAttention
+from kvslim.attention.flex_metadata import build_flex_layer_metadata
+from kvslim.attention.kv_cache import KVCacheLayer
+from kvslim.attention.metadata import PagedStepLayout, build_layer_metadata
+from kvslim.attention.paged import PagedAttention
+from kvslim.errors import KvslimError
+
+ATTENTION_BACKENDS = ("auto", "gather", "flex")
+
+# The CPU default, measured by `python benchmarks/paged_attention_choice.py --out
+# docs/paged_attention_choice.json` (2 shared AMD EPYC cores, torch 2.13 CPU, float32,
+# SmolLM2-135M's attention: 9 query heads over 3 KV heads, head_dim 64, blocks of 16; ms per
+# layer, the step's metadata amortised over 30 layers; the pool exactly the step's blocks,
+# shuffled):
+#   step                                gather    flex (eager)
+#   decode, batch 1, context 256          0.16     26.7
+#   decode, batch 8, context 256          0.46     32.2
+#   decode, batch 32, context 256         2.37     68.9
+#   decode, batch 1, context 1024         0.57     20.4
+#   decode, batch 8, context 1024         2.95     54.9
+#   decode, batch 32, context 1024       16.3     341
+#   prefill 256 after 768 cached          8.89     60.3
+# Eager FlexAttention scores every pool slot (repeating K/V per query head inside), and each
+# call costs about 18 ms of Python machinery (pytree flattening, vmap over the mask) before any
+# arithmetic: 7-160x slower here. The CPU gathers.
+CPU_DEFAULT = "gather"
+
+
+def check_attention_backend(name: str) -> None:
+    if name not in ATTENTION_BACKENDS:
+        raise KvslimError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                          f"got {name!r}")
+
+
+def resolve_attention_backend(name: str, device: torch.device, kv_quantized: bool,
+                              block_size: int) -> str:
+    """"gather" or "flex" for a cache on `device`."""
+    check_attention_backend(name)
+    if kv_quantized:
+        # FlexAttention reads the pool's elements as stored; an int8/fp8 cache needs each
+        # token's scale on K before the scores and on V before the weighted sum. A score_mod
+        # could rescale the scores, but nothing in the kernel rescales V: quantized caches
+        # keep the gather path, which dequantizes what it gathers.
+        return "gather"
+    on_cuda = device.type == "cuda"
+    if name == "auto":
+        name = ("flex" if block_size % 16 == 0 else "gather") if on_cuda else CPU_DEFAULT
+    if name == "flex" and on_cuda and block_size % 16:
+        raise KvslimError(f"attention_backend=flex on CUDA needs a block_size that is a "
+                          f"multiple of 16 (the kernel's tile), got {block_size}")
+    return name
+
+
+def build_paged_attention(backend: str, kv_caches: list[KVCacheLayer],
+                          layouts: PagedStepLayout | list[PagedStepLayout],
+                          layer_windows: list[int | None], layer_group: list[int] | None = None,
+                          graph_safe: bool = False) -> PagedAttention | FlexPagedAttention:
+    """The step's attention context (backend: a resolved name), its metadata built once here
+    for every layer. graph_safe: the decode-graph path (fixed shapes)."""
+    block_size = kv_caches[0].block_size
+    if backend == "flex":
+        metas = build_flex_layer_metadata(layouts, block_size, kv_caches[0].num_blocks,
+                                          layer_windows, layer_group)
+        return FlexPagedAttention(kv_caches, metas)
+    metas = build_layer_metadata(layouts, block_size, layer_windows, layer_group, graph_safe)
+    return PagedAttention(kv_caches, metas)
