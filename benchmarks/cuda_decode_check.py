@@ -1,54 +1,287 @@
-"""On a CUDA machine: decode with CUDA graphs against the eager engine on the same model.
+"""The one prepared GPU check of the engine's CUDA path: correctness and speed in one run.
 
-    python benchmarks/cuda_decode_check.py [MODEL_DIR] [--dtype float32]
+    python benchmarks/cuda_decode_check.py --out docs/cuda_decode_check.json [--hbm-gbps 4800]
+    python benchmarks/cuda_decode_check.py --smoke --out /tmp/check.json   # any machine, tiny
 
-Greedy tokens must be identical with and without graphs (exit 1 otherwise); prints decode
-tokens/s of both at batch 1 and 16. Without MODEL_DIR it uses the embedded default model."""
+(`--models smollm2` or `--models llama` checks one model, to split the run in two.)
+
+On each model, SmolLM2-135M-Instruct (the embedded GGUF's float32 import) and a ~1B-parameter
+Llama shape with random weights in bfloat16 (Llama 3.2 1B's layers over SmolLM2's vocabulary and
+tokenizer), four engines: gather and flex attention, each eager (`enforce_eager`) and with CUDA
+graphs captured at start-up. For each:
+
+- greedy tokens of a mixed batch, against the eager gather engine's (the reference); exit
+  status 1 when they differ on a float32 model (a bfloat16 model's differences are reported:
+  kernels that sum in another order may round a near-tie the other way);
+- batch-1 decode tokens/s, and the HBM bandwidth that reaches: bytes a decode step reads (every
+  weight once, plus the KV cache at the mean context) over the step's time, against the
+  device's peak (`--hbm-gbps`, 4800 for an H200);
+- offline throughput: 64 prompts of 128 tokens, 128 generated each, as one batch;
+- start-up seconds (graph capture and FlexAttention's compilation happen there).
+
+Then HF transformers on the same model and dtype: batch-1 decode and the same offline workload at
+its best static batch size (16, 32 or 64). A table goes to stdout, every number to `--out`
+(rewritten after each model, so a run cut short keeps what it measured).
+
+`--smoke` runs the same code with tiny shapes (4 tokens, batches of 4, a 2-layer Llama) on
+whatever device there is; without CUDA the "graphs" engines run the padded static-buffer path
+eagerly, and the HBM and HF parts are skipped (said so in the output)."""
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import shutil
 import sys
+import tempfile
 import time
+import traceback
+from pathlib import Path
 
 import torch
 
+from kvslim.bench.attention_report import gpu_table
+from kvslim.bench.peer_hf import HFPeer
+from kvslim.bench.workload import Workload, special_ids
 from kvslim.engine.llm import LLM
 from kvslim.engine.sampling_params import SamplingParams
+from kvslim.errors import ConfigError
+from kvslim.formats.registry import default_model_dir
+from kvslim.models.config import ModelConfig
+from kvslim.tokenizer.tokenizer import Tokenizer
+
+# Llama 3.2 1B's layers; the vocabulary is SmolLM2's, whose tokenizer the engine loads.
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
+                rope_theta=500000.0, tie_word_embeddings=True)
+LLAMA_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   tie_word_embeddings=True)
+FULL = dict(prompt_len=128, new_tokens=128, batch=64, check_prompts=8, kv_cache="4GiB",
+            max_model_len=1024, hf_batches=(16, 32, 64))
+SMOKE = dict(prompt_len=16, new_tokens=4, batch=4, check_prompts=3, kv_cache="8MiB",
+             max_model_len=128, hf_batches=(2, 4))
+ENGINES = [("gather", False), ("gather", True), ("flex", False), ("flex", True)]
 
 
-def decode_rate(llm: LLM, prompts, params) -> tuple[list[list[int]], float]:
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    torch.cuda.synchronize()
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(device: str, fn):
+    sync(device)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    return [o.outputs[0].token_ids for o in outs], generated / (time.perf_counter() - start)
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
+
+
+def random_llama(tokenizer_dir: Path, shape: dict, device: str, root: Path) -> Path:
+    """A Llama checkpoint of `shape` with random weights (bf16), SmolLM2's tokenizer beside."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    config = LlamaConfig(vocab_size=vocab, bos_token_id=None, eos_token_id=None, **shape)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(root)
+    del model
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, root / name)
+    return root
+
+
+def weight_bytes(llm: LLM) -> int:
+    """Bytes of weights one decode step reads: every parameter once (a tied LM head is the
+    embedding, counted once); an untied embedding table is only indexed, so it is left out."""
+    model = llm.engine.model
+    params = {p.data_ptr(): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    if not model.config.tie_word_embeddings:
+        embed = model.model.embed_tokens.weight
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def step_traffic(llm: LLM, plan: dict, batch: int = 1) -> int:
+    """Weights plus the KV cache of `batch` sequences at the mean context while decoding."""
+    runner = llm.engine.runner
+    kv_per_token = runner.bytes_per_block // llm.engine.config.block_size
+    context = plan["prompt_len"] + plan["new_tokens"] // 2
+    return weight_bytes(llm) + batch * context * kv_per_token
+
+
+def build_engine(model_dir: Path, dtype: str, device: str, backend: str, graphs: bool,
+                 plan: dict) -> LLM:
+    llm = LLM(str(model_dir), dtype=dtype, device=device, kv_cache_memory=plan["kv_cache"],
+              max_num_seqs=plan["batch"], max_model_len=plan["max_model_len"],
+              max_num_batched_tokens=2048, enable_prefix_caching=False,
+              enforce_eager=not graphs, attention_backend=backend)
+    if graphs and device != "cuda":
+        llm.engine.runner.enable_padded_decode()      # the graphs' padded path, eagerly
+    return llm
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def measure_engine(llm: LLM, prompts: list[list[int]], check: list[list[int]], plan: dict,
+                   device: str) -> dict:
+    """Tokens of the check batch, batch-1 decode rate and offline throughput."""
+    n = plan["new_tokens"]
+    outs = llm.generate(check, greedy(n), use_tqdm=False)
+    result = {"tokens": [o.outputs[0].token_ids for o in outs]}
+    llm.generate(prompts, greedy(4), use_tqdm=False)        # warm-up: every prefill shape
+    _, first = timed(device, lambda: llm.generate(prompts[:1], greedy(1), use_tqdm=False))
+    _, whole = timed(device, lambda: llm.generate(prompts[:1], greedy(n), use_tqdm=False))
+    step_s = (whole - first) / max(1, n - 1)
+    _, batch_s = timed(device, lambda: llm.generate(prompts, greedy(n), use_tqdm=False))
+    result.update(decode_tok_s=round(1 / step_s, 1), step_bytes=step_traffic(llm, plan),
+                  throughput_tok_s=round(len(prompts) * n / batch_s, 1))
+    return result
+
+
+def hbm(entry: dict, step_bytes: int, hbm_gbps: float, device: str) -> None:
+    """GB/s a batch-1 step moves and its fraction of the peak (CUDA only)."""
+    if device == "cuda" and "decode_tok_s" in entry:
+        gb_s = step_bytes * entry["decode_tok_s"] / 1e9
+        entry.update(gb_s=round(gb_s, 1), hbm_fraction=round(gb_s / hbm_gbps, 3))
+
+
+def run_engines(model_dir: Path, dtype: str, device: str, prompts, check, plan: dict,
+                hbm_gbps: float) -> list[dict]:
+    entries, reference = [], None
+    for backend, graphs in ENGINES:
+        entry, llm = {"backend": backend, "graphs": graphs}, None
+        try:
+            llm, entry["startup_s"] = timed(device, lambda: build_engine(
+                model_dir, dtype, device, backend, graphs, plan))
+            entry["resolved_backend"] = llm.engine.runner.attention_backend
+            entry.update(measure_engine(llm, prompts, check, plan, device))
+            hbm(entry, entry["step_bytes"], hbm_gbps, device)
+        except Exception as e:           # one engine failing must not lose the others' numbers
+            entry["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        llm = None
+        release(device)
+        tokens = entry.pop("tokens", None)
+        if reference is None and tokens is not None:
+            reference = tokens            # the eager gather engine's, when it ran
+        if tokens is not None:
+            entry["tokens_identical"] = tokens == reference
+            entry["first_difference"] = first_difference(tokens, reference)
+        entries.append(entry)
+        print(f"[check] {model_dir.name} {backend} graphs={graphs}: "
+              f"{ {k: v for k, v in entry.items() if k not in ('backend', 'graphs')} }",
+              file=sys.stderr, flush=True)
+    return entries
+
+
+def first_difference(got: list[list[int]], want: list[list[int]]) -> list[int] | None:
+    """(prompt, token index) of the first token that differs, or None."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        for j, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return [i, j]
+    return None
+
+
+def release(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_hf(model_dir: Path, dtype: str, device: str, prompts, plan: dict,
+           hbm_gbps: float, step_bytes: int | None) -> dict:
+    """HF transformers: batch-1 decode, and the offline workload at its best batch size."""
+    if device != "cuda":
+        return {"skipped": "no CUDA: HF transformers is measured on the GPU only"}
+    try:
+        hf = HFPeer(model_dir, getattr(torch, dtype), device)
+        n = plan["new_tokens"]
+        hf.generate(prompts[:2], 4, 2)                               # warm-up
+        _, tpot = hf.latency(prompts[:1], n)
+        entry = {"label": hf.label, "decode_tok_s": round(1 / tpot, 1)}
+        if step_bytes:
+            hbm(entry, step_bytes, hbm_gbps, device)
+        rates = {b: len(prompts) * n / hf.generate(prompts, n, b) for b in plan["hf_batches"]}
+        best = max(rates, key=rates.get)
+        entry.update(throughput_tok_s=round(rates[best], 1), best_batch=best,
+                     throughput_by_batch={b: round(r, 1) for b, r in rates.items()})
+        del hf
+        return entry
+    except Exception as e:
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        release(device)
+
+
+def check_model(name: str, model_dir: Path, dtype: str, device: str, plan: dict,
+                hbm_gbps: float) -> dict:
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    avoid = special_ids(Tokenizer.from_dir(model_dir))
+    prompts = Workload(plan["batch"], plan["prompt_len"], 0, seed=1).prompts(vocab, avoid)
+    # The check batch: prompts of different lengths, so steps mix decodes and prefill chunks.
+    check = [p[:max(1, len(p) * (i + 1) // plan["check_prompts"])]
+             for i, p in enumerate(prompts[:plan["check_prompts"]])]
+    engines = run_engines(model_dir, dtype, device, prompts, check, plan, hbm_gbps)
+    step_bytes = next((e["step_bytes"] for e in engines if "step_bytes" in e), None)
+    return {"model": name, "dtype": dtype, "strict": dtype == "float32", "engines": engines,
+            "hf": run_hf(model_dir, dtype, device, prompts, plan, hbm_gbps, step_bytes)}
+
+
+def failed(report: dict) -> bool:
+    """A float32 model whose engines disagree, or any engine that did not run."""
+    return any("error" in e or (m["strict"] and not e["tokens_identical"])
+               for m in report["models"] for e in m["engines"])
+
+
+def models_to_check(args, device: str, root: Path, notes: list[str]):
+    """(name, directory, dtype) of each model asked for; SmolLM2's import is needed for both
+    (its tokenizer serves the random Llama)."""
+    try:
+        smollm2 = default_model_dir(show_progress=False)
+    except ConfigError as e:
+        notes.append(f"skipped every model: {e}")
+        return
+    if "smollm2" in args.models:
+        yield "SmolLM2-135M", smollm2, "float32"
+    if "llama" in args.models:
+        shape, name = (LLAMA_SMOKE, "llama-tiny") if args.smoke else (LLAMA_1B, "llama-1B-random")
+        yield name, random_llama(smollm2, shape, device, root / name), "bfloat16"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("model", nargs="?", default=None)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device")
+    ap.add_argument("--hbm-gbps", type=float, default=4800.0,
+                    help="the device's peak memory bandwidth, GB/s (default: H200's 4800)")
+    ap.add_argument("--out", type=Path, default=None, help="write every number here (JSON)")
+    ap.add_argument("--models", default="smollm2,llama",
+                    help="which of smollm2, llama (the random ~1B Llama) to check (default both)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("CUDA is not available on this machine", file=sys.stderr)
-        return 2
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    prompts = [list(range(100 + i, 164 + i)) for i in range(16)]
-    engines = {mode: LLM(args.model, dtype=args.dtype, device="cuda", kv_cache_memory="2GiB",
-                         max_num_seqs=16, enforce_eager=(mode == "eager"))
-               for mode in ("eager", "graphs")}
-    failed = False
-    for batch in (1, 16):
-        results = {m: decode_rate(llm, prompts[:batch], params) for m, llm in engines.items()}
-        same = results["eager"][0] == results["graphs"][0]
-        failed |= not same
-        print(f"batch {batch:2d}: eager {results['eager'][1]:8.1f} tok/s, graphs "
-              f"{results['graphs'][1]:8.1f} tok/s, tokens identical: {same}")
-    print(f"graphs captured: {sorted(engines['graphs'].engine.runner.decode_graphs.graphs)}")
-    return 1 if failed else 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    plan = SMOKE if args.smoke else FULL
+    notes = [f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch "
+             f"{torch.__version__}; peak bandwidth taken as {args.hbm_gbps:g} GB/s"]
+    if device != "cuda":
+        notes.append("no CUDA: 'graphs' engines ran the padded decode path eagerly; HBM "
+                     "fractions and HF transformers skipped")
+    report = {"command": "python benchmarks/cuda_decode_check.py " + " ".join(sys.argv[1:]),
+              "smoke": args.smoke, "device": device, "hbm_gbps": args.hbm_gbps, "plan": plan,
+              "models": [], "notes": notes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, model_dir, dtype in models_to_check(args, device, Path(tmp), notes):
+            report["models"].append(check_model(name, model_dir, dtype, device, plan,
+                                                args.hbm_gbps))
+            if args.out:
+                args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(gpu_table(report))
+    return 1 if failed(report) else 0
 
 
 if __name__ == "__main__":

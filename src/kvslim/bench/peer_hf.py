@@ -9,9 +9,11 @@ import torch
 class HFPeer:
     name = "hf"
 
-    def __init__(self, model_dir, dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dir, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         from transformers import AutoModelForCausalLM
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(
+            self.device).eval()
         self.label = f"HF transformers {__import__('transformers').__version__}"
 
     @torch.inference_mode()
@@ -26,9 +28,12 @@ class HFPeer:
             for row, p in enumerate(batch):
                 ids[row, width - len(p):] = torch.tensor(p)
                 mask[row, width - len(p):] = 1
-            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=output_len,
-                                      min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+            out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
+                                      max_new_tokens=output_len, min_new_tokens=output_len,
+                                      do_sample=False, pad_token_id=0)
             assert out.shape[1] == width + output_len
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     def latency(self, prompts: list[list[int]], output_len: int) -> tuple[float, float]:

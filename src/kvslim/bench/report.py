@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvslim.bench.attention_report import attention_section
 from kvslim.bench.capacity import (CapacityEntry, CapacityResult, conversions, format_capacity,
                                    run_capacity)
 from kvslim.bench.latency import EngineLatency, LatencyResult, format_latency, run_latency
@@ -156,7 +157,8 @@ def render(machine, thr: ThroughputResult, lat: LatencyResult, cap: CapacityResu
     skipped = "\n".join(f"- skipped {s}" for s in thr.skipped + lat.skipped) or ""
     return (_intro_section(machine, thr, lat, cap, command, minutes)
             + _throughput_section(thr, img[0]) + _latency_section(lat, img[1])
-            + profile_section(prof) + _capacity_section(cap, img[2]) + f"{skipped}\n")
+            + profile_section(prof) + _capacity_section(cap, img[2]) + f"{skipped}\n"
+            + attention_section(root))
 
 
 def _intro_section(machine, thr: ThroughputResult, lat: LatencyResult, cap: CapacityResult,

@@ -1,0 +1,120 @@
+"""The attention-backend section of docs/benchmarks.md, and the tables the two backend scripts
+print: the CPU measurement behind the CPU default (`benchmarks/paged_attention_choice.py --out
+docs/paged_attention_choice.json`) and the GPU check (`benchmarks/cuda_decode_check.py --out
+docs/cuda_decode_check.json`), each rendered from the JSON its script wrote beside the page,
+or shown as pending until it has run."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CPU_FILE, GPU_FILE = "paged_attention_choice.json", "cuda_decode_check.json"
+
+
+def attention_section(root: Path) -> str:
+    cpu, gpu = (_read(root / name) for name in (CPU_FILE, GPU_FILE))
+    return f"""
+## Attention backends — gather vs FlexAttention
+
+`--attention-backend` (`EngineConfig.attention_backend`) picks how paged attention reads the
+KV cache:
+- **gather** (`attention/paged.py`, the reference): every layer and step copies each sequence's
+  context out of its blocks into a padded dense tensor, then runs SDPA (the decodes in one
+  batched call, each prefill chunk in its own).
+- **flex** (`attention/flex.py`): one FlexAttention call per layer for the whole step, decodes
+  and chunks together, the layer's pool read in place as one key sequence. A mask_mod maps each
+  pool slot back through its sequence's block table, and a block mask lists the blocks each
+  tile of 16 queries may read (both built once per step and window,
+  `attention/flex_metadata.py`). Compiled to Triton kernels on CUDA; eager on the CPU, where it
+  scores every slot of the pool.
+- **auto** (the default): flex on CUDA (with blocks of a multiple of 16 tokens), gather on the
+  CPU, as measured below. A quantized (int8/fp8) KV cache always gathers: it dequantizes what it
+  gathers, and FlexAttention would read the raw elements.
+
+### CPU: what set the default
+
+{_cpu_part(cpu)}
+
+### GPU: the prepared check
+
+{_gpu_part(gpu)}
+"""
+
+
+def _read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _cpu_part(cpu: dict | None) -> str:
+    if cpu is None:
+        return (f"Not measured yet: `python benchmarks/paged_attention_choice.py --out "
+                f"docs/{CPU_FILE}`.")
+    s, m = cpu["shape"], cpu["machine"]
+    return (f"`{cpu['command']}` on {m['cpu']}, {m['torch_threads']} threads, torch "
+            f"{m['torch']}: one layer's attention ({s['heads']} query heads over "
+            f"{s['kv_heads']} KV heads, head_dim {s['head_dim']}, {s['dtype']}, blocks of "
+            f"{s['block_size']}), the step's metadata built once and amortised over "
+            f"{s['layers']} layers, median of {s['repeats']} steps; the pool holds exactly the "
+            f"step's blocks, shuffled (a real, larger pool only slows the eager FlexAttention "
+            f"further).\n\n{cpu_table(cpu)}")
+
+
+def _gpu_part(gpu: dict | None) -> str:
+    if gpu is None or gpu.get("smoke"):
+        return ("Pending: not run on a GPU yet. On a CUDA machine (an H200: peak 4800 GB/s), "
+                f"`python benchmarks/cuda_decode_check.py --out docs/{GPU_FILE}` checks greedy "
+                "tokens of gather and flex, eager and with CUDA graphs, against the eager gather "
+                "engine, and measures batch-1 decode (with its fraction of HBM bandwidth), "
+                "offline throughput at batch 64 and HF transformers on SmolLM2-135M (float32) "
+                "and a random-weight 1B Llama (bfloat16); `kvslim bench report --render-only` "
+                "then puts its table here.")
+    return f"`{gpu['command']}`:\n\n{gpu_table(gpu)}"
+
+
+def cpu_table(result: dict) -> str:
+    lines = ["| step | pool blocks | gather ms/layer | flex ms/layer | flex / gather |",
+             "|---|---|---|---|---|"]
+    for r in result["results"]:
+        what = (f"decode, batch {r['sequences']}, context {r['context']}" if r["kind"] == "decode"
+                else f"prefill chunk of {r['new_tokens']} after "
+                     f"{r['context'] - r['new_tokens']} cached")
+        lines.append(f"| {what} | {r['pool_blocks']} | {r['gather_ms']:.2f} | "
+                     f"{r['flex_ms']:.2f} | {r['flex_over_gather']:.1f}x |")
+    return "\n".join(lines) + f"\n\nFaster on the CPU: **{result['choice']}**."
+
+
+def gpu_table(report: dict) -> str:
+    plan = report["plan"]
+    graphs = "CUDA graphs" if report["device"] == "cuda" else "graphs' padded path, eager"
+    lines = ["| model | engine | tokens = eager gather | batch-1 decode tok/s | GB/s | of HBM "
+             f"| offline tok/s ({plan['batch']} x {plan['new_tokens']}) | start-up s |",
+             "|" + "---|" * 8]
+    for m in report["models"]:
+        model = f"{m['model']} ({m['dtype']})"
+        lines += [_engine_row(model, e, graphs) for e in m["engines"]]
+        lines.append(_hf_row(model, m["hf"]))
+    return "\n".join(lines + [""] + [f"- {note}" for note in report["notes"]])
+
+
+def _engine_row(model: str, e: dict, graphs: str) -> str:
+    name = f"kvslim {e['backend']}, {graphs if e['graphs'] else 'eager'}"
+    if "error" in e:
+        same = f"error: {e['error'][:80]}"
+    else:
+        same = "yes" if e["tokens_identical"] else f"no (prompt, token) {e['first_difference']}"
+    return (f"| {model} | {name} | {same} | {e.get('decode_tok_s', '—')} | "
+            f"{e.get('gb_s', '—')} | {_pct(e.get('hbm_fraction'))} | "
+            f"{e.get('throughput_tok_s', '—')} | {e.get('startup_s', 0):.1f} |")
+
+
+def _hf_row(model: str, hf: dict) -> str:
+    other = hf.get("skipped") or hf.get("error")
+    if other:
+        return f"| {model} | HF transformers | {other} | | | | | |"
+    return (f"| {model} | {hf['label']}, best batch {hf['best_batch']} | — | "
+            f"{hf['decode_tok_s']} | {hf.get('gb_s', '—')} | {_pct(hf.get('hbm_fraction'))} | "
+            f"{hf['throughput_tok_s']} | — |")
+
+
+def _pct(x) -> str:
+    return "—" if x is None else f"{x:.0%}"

@@ -1,0 +1,41 @@
+"""The attention-backend section of docs/benchmarks.md: pending until each script has written
+its JSON, then its table, with failures shown as such."""
+import json
+
+from kvslim.bench.attention_report import attention_section, gpu_table
+
+ENGINE = dict(backend="flex", graphs=True, startup_s=12.5, decode_tok_s=410.2, gb_s=221.0,
+              hbm_fraction=0.046, throughput_tok_s=9000.0, tokens_identical=True,
+              first_difference=None)
+GPU = dict(command="python benchmarks/cuda_decode_check.py", smoke=False, device="cuda",
+           hbm_gbps=4800.0, plan=dict(batch=64, new_tokens=128), notes=["device: H200"],
+           models=[dict(model="SmolLM2-135M", dtype="float32", strict=True, engines=[
+               ENGINE, dict(ENGINE, graphs=False, tokens_identical=False, first_difference=[2, 5]),
+               dict(backend="gather", graphs=True, startup_s=3.0, error="RuntimeError: boom")],
+               hf=dict(label="HF transformers 5.23.0", decode_tok_s=50.0, gb_s=27.0,
+                       hbm_fraction=0.0056, throughput_tok_s=1500.0, best_batch=64))])
+
+
+def test_pending_without_measurements(tmp_path):
+    text = attention_section(tmp_path)
+    assert "Not measured yet: `python benchmarks/paged_attention_choice.py" in text
+    assert "Pending: not run on a GPU yet" in text
+
+
+def test_gpu_table_from_the_checks_json(tmp_path):
+    (tmp_path / "cuda_decode_check.json").write_text(json.dumps(GPU))
+    text = attention_section(tmp_path)
+    assert "Pending" not in text and gpu_table(GPU) in text
+    rows = gpu_table(GPU).splitlines()
+    assert "offline tok/s (64 x 128)" in rows[0]
+    assert rows[2] == ("| SmolLM2-135M (float32) | kvslim flex, CUDA graphs | yes | 410.2 | "
+                       "221.0 | 5% | 9000.0 | 12.5 |")
+    assert "| no (prompt, token) [2, 5] |" in rows[3]
+    assert "| error: RuntimeError: boom |" in rows[4]
+    assert rows[5].startswith("| SmolLM2-135M (float32) | HF transformers 5.23.0, best batch 64 |")
+    assert rows[-1] == "- device: H200"
+
+
+def test_a_smoke_run_is_not_a_gpu_table(tmp_path):
+    (tmp_path / "cuda_decode_check.json").write_text(json.dumps(dict(GPU, smoke=True)))
+    assert "Pending: not run on a GPU yet" in attention_section(tmp_path)
