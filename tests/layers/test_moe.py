@@ -46,3 +46,19 @@ def test_without_norm_topk_prob_the_router_probabilities_weigh_as_they_are():
             w, idx = torch.topk(torch.softmax(moe.gate(token), -1), 2)
             ref.append(sum(wi * moe.experts[int(i)](token[None])[0] for wi, i in zip(w, idx)))
     torch.testing.assert_close(out, torch.stack(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_the_graph_capturable_path_equals_the_chosen_experts_path():
+    """While a CUDA graph is captured every expert runs on every token, weighted by its routing
+    weight (zero where not chosen): no host read, and the same sum."""
+    torch.manual_seed(1)
+    moe = SparseMoE(16, 32, num_experts=6, top_k=2, norm_topk_prob=False)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(9, 16)
+    with torch.no_grad():
+        weights, chosen = torch.topk(torch.softmax(moe.gate(x), -1), 2, dim=-1)
+        sparse = moe._chosen_experts(x, weights, chosen)
+        dense = moe._all_experts(x, weights, chosen)
+    assert (dense - sparse).abs().max() < 1e-6
+    assert sparse.abs().max() > 0.1

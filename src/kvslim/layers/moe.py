@@ -4,7 +4,14 @@ renormalised over the chosen experts (Mixtral; Qwen3-MoE when `norm_topk_prob` i
 
 Experts run batched: each expert that any token of the step chose runs once, on all of its
 tokens gathered into one matrix (one GEMM per expert and projection), and the results are added
-back in place — never a loop over tokens. Every expert stays resident, as in the checkpoint."""
+back in place — never a loop over tokens. Every expert stays resident, as in the checkpoint.
+
+Which experts were chosen, and by which tokens, is read back to the host (`unique`, `where`):
+a CUDA graph cannot record that. While one is being captured (the engine's decode graphs), every
+expert runs on every token instead, weighted by its routing weight, zero where it was not
+chosen (`_all_experts`): no host read, the same sum (adding a zero changes nothing), at E / k
+times the arithmetic on the few tokens of a decode step, whose cost is reading the experts'
+weights, which a batch of decodes mostly touches anyway."""
 from __future__ import annotations
 
 import torch
@@ -32,9 +39,25 @@ class SparseMoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._all_experts(x, weights, chosen).reshape(shape)
+        return self._chosen_experts(x, weights, chosen).reshape(shape)
+
+    def _chosen_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+                        ) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e in torch.unique(chosen).tolist():
             token, slot = torch.where(chosen == e)
             y = self.experts[e](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
-        return out.reshape(shape)
+        return out
+
+    def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+                     ) -> torch.Tensor:
+        """Every expert on every token, in expert order as `_chosen_experts` adds them."""
+        routing = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype,
+                              device=x.device).scatter_(1, chosen, weights)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out += (expert(x) * routing[:, e, None]).to(out.dtype)
+        return out
