@@ -32,13 +32,18 @@ def test_experts_run_batched_and_match_token_by_token():
     assert all(isinstance(e, SwiGLUMLP) for e in moe.experts)
 
 
-def test_without_norm_topk_prob_the_router_probabilities_weigh_as_they_are():
-    """Qwen3-MoE's flag off: the chosen experts' softmax probabilities, not rescaled to 1."""
+def six_experts_without_renormalising() -> tuple[SparseMoE, torch.Tensor]:
+    """A random 6-expert top-2 block (norm_topk_prob off) and 9 tokens for it."""
     torch.manual_seed(1)
     moe = SparseMoE(16, 32, num_experts=6, top_k=2, norm_topk_prob=False)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    x = torch.randn(9, 16)
+    return moe, torch.randn(9, 16)
+
+
+def test_without_norm_topk_prob_the_router_probabilities_weigh_as_they_are():
+    """Qwen3-MoE's flag off: the chosen experts' softmax probabilities, not rescaled to 1."""
+    moe, x = six_experts_without_renormalising()
     with torch.no_grad():
         out = moe(x)
         ref = []
@@ -51,11 +56,7 @@ def test_without_norm_topk_prob_the_router_probabilities_weigh_as_they_are():
 def test_the_graph_capturable_path_equals_the_chosen_experts_path():
     """While a CUDA graph is captured every expert runs on every token, weighted by its routing
     weight (zero where not chosen): no host read, and the same sum."""
-    torch.manual_seed(1)
-    moe = SparseMoE(16, 32, num_experts=6, top_k=2, norm_topk_prob=False)
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    x = torch.randn(9, 16)
+    moe, x = six_experts_without_renormalising()
     with torch.no_grad():
         weights, chosen = torch.topk(torch.softmax(moe.gate(x), -1), 2, dim=-1)
         sparse = moe._chosen_experts(x, weights, chosen)
