@@ -8,6 +8,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -94,3 +95,39 @@ def greedy_matches_float_model(path: Path, float_dir: Path, prompt: list[int],
     assert len(tokens) == max_tokens
     assert float(gap.max()) <= rtol * float(logits.abs().max()), gap.tolist()
     return tokens
+
+
+# ---- AWQ GEMM (AutoAWQ's layout), packed from AutoAWQ's rules ------------------------------
+ORDER = [0, 2, 4, 6, 1, 3, 5, 7]          # AutoAWQ gemm.py: order_map
+
+
+def hand_pack_awq(values: np.ndarray) -> torch.Tensor:
+    """AutoAWQ's loop: word c of a row gets column 8c + ORDER[k] in bits 4k … 4k + 3."""
+    v = values.astype(np.uint32)
+    words = np.zeros((v.shape[0], v.shape[1] // 8), dtype=np.uint32)
+    for c in range(words.shape[1]):
+        for k in range(8):
+            words[:, c] |= v[:, 8 * c + ORDER[k]] << np.uint32(4 * k)
+    return torch.from_numpy(words.view(np.int32))
+
+
+def awq_layer(group):
+    def make(out, n, gen):
+        groups = n // group
+        q = torch.randint(0, 16, (n, out), generator=gen)
+        zeros = torch.randint(0, 16, (groups, out), generator=gen)
+        scales = ((torch.rand(groups, out, generator=gen) + 0.5) * (0.2 / 16)).half()
+        g = torch.arange(n) // group
+        weight = ((q - zeros[g]).float() * scales[g].float()).t().contiguous()
+        return {"qweight": hand_pack_awq(q.numpy()), "qzeros": hand_pack_awq(zeros.numpy()),
+                "scales": scales}, weight
+    return make
+
+
+def awq_config(group=32, **extra):
+    return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+            "version": "gemm", "modules_to_not_convert": None, **extra}
+
+
+def write_awq(src, dst, group=32, **extra):
+    return write_quantized_checkpoint(src, dst, awq_config(group, **extra), awq_layer(group))

@@ -3,7 +3,6 @@ from AutoAWQ's rules (gemm.py's `from_linear` loop, not kvslim's code) that load
 they encode, compute what the float model with those weights computes, and generate."""
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -11,43 +10,8 @@ from kvslim.errors import ConfigError, WeightsError
 from kvslim.formats.awq import AWQ_REVERSE_ORDER, pack_awq, unpack_awq
 from kvslim.formats.loader import load_model
 from kvslim.layers.quant_linear import QuantSpec
-from quantized_checkpoints import (greedy_matches_float_model, layer_weights, max_logit_error,
-                                   rewrite, write_quantized_checkpoint)
-
-ORDER = [0, 2, 4, 6, 1, 3, 5, 7]          # AutoAWQ gemm.py: order_map
-
-
-def hand_pack_awq(values: np.ndarray) -> torch.Tensor:
-    """AutoAWQ's loop: word c of a row gets column 8c + ORDER[k] in bits 4k … 4k + 3."""
-    v = values.astype(np.uint32)
-    words = np.zeros((v.shape[0], v.shape[1] // 8), dtype=np.uint32)
-    for c in range(words.shape[1]):
-        for k in range(8):
-            words[:, c] |= v[:, 8 * c + ORDER[k]] << np.uint32(4 * k)
-    return torch.from_numpy(words.view(np.int32))
-
-
-def awq_layer(group):
-    def make(out, n, gen):
-        groups = n // group
-        q = torch.randint(0, 16, (n, out), generator=gen)
-        zeros = torch.randint(0, 16, (groups, out), generator=gen)
-        scales = ((torch.rand(groups, out, generator=gen) + 0.5) * (0.2 / 16)).half()
-        g = torch.arange(n) // group
-        weight = ((q - zeros[g]).float() * scales[g].float()).t().contiguous()
-        return {"qweight": hand_pack_awq(q.numpy()), "qzeros": hand_pack_awq(zeros.numpy()),
-                "scales": scales}, weight
-    return make
-
-
-def awq_config(group=32, **extra):
-    return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-            "version": "gemm", "modules_to_not_convert": None, **extra}
-
-
-def write_awq(src, dst, group=32, **extra):
-    return write_quantized_checkpoint(src, dst, awq_config(group, **extra), awq_layer(group))
-
+from quantized_checkpoints import (ORDER, awq_config, greedy_matches_float_model, hand_pack_awq,
+                                   layer_weights, max_logit_error, rewrite, write_awq)
 
 def test_nibble_order_is_autoawqs():
     values = torch.arange(8).unsqueeze(0)

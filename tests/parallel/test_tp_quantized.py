@@ -1,7 +1,7 @@
 """Tensor parallelism of quantized models: each rank's shard is cut from the packed tensors (no
 float copy of a weight) and holds exactly its slice of the full layer's dequantized weight,
 and the sharded forward equals the full quantized model's on 2 and 4 gloo ranks — GPTQ 4-bit
-(groups, act-order, biases), int8 per channel, W8A8 (each token's activation scale agreed
+(groups, act-order, biases), AWQ (converted to that layout at load), int8 per channel, W8A8 (each token's activation scale agreed
 across the ranks) and GGUF blocks of mixed types with a quantized tied embedding table or an
 untied quantized LM head.
 
@@ -13,14 +13,16 @@ What "equals" means, per path:
   the full layer's (`test_w8a8_row_shards_quantize_like_the_full_layer`); across layers an
   all-reduced sum can differ from the one-rank sum in its last bit and move an activation
   across a rounding boundary, which these seeded batches do not hit;
-- the prepared int4/int8 kernels, which run in bfloat16 on the CPU: the shard's logits are
-  closer to the full model's prepared logits than those are to its float32 ones (sharding
-  moves the logits less than the kernel's own rounding does)."""
+- the prepared int4/int8 kernels, which run in bfloat16 on the CPU: each rank rounds its
+  partial sum, so the shard's logits cannot equal the full model's prepared ones; they are as
+  accurate, within a factor 2 of the full model's distance from its float32 logits (with both
+  kernels off by e, shard and full can differ by up to 2e)."""
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
 from gguf_files import write_tiny_gguf
+from quantized_checkpoints import write_awq
 from kvslim.errors import KvslimError
 from kvslim.formats.gguf_import import import_gguf
 from kvslim.formats.loader import load_model
@@ -49,8 +51,8 @@ GGUF_CASES = {          # case -> write_tiny_gguf arguments
     "gguf_tied": dict(types={**MIXED, "token_embd": Q.Q8_0}, tied=True),
     "gguf_untied": dict(types={**MIXED, "token_embd": Q.Q4_0, "output": Q.Q6_K}),
 }
-CASES = {2: [*GPTQ_CASES, "gptq4_act_order", *GGUF_CASES],
-         4: ["gptq4", "gptq4_act_order", "w8a8", *GGUF_CASES]}
+CASES = {2: [*GPTQ_CASES, "gptq4_act_order", "awq", *GGUF_CASES],
+         4: ["gptq4", "gptq4_act_order", "w8a8", "awq", *GGUF_CASES]}
 
 
 def act_order(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -73,6 +75,9 @@ def models(hf_checkpoints, tmp_path_factory) -> dict[str, torch.nn.Module]:
                               show_progress=False)
         out[name] = load_model(path, dtype=torch.float32)
     out["gptq4_act_order"] = act_order(load_model(root / "gptq4", dtype=torch.float32))
+    # AutoAWQ's GEMM layout, packed by hand: converted to the GPTQ layout at load
+    out["awq"] = load_model(write_awq(hf_checkpoints["gqa"], root / "awq")[0],
+                            dtype=torch.float32)
     for name, kwargs in GGUF_CASES.items():
         write_tiny_gguf(root / f"{name}.gguf", hidden=256, ffn=256, **kwargs)
         path = import_gguf(root / f"{name}.gguf", root / name, show_progress=False,
@@ -101,10 +106,12 @@ def test_sharded_quantized_logits_match_the_full_model(results, world_size, case
         assert f["shape"], f"rank {rank}: logits shape differs"
         bound = TOLERANCE * max(1.0, f["scale"])
         assert f["dense"] < bound, f"rank {rank}: forward off by {f['dense']} (scale {f['scale']})"
-        kernel_bound = max(bound, f["kernel"])
-        assert f["prepared"] < kernel_bound, (
-            f"rank {rank}: prepared forward off by {f['prepared']}, more than the full model's "
-            f"kernels move it ({f['kernel']})")
+        if f["kernel"] < bound:          # exact kernels (W8A8, act-order's dequantized path)
+            assert f["prepared"] < bound, f"rank {rank}: prepared forward off by {f['prepared']}"
+        else:                            # bfloat16 kernels: as accurate as the full model's
+            assert f["shard_kernel"] < 2 * f["kernel"], (
+                f"rank {rank}: the shard's kernels are {f['shard_kernel']} from the float32 "
+                f"logits, the full model's {f['kernel']}")
     assert len({f["checksum"] for f in ranks}) == 1, "ranks disagree on the logits"
 
 
@@ -143,7 +150,7 @@ def _pairs(full, shard):
 
 
 @pytest.mark.parametrize("case", ["gptq4", "gptq4_act_order", "gptq4_bias", "int8", "w8a8",
-                                  "gguf_untied"])
+                                  "awq", "gguf_untied"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_each_shard_holds_its_slice_packed(models, case, world_size):
     """Rank r's q/k/v and gate/up rows and o/down columns are the full layer's, dequantized

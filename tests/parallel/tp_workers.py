@@ -52,8 +52,10 @@ def parity(rank: int, world_size: int, cases: dict) -> dict[str, dict]:
         attn = [layer.self_attn for layer in model.model.layers]
         out[name] = {"dense": (dense - reference).abs().max().item(),
                      "prepared": (prepared - prepared_reference).abs().max().item(),
-                     # what the full model's own kernels change (bfloat16 ones: ~1e-2)
+                     # what the full model's own kernels change (bfloat16 ones: ~1e-2),
+                     # and the shard's kernels, from the same float32 logits
                      "kernel": (prepared_reference - reference).abs().max().item(),
+                     "shard_kernel": (prepared - reference).abs().max().item(),
                      "scale": reference.abs().max().item(),
                      "shape": tuple(dense.shape) == tuple(reference.shape),
                      "heads": [(a.num_heads, a.num_kv_heads) for a in attn],
