@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from gguf_files import HEADS, KV_HEADS, llama_cpp_permute, write_tiny_gguf
+from gguf_files import HEADS, KV_HEADS, gguf_parsed_once, llama_cpp_permute, write_tiny_gguf
 from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig
 from kvslim.formats.gguf_import import hf_tensor_name, import_gguf, unpermute_qk
@@ -48,8 +48,9 @@ def test_logits_match_transformers_gguf_loader(smollm2, smollm2_gguf):
     model, tok = smollm2
     ids = prompt_batch(tok)
     assert ids.shape[1] >= 12
-    ref_model = AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+    with gguf_parsed_once():                   # its config and its weights: one parse
+        ref_model = AutoModelForCausalLM.from_pretrained(
+            smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = ref_model(ids).logits
         ours = model.logits(ids)

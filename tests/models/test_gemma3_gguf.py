@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gguf_files import gguf_parsed_once
 from kvslim.cli.main import main
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.llm_engine import LLMEngine
@@ -22,9 +23,10 @@ NEW = 12
 def reference(gemma3_gguf):
     """transformers' own GGUF loader and tokenizer on the same file: ids and greedy tokens."""
     kw = dict(gguf_file=gemma3_gguf.name)
-    hf = AutoModelForCausalLM.from_pretrained(gemma3_gguf.parent, dtype=torch.float32,
-                                              **kw).eval()
-    tok = AutoTokenizer.from_pretrained(gemma3_gguf.parent, **kw)
+    with gguf_parsed_once():
+        hf = AutoModelForCausalLM.from_pretrained(gemma3_gguf.parent, dtype=torch.float32,
+                                                  **kw).eval()
+        tok = AutoTokenizer.from_pretrained(gemma3_gguf.parent, **kw)
     out = []
     with torch.no_grad():
         for p in PROMPTS:
