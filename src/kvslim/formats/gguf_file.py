@@ -17,7 +17,7 @@ GGUF_MAGIC = b"GGUF"
 @dataclass
 class GGUFFile:
     path: Path
-    reader: Any                      # gguf.GGUFReader; typed loosely so importing gguf stays lazy
+    reader: Any                      # gguf_header.FastGGUFReader; loosely typed: gguf loads lazily
 
     @classmethod
     def open(cls, path: str | Path) -> "GGUFFile":
@@ -29,17 +29,16 @@ class GGUFFile:
         # Checked here because GGUFReader's own error for a wrong file is a bare ValueError.
         if magic != GGUF_MAGIC:
             raise ConfigError(f"{path} is not a GGUF file (it does not start with b'GGUF')")
-        from gguf import GGUFReader
+        from kvslim.formats.gguf_header import FastGGUFReader
         try:
-            reader = GGUFReader(path)
+            reader = FastGGUFReader(path)
         except (ValueError, OSError, IndexError, KeyError) as e:
             raise ConfigError(f"{path} is not a readable GGUF file: {e}") from None
         return cls(path, reader)
 
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value as Python data (str, int, float, bool or list), or `default`."""
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.reader.values.get(key, default)
 
     def require(self, key: str) -> Any:
         value = self.get(key)
