@@ -104,8 +104,9 @@ class RowParallelLinear(Linear):
         self.cpu_kernel.bias = None        # the kernel makes the partial sum; bias after reduce
 
 
-def _vocab_rows(weight: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-    """The shard's rows of a [vocab, hidden] table, zero rows appended up to `shard.rows`."""
+def vocab_rows(weight: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """The shard's rows of a [vocab, hidden] table, zero rows appended up to `shard.rows` (for
+    a GGUF block table too: codes, scales and mins of zero dequantize to a zero row)."""
     rows = weight[shard.start:shard.stop]
     pad = shard.rows - rows.shape[0]
     return rows if pad == 0 else torch.cat([rows, rows.new_zeros(pad, weight.shape[1])])
@@ -123,7 +124,7 @@ class VocabParallelEmbedding(nn.Embedding):
     @classmethod
     def from_full(cls, full: nn.Embedding, shard: VocabShard, group=None
                   ) -> "VocabParallelEmbedding":
-        layer = cls(shard, _vocab_rows(full.weight, shard).contiguous().clone(), group)
+        layer = cls(shard, vocab_rows(full.weight, shard).contiguous().clone(), group)
         layer.weight.requires_grad_(full.weight.requires_grad)
         return layer
 
@@ -149,7 +150,7 @@ class ParallelLMHead(Linear):
                   group=None, tied_to: nn.Parameter | None = None) -> "ParallelLMHead":
         layer = _on_meta(cls, full.in_features, shard, vocab_size, world_size, group)
         layer.weight = tied_to if tied_to is not None else _parameter(
-            full.weight, _vocab_rows(full.weight, shard))
+            full.weight, vocab_rows(full.weight, shard))
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from kvslim.layers.block_quant_linear import GROUP, INT4_GROUP, BlockQuantLinear
 from kvslim.layers.quant_kernels import w8a8_linear
 from kvslim.layers.quant_linear import QuantLinear, pack_int32, unpack_int32
 from kvslim.layers.w8a8_linear import W8A8Linear
-from kvslim.parallel.layers import gather_logits
+from kvslim.parallel.layers import vocab_rows, gather_logits
 from kvslim.parallel.sharding import VocabShard
 
 ROW_MAJOR = (BlockQuantLinear, W8A8Linear)
@@ -168,14 +168,6 @@ class RowParallelW8A8Linear(W8A8Linear):
 
 
 # ---- vocabulary-parallel: GGUF token embeddings and LM heads -----------------------------------
-def _padded_rows(tensor: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-    """The shard's rows, zero rows appended up to `shard.rows` (codes, scales and mins of zero
-    dequantize to a zero row)."""
-    rows = tensor[shard.start:shard.stop]
-    pad = shard.rows - rows.shape[0]
-    return rows if pad == 0 else torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
-
-
 class VocabParallelBlockEmbedding(BlockQuantEmbedding):
     """Rows [start, stop) of a GGUF block embedding table (zero-padded to `rows`); ids outside
     look up zeros and one all_reduce assembles every token's row, as VocabParallelEmbedding."""
@@ -187,7 +179,7 @@ class VocabParallelBlockEmbedding(BlockQuantEmbedding):
         with torch.device("meta"):
             BlockQuantEmbedding.__init__(layer, shard.rows, full.embedding_dim)
         for leaf in ("qvalues", "scales", "mins"):
-            setattr(layer, leaf, _padded_rows(getattr(full, leaf), shard).contiguous().clone())
+            setattr(layer, leaf, vocab_rows(getattr(full, leaf), shard).contiguous().clone())
         layer.qtype = full.qtype.clone()
         layer.start, layer.stop, layer.group = shard.start, shard.stop, group
         return layer
@@ -209,7 +201,7 @@ def quant_lm_head(full: nn.Module, embed: nn.Module, shard: VocabShard, vocab_si
     elif isinstance(full, BlockQuantLinear):
         head = _empty_like(full, full.in_features, {None: shard.rows}, False)
         for leaf in ("qvalues", "scales", "mins"):
-            _assign(head, leaf, _padded_rows(getattr(full, leaf), shard), getattr(full, leaf))
+            _assign(head, leaf, vocab_rows(getattr(full, leaf), shard), getattr(full, leaf))
         head.qtype = full.qtype.clone()
     else:
         raise KvslimError(f"tensor parallelism cannot split lm_head ({type(full).__name__})")
