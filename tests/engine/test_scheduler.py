@@ -136,3 +136,41 @@ def test_eos_stops_unless_ignored_or_min_tokens():
     while sched.has_unfinished():
         step(sched, token=0)
     assert b.finish_reason == "length" and b.output_token_ids == [0, 0, 0]
+
+
+def longrope_scheduler(original: int):
+    bm = BlockManager(64, 4)
+    return Scheduler(bm, 8, 64, eos_token_ids=[0], long_rope_from=original), bm
+
+
+def test_a_prompt_beyond_longrope_original_context_is_long_from_the_start():
+    sched, _ = longrope_scheduler(8)
+    short, at, beyond = add(sched, 7, name="a"), add(sched, 8, name="b"), add(sched, 9, name="c")
+    assert [s.long_rope for s in (short, at, beyond)] == [False, False, True]
+
+
+def test_a_sequence_growing_past_longrope_original_context_is_recomputed():
+    """Its K/V were rotated by the short factors: all of them are computed again, under a
+    prefix-cache key of their own."""
+    sched, bm = longrope_scheduler(8)
+    seq = add(sched, 7, name="a")
+    step(sched)                                  # prompt; its 8th token sampled: still short
+    assert not seq.long_rope and seq.num_computed_tokens == 7
+    short_hashes = list(seq.block_hashes)
+    step(sched)                                  # the 8th token computed, a 9th sampled
+    assert seq.long_rope and seq.num_tokens == 9
+    assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
+    assert bm.blocks_held(seq) == [0] and seq.num_preemptions == 0
+    out = step(sched)
+    assert plan(out) == [("a", 9)] and out.scheduled[0].start == 0   # no short block reused
+    assert seq.block_hashes[0] != short_hashes[0]
+
+
+def test_drafts_stop_at_longrope_original_context():
+    """A short sequence verifies drafts up to the original context's last position only."""
+    sched, _ = longrope_scheduler(8)
+    seq = add(sched, 5, name="a")
+    step(sched)                                  # prompt; 6 tokens
+    seq.spec_token_ids = [7, 7, 7, 7]
+    out = sched.schedule()
+    assert out.scheduled[0].draft_token_ids == [7, 7]    # positions 5, 6, 7

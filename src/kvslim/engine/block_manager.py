@@ -27,11 +27,16 @@ from kvslim.models.kv_groups import NULL_BLOCK, first_needed_block
 
 def block_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
     """The prefix-cache key of a full block: sha256 over the parent block's key and the block's
-    token ids (as int64). Token ids are all that determines K/V today; anything else that does
-    (adapters, images, a per-tenant salt) must go into this digest too."""
+    token ids (as int64). Token ids determine K/V, and so does LongRoPE's choice of factors (a
+    sequence's first block chains from LONG_ROPE_ROOT instead of zeros when it takes the long
+    ones); anything else that does (adapters, images, a per-tenant salt) must go into this
+    digest too."""
     digest = hashlib.sha256(parent or b"\0" * 32)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+LONG_ROPE_ROOT = hashlib.sha256(b"kvslim: LongRoPE long factors").digest()
 
 
 @dataclass
@@ -79,7 +84,8 @@ class BlockManager:
     def _update_hashes(self, seq: Sequence, num_blocks: int) -> None:
         """Extend seq.block_hashes to its first `num_blocks` full blocks (incremental)."""
         for i in range(len(seq.block_hashes), num_blocks):
-            parent = seq.block_hashes[i - 1] if i else None
+            root = LONG_ROPE_ROOT if seq.long_rope else None
+            parent = seq.block_hashes[i - 1] if i else root
             seq.block_hashes.append(block_hash(parent, seq.block_tokens(i)))
 
     def _cached_block(self, seq: Sequence, group: int, i: int) -> int | None:

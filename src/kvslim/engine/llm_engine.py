@@ -23,6 +23,7 @@ from kvslim.engine.speculative.draft import DraftModelProposer
 from kvslim.errors import EngineFailedError, InvalidRequestError
 from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
+from kvslim.layers.rope import longrope_original_context
 from kvslim.models.kv_groups import longest_sequence
 from kvslim.tokenizer.tokenizer import Tokenizer
 
@@ -82,7 +83,8 @@ class LLMEngine:
             group_windows=self.runner.kv_groups.windows)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, eos,
-                                   self.config.enable_chunked_prefill)
+                                   self.config.enable_chunked_prefill,
+                                   longrope_original_context(self.model_config.rope_scaling))
         self.spec = self._speculative_decoder()
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()

@@ -18,6 +18,7 @@ from kvslim.engine.prompt_logprobs import record_prompt_logprobs
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvslim.errors import KvslimError
+from kvslim.layers.rope import longrope_original_context
 from kvslim.models.kv_groups import (KVCacheGroups, first_needed_block, kv_cache_groups,
                                      longest_sequence, page_bytes_per_token)
 from kvslim.models.llama import LlamaForCausalLM
@@ -68,6 +69,8 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.block_size = config.block_size
         self.layer_windows = list(mc.layer_sliding_windows)   # fixed: not rebuilt per step
+        # LongRoPE: each token's sequence says which factors rotate it (Sequence.long_rope)
+        self.long_rope = longrope_original_context(mc.rope_scaling) is not None
         self.kv_groups = kv_cache_groups(mc, not config.keep_out_of_window_blocks)
         self.layer_group = self.kv_groups.group_of_layer()
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
@@ -186,14 +189,16 @@ class ModelRunner:
             for layer in self.kv_cache + (self.kv_scales or []):
                 layer[:, dst] = layer[:, src]
         entries = _attention_order(out.scheduled)
-        input_ids, positions, layouts, query_starts = self._prepare(entries)
+        input_ids, positions, long_rope, layouts, query_starts = self._prepare(entries)
         hidden = None
+        # A decode's sequence is longer than LongRoPE's original context exactly when its
+        # position lies beyond it: the decode graphs need no flags.
         if self.decode_graphs is not None and not layouts[0].prefills:
             hidden = self.decode_graphs.run(input_ids, positions, layouts)
         if hidden is None:
             attn = build_paged_attention(self.attention_backend, self.kv_caches, layouts,
                                          self.layer_windows, self.layer_group)
-            hidden = self.model(input_ids, positions, attn=attn)
+            hidden = self.model(input_ids, positions, attn=attn, long_rope=long_rope)
         return hidden, entries, query_starts
 
     def _first_block(self, group: int, position: int) -> int:
@@ -209,7 +214,8 @@ class ModelRunner:
         """Flat inputs of the step (one-token queries first, then longer chunks), their layout
         for attention in each KV-cache group (same tokens, the group's own blocks), and each
         entry's first row in the flat layout. Everything the host decides is decided from
-        Python values, and the inputs reach the device in one copy that does not wait for it."""
+        Python values, and the inputs reach the device in one copy that does not wait for it.
+        With LongRoPE, also each token's Sequence.long_rope (else None)."""
         nd = sum(1 for e in entries if e.num_tokens == 1)
         rows = self.block_tables.rows_for([e.seq for e in entries])
         tokens = [e.seq.token_ids[e.start] for e in entries[:nd]]
@@ -219,12 +225,16 @@ class ModelRunner:
             tokens += entry.input_token_ids
             positions += range(entry.start, entry.start + entry.num_tokens)
             token_rows += [row] * entry.num_tokens
-        input_ids, pos, rows_t = host_tensor([tokens, positions, token_rows], torch.long,
-                                             self.device)
+        rows_of_inputs = [tokens, positions, token_rows]
+        if self.long_rope:
+            rows_of_inputs.append([int(e.seq.long_rope) for e in entries
+                                   for _ in range(e.num_tokens)])
+        input_ids, pos, rows_t, *long_rope = host_tensor(rows_of_inputs, torch.long, self.device)
+        long_rope = long_rope[0].bool() if long_rope else None
         layouts = [self._layout(g, pos, rows_t, entries, rows, nd)
                    for g in range(len(self.kv_groups.groups))]
         query_starts = list(itertools.accumulate((e.num_tokens for e in entries[:-1]), initial=0))
-        return input_ids, pos, layouts, query_starts
+        return input_ids, pos, long_rope, layouts, query_starts
 
     def _layout(self, group: int, pos: torch.Tensor, rows_t: torch.Tensor,
                 entries: list[ScheduledSequence], rows: list[int], nd: int) -> PagedStepLayout:

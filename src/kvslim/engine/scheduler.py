@@ -9,7 +9,11 @@ Each step first serves the running sequences (those with one token left to compu
 are generating), then admits waiting sequences first-come-first-served while blocks,
 `max_num_seqs` and the token budget allow. When blocks run out, the newest running sequence is
 preempted: its blocks are freed, its place in this step (tokens and pending block copies) is
-undone, and its tokens are recomputed later (the prefix cache usually returns most of them)."""
+undone, and its tokens are recomputed later (the prefix cache usually returns most of them).
+
+A model with Phi-3's LongRoPE rotates every position of a sequence longer than its original
+context by the long factors (`long_rope_from`: that length), as transformers does: a sequence
+that grows past it is recomputed the same way, and a longer prompt is computed so from the start."""
 from __future__ import annotations
 
 import time
@@ -69,8 +73,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: list[int] | tuple[int, ...] = (),
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, long_rope_from: int | None = None):
         self.bm = block_manager
+        self.long_rope_from = long_rope_from
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -83,6 +88,7 @@ class Scheduler:
     # ---- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        seq.long_rope = seq.long_rope or self._outgrew_short_rope(seq)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -103,14 +109,29 @@ class Scheduler:
         self._released.append(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Free the sequence's blocks; it waits at the front, to be computed again."""
         self.running.remove(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         self._released.append(seq.seq_id)
+
+    def _outgrew_short_rope(self, seq: Sequence) -> bool:
+        return self.long_rope_from is not None and seq.num_tokens > self.long_rope_from
+
+    def _switch_to_long_rope(self, seq: Sequence) -> None:
+        """The sequence just grew past the original context: its K/V, rotated by the short
+        factors, are recomputed with the long ones (transformers' Phi-3 drops its cache then).
+        Its short-rotated blocks stay in the prefix cache under their own key."""
+        seq.long_rope = True
+        seq.block_hashes = []
+        self._requeue(seq)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -147,6 +168,9 @@ class Scheduler:
         room = budget - 1
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if self.long_rope_from is not None and not seq.long_rope:
+            # verify short-rotated positions only: the original context's last one at most
+            room = min(room, self.long_rope_from - seq.num_tokens)
         drafts = drafts[:max(0, room)]
         if drafts and not self.bm.can_append(seq, 1 + len(drafts)):
             return []
@@ -235,6 +259,10 @@ class Scheduler:
                 reason = self._token_stop(member)
                 if reason:
                     self.finish(member, reason)
+        for seq in updated:
+            if seq.status is SequenceStatus.RUNNING and not seq.long_rope \
+                    and self._outgrew_short_rope(seq):
+                self._switch_to_long_rope(seq)
         return updated
 
     def _accept(self, seq: Sequence, results: list, now: float) -> None:

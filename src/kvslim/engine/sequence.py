@@ -61,6 +61,11 @@ class Sequence:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Phi-3's LongRoPE: the sequence is longer than the model's original context, so every one
+    # of its positions is rotated by the long factors (layers/rope.py), which changes its K/V:
+    # the flag is part of its prefix-cache key, and the scheduler recomputes the sequence when
+    # it grows past the original context.
+    long_rope: bool = False
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -145,7 +150,7 @@ class Sequence:
                          num_prompt_tokens=self.num_prompt_tokens, status=self.status,
                          num_computed_tokens=self.num_computed_tokens,
                          num_cached_tokens=self.num_cached_tokens,
-                         block_hashes=list(self.block_hashes),
+                         block_hashes=list(self.block_hashes), long_rope=self.long_rope,
                          prompt_logprobs=self.prompt_logprobs,      # complete by now; shared
                          registered_blocks=list(self.registered_blocks),
                          dirty_from=[0] * len(self.block_tables),

@@ -4,12 +4,13 @@ sequence's length, which a batch of sequences of different lengths does not have
 keys would keep the old ones: config.py refuses it.)
 
 LongRoPE scales each frequency by `short_factor` within the original context and by
-`long_factor` beyond it. transformers switches the whole forward pass by its longest position;
-with a KV cache that means: each new token is rotated by the set its own position falls in, and
-a prompt longer than the original context is rotated by the long set throughout. kvslim chooses
-per position (as vLLM does), which is transformers' behaviour exactly for every prompt within the
-original context, however far generation goes past it; only a prompt already longer than the
-original context is rotated differently (its first positions by the short set).
+`long_factor` beyond it. transformers chooses one set for a whole forward pass by its longest
+position, and its Phi-3 generation recomputes the cache with the long set when a sequence first
+outgrows the original context: every position of a sequence longer than the original context is
+rotated by the long set, every position of a shorter one by the short set. kvslim does the same:
+`cos_sin` rotates a position by the long set when it lies beyond the original context or when
+the caller says its sequence outgrew it (`long`; the dense forward pass: its longest position,
+the engine: a flag per sequence, whose K/V the scheduler recomputes when it crosses over).
 
 cos/sin are computed from positions on the fly in float32, like the reference implementation,
 so that any position (also after preemption or prefix-cache hits) is exact."""
@@ -58,6 +59,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if rope_type == "longrope":
         return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
     raise ValueError(f"unsupported rope type {rope_type!r}")
+
+
+def longrope_original_context(scaling: dict[str, Any] | None) -> int | None:
+    """The sequence length beyond which LongRoPE rotates every position by its long factors;
+    None for any other scaling."""
+    if (scaling or {}).get("rope_type") != "longrope":
+        return None
+    return int(scaling["original_max_position_embeddings"])
 
 
 def longrope_long_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
@@ -141,9 +150,8 @@ class RotaryEmbedding(nn.Module):
         self.attention_factor = rope_attention_factor(scaling)
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
         # LongRoPE: the frequencies from `long_from` on (the original context's length).
-        self.long_from = None
-        if (scaling or {}).get("rope_type") == "longrope":
-            self.long_from = int(scaling["original_max_position_embeddings"])
+        self.long_from = longrope_original_context(scaling)
+        if self.long_from is not None:
             self.register_buffer("long_inv_freq", longrope_long_inv_freq(head_dim, theta, scaling),
                                  persistent=False)
 
@@ -155,17 +163,31 @@ class RotaryEmbedding(nn.Module):
             self.long_inv_freq = longrope_long_inv_freq(self.head_dim, self.theta,
                                                         self.scaling).to(device)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [...] -> cos, sin [..., head_dim], in the activation dtype."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                long: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [...] -> cos, sin [..., head_dim], in the activation dtype. LongRoPE: a
+        position takes the long factors from the original context on, and also below it where
+        `long` (bool, positions' shape) says its sequence is longer than the original context."""
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
         if self.long_from is not None:
-            long = positions[..., None].float() * self.long_inv_freq.to(positions.device)
-            freqs = torch.where(positions[..., None] >= self.long_from, long, freqs)
+            long_freqs = positions[..., None].float() * self.long_inv_freq.to(positions.device)
+            use_long = positions >= self.long_from
+            if long is not None:
+                use_long = use_long | long
+            freqs = torch.where(use_long[..., None], long_freqs, freqs)
         emb = torch.cat((freqs, freqs), dim=-1)
         if self.attention_factor != 1.0:
             return ((emb.cos() * self.attention_factor).to(dtype),
                     (emb.sin() * self.attention_factor).to(dtype))
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def long_for_pass(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """`long` for a dense forward pass, as transformers decides it: every position takes
+        the long factors when the pass's longest position lies beyond the original context.
+        None when the scaling is not LongRoPE."""
+        if self.long_from is None:
+            return None
+        return (positions.max() >= self.long_from).expand(positions.shape)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

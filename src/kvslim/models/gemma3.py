@@ -61,11 +61,12 @@ class Gemma3Model(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.local_rotary = RotaryEmbedding(config.head_dim, config.rope_local_theta, None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
+                long_rope: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # transformers scales by the square root rounded to the embeddings' dtype
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        rope = {"global": self.rotary.cos_sin(positions, x.dtype),
+        rope = {"global": self.rotary.cos_sin(positions, x.dtype, long_rope),
                 "local": self.local_rotary.cos_sin(positions, x.dtype)}
         for layer in self.layers:
             x = layer(x, rope, attn)

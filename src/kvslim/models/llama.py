@@ -57,9 +57,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
+                long_rope: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, long_rope)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return self.norm(x)
@@ -82,15 +83,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = _lm_head(config, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                attn=None, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn=None, padding_mask: torch.Tensor | None = None,
+                long_rope: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the final norm. Without `attn`, input_ids is a dense [B, T] batch
-        attended causally (with `padding_mask` [B, T] marking real tokens, if any)."""
+        attended causally (with `padding_mask` [B, T] marking real tokens, if any).
+        long_rope (LongRoPE): the tokens whose sequence is longer than the original context
+        (layers/rope.py); a dense pass decides it from its longest position."""
+        if positions is None:
+            positions = default_positions(input_ids, padding_mask)
         if attn is None:
             attn = DenseAttention(input_ids.shape[-1], input_ids.device, padding_mask,
                                   list(self.config.layer_sliding_windows))
-        if positions is None:
-            positions = default_positions(input_ids, padding_mask)
-        return self.model(input_ids, positions, attn)
+            long_rope = self.model.rotary.long_for_pass(positions)
+        return self.model(input_ids, positions, attn, long_rope)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
