@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kvslim.experiments.quant_arms import (BYTES, CAPACITY, DECODE, HF, KV_PPL, LLAMA, PPL,
+from kvslim.experiments.quant.arms import (BYTES, CAPACITY, DECODE, HF, KV_PPL, LLAMA, PPL,
                                            THROUGHPUT, Arm)
 from kvslim.models.config import ModelConfig
 

@@ -1,0 +1,3 @@
+"""`kvslim experiment quant`, every quantization mode beside its peers: `arms.py` the table of
+arms (how each model is built, what is measured on it), `measure.py` each measurement, `study.py`
+builds and records them, `goals.py` checks the goals, `report.py` writes docs/quantization.md."""
