@@ -107,6 +107,42 @@ def test_file_length(path):
     assert lines <= MAX_LINES, f"{path.relative_to(SRC)}: {lines} lines (at most {MAX_LINES})"
 
 
+def module_name(path: Path) -> str:
+    rel = path.relative_to(SRC).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(("kvslim", *parts))
+
+
+def test_bench_holds_the_bench_commands():
+    """bench/ holds the `kvslim bench` subcommands and the pieces they are built from
+    (docs/architecture.md): every module in it is reached from cli/'s imports through bench/'s
+    own. A measurement only a study uses lives in that study's package under experiments/."""
+    bench = {module_name(p): p for p in source_files() if role(p) == "bench"}
+    reached = {m for p in source_files() if role(p) == "cli"
+               for m in kvslim_imports(p)} & set(bench)
+    todo = list(reached)
+    while todo:
+        for m in kvslim_imports(bench[todo.pop()]) & set(bench):
+            if m not in reached:
+                reached.add(m)
+                todo.append(m)
+    unused = sorted(set(bench) - reached - {"kvslim.bench"})
+    assert not unused, f"bench/ modules no `kvslim bench` command uses: {unused}"
+
+
+def test_nothing_imports_benchmarks():
+    """benchmarks/ at the repository root holds scripts run by hand (docs/architecture.md): the
+    package and its tests never import them."""
+    tests = Path(__file__).resolve().parent
+    bad = []
+    for path in [*source_files(), *sorted(tests.rglob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{path}: {n}" for n in names if n.split(".")[0] == "benchmarks"]
+    assert not bad, bad
+
+
 def long_functions(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
     return [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(tree)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import GREEDY, engine, run, tokens
+from kvslim.engine.output_processor import OutputProcessor
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.errors import EngineFailedError
 
@@ -57,14 +58,14 @@ def test_a_failing_output_build_is_contained(hf_checkpoints, monkeypatch):
     eng = engine(hf_checkpoints["gqa"])
     good = eng.add_request(PROMPTS[0], SamplingParams(max_tokens=4, **GREEDY))
     bad = eng.add_request(PROMPTS[1], SamplingParams(max_tokens=4, **GREEDY))
-    real = type(eng)._completion
+    real = OutputProcessor._completion
 
     def completion(state, seq):
         if state.request_id == bad:
             raise KeyError("simulated fault")
         return real(state, seq)
 
-    monkeypatch.setattr(type(eng), "_completion", staticmethod(completion))
+    monkeypatch.setattr(OutputProcessor, "_completion", staticmethod(completion))
     outputs = eng.step()
     by_id = {o.request_id: o for o in outputs}
     assert by_id[bad].finished and "KeyError" in by_id[bad].error

@@ -1,6 +1,6 @@
-"""`benchmarks/fuzz_api.py --short`: a few hundred schemathesis cases over every operation of
-the OpenAPI schema, valid and invalid. No 5xx, no hang, and the engine is alive with every KV
-block free afterwards."""
+"""`fuzz_api.py --short` (beside this file): a few hundred schemathesis cases over every
+operation of the OpenAPI schema, valid and invalid. No 5xx, no hang, and the engine is alive
+with every KV block free afterwards."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "fuzz_api.py"
+SCRIPT = Path(__file__).parent / "fuzz_api.py"
 
 
 def test_api_fuzz_short_finds_no_server_error(tiny_model):

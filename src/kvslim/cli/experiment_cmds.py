@@ -105,8 +105,8 @@ def run_quant(args) -> int:
     import torch
 
     from kvslim.bench.machine import machine_info
-    from kvslim.experiments.quant import QuantExperiment, QuantExperimentConfig
-    from kvslim.experiments.quant_report import goals, report_data, write_report
+    from kvslim.experiments.quant.report import goals, report_data, write_report
+    from kvslim.experiments.quant.study import QuantExperiment, QuantExperimentConfig
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = QuantExperimentConfig(
@@ -140,8 +140,8 @@ def run_quant(args) -> int:
 def run_gqa(args) -> int:
     import torch
 
-    from kvslim.experiments.gqa import Experiment, ExperimentConfig
-    from kvslim.experiments.gqa_report import goal_checks, write_report
+    from kvslim.experiments.gqa.report import goal_checks, write_report
+    from kvslim.experiments.gqa.study import Experiment, ExperimentConfig
     if args.threads:
         torch.set_num_threads(args.threads)
     shard = _parse_shard(args.shard)
@@ -168,7 +168,7 @@ def run_gqa(args) -> int:
 
 def _plan_overrides(args) -> dict:
     from kvslim.errors import KvslimError
-    from kvslim.experiments.gqa import METHODS
+    from kvslim.experiments.gqa.study import METHODS
     out = {}
     if args.methods:
         out["methods"] = [m.strip() for m in args.methods.split(",") if m.strip()]

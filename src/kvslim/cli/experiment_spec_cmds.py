@@ -34,7 +34,8 @@ def register_speculative(esub) -> None:
 def _targets(args, work_dir):
     from pathlib import Path
 
-    from kvslim.experiments.speculative import Target, smollm2_variants
+    from kvslim.experiments.speculative.records import Target
+    from kvslim.experiments.speculative.study import smollm2_variants
     k = args.num_speculative_tokens
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
              "prompt_lookup_max": 4}
@@ -67,9 +68,10 @@ def run_speculative(args) -> int:
     import torch
 
     from kvslim.errors import KvslimError
-    from kvslim.experiments.speculative import SpecExperiment, SpecExperimentConfig
-    from kvslim.experiments.speculative_report import goal_checks, write_report
-    from kvslim.experiments.speculative_thresholds import cells
+    from kvslim.experiments.speculative.records import SpecExperimentConfig
+    from kvslim.experiments.speculative.report import goal_checks, write_report
+    from kvslim.experiments.speculative.study import SpecExperiment
+    from kvslim.experiments.speculative.thresholds import cells
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

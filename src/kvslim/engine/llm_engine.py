@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 import weakref
-from dataclasses import dataclass, field, replace
 
 from kvslim.engine.block_manager import BlockManager
 from kvslim.engine.config import EngineConfig
-from kvslim.engine.detokenizer import IncrementalDetokenizer
+from kvslim.engine.input_processor import InputProcessor
 from kvslim.engine.model_runner import ModelRunner, max_model_len_for
+from kvslim.engine.output_processor import OutputProcessor, RequestState
 from kvslim.engine.parallel_executor import TensorParallelExecutor
 from kvslim.engine.parallel_worker import RankKVStats, kv_stats
-from kvslim.engine.outputs import CompletionOutput, KVCacheStats, RequestMetrics, RequestOutput
+from kvslim.engine.outputs import KVCacheStats, RequestOutput
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.engine.scheduler import Scheduler
 from kvslim.engine.sequence import Sequence
@@ -24,25 +23,9 @@ from kvslim.errors import EngineFailedError, InvalidRequestError
 from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
 from kvslim.layers.rope import longrope_original_context
-from kvslim.models.kv_groups import longest_sequence
 from kvslim.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvslim.engine")
-
-
-@dataclass
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence] = field(default_factory=list)
-    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
-    sent_tokens: dict[int, int] = field(default_factory=dict)      # seq index -> tokens emitted
-
-    @property
-    def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -86,6 +69,10 @@ class LLMEngine:
                                    self.config.enable_chunked_prefill,
                                    longrope_original_context(self.model_config.rope_scaling))
         self.spec = self._speculative_decoder()
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.model_config.vocab_size, self.config, self.max_model_len,
+            self.runner.num_blocks, self.block_manager.group_windows)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
@@ -113,88 +100,14 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        text, ids = self._tokenize(prompt)
-        params = self._check_lengths(ids, params)
-        self._check_schedulable(len(ids), params)
-        self._check_token_ids(params)
-        state = RequestState(request_id, text, ids, params)
+        text, ids, params = self.input_processor.process(prompt, params)
         seq = Sequence(request_id=request_id, token_ids=list(ids), params=params,
                        block_size=self.config.block_size, fork_pending=params.n > 1)
-        state.seqs.append(seq)
-        state.detokenizers[0] = self._detokenizer(ids, params)
-        self.requests[request_id] = state
+        self.requests[request_id] = self.output_processor.new_request(request_id, text, ids,
+                                                                      params, seq)
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(ids)
         return request_id
-
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt):
-            ids, text = list(prompt), None
-        else:
-            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
-        if not ids:
-            raise InvalidRequestError("prompt must not be empty", "prompt")
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
-                                      f"(0..{self.model_config.vocab_size - 1})", "prompt")
-        return text, ids
-
-    def _check_lengths(self, ids: list[int], params: SamplingParams) -> SamplingParams:
-        n_prompt = len(ids)
-        if n_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {n_prompt} tokens, but max_model_len is {self.max_model_len}",
-                "prompt")
-        if params.max_tokens is None:
-            params = replace(params, max_tokens=self.max_model_len - n_prompt)
-        total = n_prompt + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_model_len ({self.max_model_len})", "max_tokens")
-        capacity = longest_sequence(self.runner.num_blocks, self.block_manager.group_windows,
-                                    self.config.block_size, self.config.max_num_batched_tokens,
-                                    total)
-        if total > capacity:
-            raise InvalidRequestError(
-                f"request needs {total} tokens of KV cache, but the whole cache holds {capacity} "
-                f"(kv_cache_memory={self.config.kv_cache_memory} bytes); raise kv_cache_memory "
-                f"or lower max_tokens", "max_tokens")
-        return params
-
-    def _check_schedulable(self, n_prompt: int, params: SamplingParams) -> None:
-        """Reject what the scheduler could never admit, even with the engine otherwise idle."""
-        cfg = self.config
-        if params.n > cfg.max_num_seqs:
-            raise InvalidRequestError(
-                f"n={params.n} exceeds the engine's max_num_seqs ({cfg.max_num_seqs}): the n "
-                f"completions run as that many sequences at once", "n")
-        if cfg.enable_chunked_prefill:
-            return
-        # Without chunking a prompt is computed in one step (a preempted sequence's recompute
-        # may still be chunked, see Scheduler._admit).
-        budget = cfg.max_num_batched_tokens
-        if n_prompt > budget:
-            raise InvalidRequestError(
-                f"prompt has {n_prompt} tokens, but without chunked prefill a step computes at "
-                f"most max_num_batched_tokens={budget}", "prompt")
-
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        for name in ("logit_bias", "stop_token_ids"):
-            bad = [t for t in getattr(params, name) if t >= vocab]
-            if bad:
-                raise InvalidRequestError(f"{name}: token id {bad[0]} is outside the vocabulary "
-                                          f"(0..{vocab - 1})", name)
-
-    def _detokenizer(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
-                                      params.include_stop_str_in_output)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks are freed now. False if unknown."""
@@ -256,11 +169,13 @@ class LLMEngine:
                 self.spec.record(entry.seq, entry.draft_token_ids, sampled[entry.seq.seq_id])
 
     def _advance(self, state: RequestState, seq: Sequence) -> None:
-        if seq not in state.seqs:                           # a new sibling of an n > 1 request
-            state.seqs.append(seq)
-            state.detokenizers[seq.index] = self._detokenizer(state.prompt_token_ids,
-                                                              state.params)
-        self._detokenize(state, seq)
+        """Detokenize what the step appended to `seq`; a stop string finishes it."""
+        new, stopped = self.output_processor.advance(state, seq)
+        if stopped:
+            self.scheduler.finish(seq, "stop")
+        self.num_generated_tokens += new
+        if seq.is_finished:
+            self._release(seq)
 
     def _output_or_fail(self, state: RequestState) -> RequestOutput:
         try:
@@ -276,13 +191,7 @@ class LLMEngine:
         for seq in state.seqs:
             self.scheduler.finish(seq, "abort")
             self._release(seq)
-        completions = [CompletionOutput(index=seq.index, text="", token_ids=[],
-                                        finish_reason="abort")
-                       for seq in sorted(state.seqs, key=lambda s: s.index)]
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             True, RequestMetrics(state.seqs[0].arrival_time,
-                                                  num_prompt_tokens=len(state.prompt_token_ids)),
-                             error=error)
+        return self.output_processor.failed(state, error)
 
     def _fail_unschedulable(self) -> RequestOutput:
         """The engine is idle yet cannot admit the head of the queue. add_request's checks
@@ -294,23 +203,6 @@ class LLMEngine:
             f"request {seq.request_id!r} cannot be scheduled: even with the engine idle it needs "
             f"more KV-cache blocks, sequences or batched tokens than the engine has; aborted"))
 
-    def _detokenize(self, state: RequestState, seq: Sequence) -> None:
-        """Decode the tokens the step appended (several after a speculative step); a stop
-        string ends the sequence at the token that completed it."""
-        detok = state.detokenizers[seq.index]
-        before = detok.num_added
-        for token in seq.output_token_ids[before:]:
-            if detok.stopped_by is not None:
-                break
-            detok.add_tokens([token], detok.num_added + 1 >= seq.params.min_tokens)
-            if detok.stopped_by is not None:
-                seq.truncate_output(detok.num_added)
-                seq.stop_reason = detok.stopped_by
-                self.scheduler.finish(seq, "stop")
-        self.num_generated_tokens += detok.num_added - before
-        if seq.is_finished:
-            self._release(seq)
-
     def _release(self, seq: Sequence) -> None:
         """Forget a finished sequence's per-sequence state outside the scheduler (a draft
         model's K/V for it too: freed now, not at the next step)."""
@@ -319,48 +211,11 @@ class LLMEngine:
             self.spec.release([seq.seq_id])
 
     def _output(self, state: RequestState) -> RequestOutput:
-        completions = [self._completion(state, seq)
-                       for seq in sorted(state.seqs, key=lambda s: s.index)]
-        finished = state.finished
-        if finished:
+        """The request's output; a finished request is forgotten."""
+        out = self.output_processor.output(state)
+        if out.finished:
             del self.requests[state.request_id]
-        prompt_logprobs = (state.seqs[0].prompt_logprobs
-                           if state.params.prompt_logprobs is not None else None)
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, self._metrics(state), prompt_logprobs)
-
-    @staticmethod
-    def _completion(state: RequestState, seq: Sequence) -> CompletionOutput:
-        """O(new tokens): the whole token and logprob lists are copied only once, at the end."""
-        detok = state.detokenizers[seq.index]
-        sent = state.sent_tokens.get(seq.index, 0)
-        state.sent_tokens[seq.index] = seq.num_output_tokens
-        new = seq.num_output_tokens - sent
-        wants_logprobs = seq.params.logprobs is not None
-        done = seq.is_finished
-        return CompletionOutput(
-            index=seq.index, text=detok.text,
-            token_ids=seq.output_token_ids if done else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if done and wants_logprobs else None,
-            cumulative_logprob=seq.cumulative_logprob,
-            delta_text=detok.take_delta(done),
-            delta_token_ids=seq.token_ids[len(seq.token_ids) - new:] if new else [],
-            delta_logprobs=seq.logprobs[len(seq.logprobs) - new:] if wants_logprobs and new
-            else None)
-
-    @staticmethod
-    def _metrics(state: RequestState) -> RequestMetrics:
-        first = state.seqs[0]
-        ends = [s.finished_time for s in state.seqs if s.finished_time is not None]
-        return RequestMetrics(
-            arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
-            first_token_time=first.first_token_time,
-            finished_time=max(ends) if state.finished and ends else None,
-            num_prompt_tokens=len(state.prompt_token_ids),
-            num_output_tokens=sum(s.num_output_tokens for s in state.seqs),
-            num_cached_tokens=first.num_cached_tokens,
-            num_preemptions=sum(s.num_preemptions for s in state.seqs))
+        return out
 
     # ---- introspection -------------------------------------------------------------------
     def kv_cache_stats(self) -> KVCacheStats:

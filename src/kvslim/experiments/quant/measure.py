@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kvslim.experiments.quant_arms import (BYTES, CAPACITY, DECODE, HF, KV_PPL, LLAMA, PPL,
+from kvslim.experiments.quant.arms import (BYTES, CAPACITY, DECODE, HF, KV_PPL, LLAMA, PPL,
                                            THROUGHPUT, Arm)
 from kvslim.models.config import ModelConfig
 
@@ -33,7 +33,7 @@ def _ppl(arm, model_dir, exp) -> dict:
 def _kv_ppl(arm, model_dir, exp) -> dict:
     """Through the engine, float cache and `arm.kv_cache_dtype` cache on the same windows: the
     delta is the cache's alone."""
-    from kvslim.bench.engine_ppl import engine_perplexity
+    from kvslim.experiments.quant.engine_ppl import engine_perplexity
     cfg = exp.cfg
     tokens = exp.test_tokens(model_dir)[:cfg.ppl_max_tokens]
     base = engine_perplexity(model_dir, tokens, cfg.ppl_context)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from kvslim.experiments.gqa import RESULTS, Experiment
-from kvslim.experiments.gqa_goals import METHOD_ORDER, goal_checks, ref_index, smollm2_tokens
-from kvslim.experiments.gqa_plots import plot
+from kvslim.experiments.gqa.study import RESULTS, Experiment
+from kvslim.experiments.gqa.goals import METHOD_ORDER, goal_checks, ref_index, smollm2_tokens
+from kvslim.experiments.gqa.plots import plot
 
 __all__ = ["goal_checks", "write_report"]
 

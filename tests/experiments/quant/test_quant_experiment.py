@@ -8,11 +8,11 @@ import sys
 import pytest
 
 from kvslim.bench.machine import Bandwidth
-from kvslim.experiments import quant
-from kvslim.experiments.quant import ArmResult, QuantExperiment, QuantExperimentConfig
-from kvslim.experiments.quant_arms import plan
-from kvslim.experiments.quant_goals import model_goals
-from kvslim.experiments.quant_report import write_report
+from kvslim.experiments.quant import study as quant
+from kvslim.experiments.quant.arms import plan
+from kvslim.experiments.quant.goals import model_goals
+from kvslim.experiments.quant.report import write_report
+from kvslim.experiments.quant.study import ArmResult, QuantExperiment, QuantExperimentConfig
 from kvslim.models.config import ModelConfig
 
 # AWQ and act-order run the same build and measurements as GPTQ: left out to keep this short.

@@ -1,12 +1,12 @@
 """`kvslim experiment quant`: every quantization mode beside its peers, one command.
 
-For each model (the reference MHA model, SmolLM2-135M), every arm of `quant_arms.plan` — float32,
+For each model (the reference MHA model, SmolLM2-135M), every arm of `arms.plan` — float32,
 int8 weights, RTN / GPTQ / AWQ 4-bit at each group size, GPTQ act-order, W8A8, the int8 KV cache,
 GGUF files kept quantized — is built once under WORK_DIR and measured: test perplexity, weight
 bytes, KV bytes per token, batch-1 decode and offline throughput; beside llama.cpp's own q8_0 /
 q4_0 / q4_1 files (its tools: batch-1 decode, parallel decoding, perplexity) and HF transformers
 at its best batch size. Each finished arm is recorded in RESULTS, so a rerun skips it; the report
-(docs/quantization.md, .json, a plot) is written from those records by `quant_report.py`."""
+(docs/quantization.md, .json, a plot) is written from those records by `report.py`."""
 from __future__ import annotations
 
 import json
@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvslim.bench.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
 from kvslim.bench.workload import Workload
 from kvslim.errors import KvslimError
-from kvslim.experiments.quant_arms import (Arm, Ctx, ModelSource, NotAvailable, NotPossible,
+from kvslim.experiments.quant.arms import (Arm, Ctx, ModelSource, NotAvailable, NotPossible,
                                            cli_build, plan)
-from kvslim.experiments.quant_measure import measure
+from kvslim.experiments.quant.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
+from kvslim.experiments.quant.measure import measure
 
 RESULTS = "results.json"
 DEFAULT_MODEL_ALIASES = ("smollm2", "default")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from kvslim.experiments.speculative import WORKLOADS, Run
+from kvslim.experiments.speculative.records import Run, Target
+from kvslim.experiments.speculative.workloads import WORKLOADS
 
 
 def cells(runs: list[Run]) -> dict[tuple, dict]:
@@ -59,13 +60,15 @@ def break_even_acceptance(cost_ratio: float, k: int) -> float | None:
     return (lo + hi) / 2
 
 
-def adaptive_settings(exp, target) -> dict[str, dict]:
-    """Per proposer of `target`: the measured thresholds and the settings they give."""
-    table = cells([r for r in exp.runs if r.target == target.name and r.phase == 1])
+def adaptive_settings(runs: list[Run], batch_sizes: list[int], target: Target
+                      ) -> dict[str, dict]:
+    """Per proposer of `target`: the thresholds measured in phase 1's runs and the settings
+    they give."""
+    table = cells([r for r in runs if r.target == target.name and r.phase == 1])
     out = {}
     for label, spec in target.proposers.items():
         k = spec.get("num_speculative_tokens", 3)
-        wins = [b for b in sorted(exp.cfg.batch_sizes)
+        wins = [b for b in sorted(batch_sizes)
                 if all(table.get((target.name, label, w, b, "spec"), {}).get("speedup", 0) >= 1
                        for w in WORKLOADS)]
         ratios = [table[(target.name, label, w, 1, "spec")]["seconds_per_step"]

@@ -13,107 +13,17 @@ docs/speculative.md from them."""
 from __future__ import annotations
 
 import json
-import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from kvslim.engine.llm import LLM
 from kvslim.engine.sampling_params import SamplingParams
+from kvslim.experiments.speculative.records import Run, SpecExperimentConfig, Target
+from kvslim.experiments.speculative.thresholds import adaptive_settings
+from kvslim.experiments.speculative.workloads import WORKLOADS, workload_prompts
 
 RESULTS = "results.json"
-
-QUESTIONS = [
-    "What is the capital of France?", "Explain what a hash table is.",
-    "Give three tips for writing clear emails.", "Why is the sky blue?",
-    "How do vaccines work?", "Write a short poem about autumn.",
-    "What causes the seasons on Earth?", "Describe how a bicycle works.",
-    "What is the difference between a list and a tuple in Python?",
-    "Summarize the plot of Romeo and Juliet.", "How does a refrigerator keep food cold?",
-    "What are the benefits of regular exercise?", "Explain recursion to a beginner.",
-    "What is photosynthesis?", "How do I make a cup of tea?", "What is a black hole?",
-]
-
-CODE = [
-    "def total(xs):\n    s = 0\n    for x in xs:\n        s = s + x\n    return s\n\n"
-    "def mean(xs):\n    return total(xs) / len(xs)\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
-    "        self.items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n",
-    "def read_lines(path):\n    with open(path) as f:\n        lines = f.readlines()\n"
-    "    return [line.strip() for line in lines if line.strip()]\n",
-]
-
-
-@dataclass
-class Target:
-    name: str
-    model: str
-    proposers: dict[str, dict]         # label -> speculative config (without adaptivity)
-    chat: bool = False                 # prompts through the chat template
-
-
-@dataclass
-class SpecExperimentConfig:
-    targets: list[Target]
-    test_text: str                     # passages for the input-grounded workload
-    work_dir: str = "runs/speculative"
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32])
-    max_tokens: int = 64
-    passage_tokens: int = 120
-    repeats: int = 2
-    # The adaptive arm: the measured thresholds, then these settings over them.
-    adaptive: dict = field(default_factory=dict)
-    seed: int = 0
-
-
-@dataclass
-class Run:
-    target: str
-    proposer: str                      # "plain" for the baseline
-    workload: str                      # "free" or "grounded"
-    batch: int
-    arm: str                           # "plain", "spec" or "adaptive"
-    repeat: int
-    phase: int                         # 1: plain and spec; 2: plain and adaptive
-    seconds: float
-    output_tokens: int
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    verifications: int = 0
-    steps: int = 0                     # engine steps (target forward passes)
-    identical: bool = True             # greedy tokens equal to plain decoding's
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds
-
-
-def workload_prompts(target: Target, tokenizer, workload: str, text: str, n: int,
-                     passage_tokens: int, seed: int) -> list:
-    """Prompts (text or token ids) for one workload: free generation (questions for a chat
-    model, passage openings for a base model) or input-grounded (rewrite a passage or edit
-    code for a chat model; continue a passage it has just read for a base model)."""
-    rng = random.Random(seed)
-    ids = tokenizer.encode(text)
-    starts = [rng.randrange(0, len(ids) - 2 * passage_tokens) for _ in range(n)]
-    passages = [tokenizer.decode(ids[s:s + passage_tokens]) for s in starts]
-    if target.chat:
-        if workload == "free":
-            messages = [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
-        else:
-            messages = [f"Rename the function or class in this code to a clearer name and "
-                        f"give the whole code back:\n\n{CODE[i % len(CODE)]}" if i % 2 else
-                        f"Rewrite this passage in modern English, keeping every sentence:\n\n"
-                        f"{passages[i]}" for i in range(n)]
-        return [tokenizer.encode_chat([{"role": "user", "content": m}]) for m in messages]
-    if workload == "free":
-        return [ids[s:s + 32] for s in starts]
-    # The passage, a blank line, then its first words again: a continuation can copy it.
-    return [ids[s:s + passage_tokens] + tokenizer.encode("\n\n") + ids[s:s + 12]
-            for s in starts]
-
-
-WORKLOADS = ("free", "grounded")
 
 
 class SpecExperiment:
@@ -169,14 +79,14 @@ class SpecExperiment:
         return engines
 
     def _run_target(self, target: Target, text: str, bar) -> None:
-        from kvslim.experiments.speculative_thresholds import adaptive_settings
         prompts = None
         for phase, arm in ((1, "spec"), (2, "adaptive")):
             # Phase 1 measures speculation itself: no adaptivity, whatever the defaults.
             specs = {label: {**spec, "disable_by_batch_size": None, "backoff_acceptance": 0.0}
                      for label, spec in target.proposers.items()}
             if phase == 2:
-                self.thresholds[target.name] = adaptive_settings(self, target)
+                self.thresholds[target.name] = adaptive_settings(self.runs, self.cfg.batch_sizes,
+                                                                 target)
                 specs = {label: {**spec, **self.thresholds[target.name][label]["settings"],
                                  **self.cfg.adaptive} for label, spec in specs.items()}
             engines = self._engines(target, specs, arm)

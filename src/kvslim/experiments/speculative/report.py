@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvslim.experiments.speculative import WORKLOADS, SpecExperiment
-from kvslim.experiments.speculative_thresholds import cells
+from kvslim.experiments.speculative.study import SpecExperiment
+from kvslim.experiments.speculative.thresholds import cells
+from kvslim.experiments.speculative.workloads import WORKLOADS
 
 NOISE = 0.95        # "never slower" allows this much: repeated plain runs differ by about it
 

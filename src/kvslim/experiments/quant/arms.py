@@ -16,7 +16,7 @@ from kvslim.errors import KvslimError
 from kvslim.layers.quant_linear import QuantSpec
 from kvslim.models.config import ModelConfig
 
-# What an arm measures (quant_measure.py does each).
+# What an arm measures (measure.py does each).
 PPL, BYTES, DECODE, THROUGHPUT = "ppl", "bytes", "decode", "throughput"
 KV_PPL, CAPACITY = "kv_ppl", "capacity"
 LLAMA, HF = "llamacpp", "hf"

@@ -2,7 +2,7 @@
 invalid inputs. The server must never answer 5xx or hang, and afterwards the engine must still
 be alive (/health 200) with every KV block free.
 
-    python benchmarks/fuzz_api.py [MODEL] [--max-examples N | --short] [--seed S] [--json]
+    python tests/server/fuzz_api.py [MODEL] [--max-examples N | --short] [--seed S] [--json]
 
 The app runs in this process behind uvicorn on 127.0.0.1 (so the engine's block counts can be
 read directly), with a small max_model_len so that the largest max_tokens the schema allows is

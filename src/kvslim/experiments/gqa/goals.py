@@ -3,7 +3,7 @@ PASS or FAIL with the numbers it was decided on, and a goal whose runs are missi
 claimed either way."""
 from __future__ import annotations
 
-from kvslim.experiments.gqa import Experiment, RunResult
+from kvslim.experiments.gqa.study import Experiment, RunResult
 
 METHOD_ORDER = ["mean", "first", "random", "align", "align-kd", "align-nu", "align-nu-kd"]
 SMOLLM2_TOKEN_BUDGET = 2_000_000

@@ -3,9 +3,10 @@ outputs identical, the report's tables, thresholds and goal lines computed from 
 import json
 
 from checkpoints import TOKENIZER_TEXT
-from kvslim.experiments.speculative import SpecExperiment, SpecExperimentConfig, Target
-from kvslim.experiments.speculative_report import goal_checks, write_report
-from kvslim.experiments.speculative_thresholds import break_even_acceptance, cells
+from kvslim.experiments.speculative.records import SpecExperimentConfig, Target
+from kvslim.experiments.speculative.report import goal_checks, write_report
+from kvslim.experiments.speculative.study import SpecExperiment
+from kvslim.experiments.speculative.thresholds import break_even_acceptance, cells
 
 
 def test_break_even_acceptance_solves_the_geometric_sum():

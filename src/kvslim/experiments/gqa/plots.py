@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvslim.experiments.gqa import Experiment
-from kvslim.experiments.gqa_goals import (METHOD_ORDER, SMOLLM2_GOAL, ref_index,
+from kvslim.experiments.gqa.study import Experiment
+from kvslim.experiments.gqa.goals import (METHOD_ORDER, SMOLLM2_GOAL, ref_index,
                                           smollm2_tokens)
 
 COLORS = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:gray", "align": "tab:green",

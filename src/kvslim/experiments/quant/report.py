@@ -8,8 +8,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from kvslim.experiments.quant import QuantExperiment
-from kvslim.experiments.quant_goals import model_goals
+from kvslim.experiments.quant.study import QuantExperiment
+from kvslim.experiments.quant.goals import model_goals
 
 MB = 1e6
 
