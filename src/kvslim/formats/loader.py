@@ -144,7 +144,7 @@ def _stored(model_dir: Path, config: ModelConfig) -> Iterator[tuple[Path, Any, s
 def _checked_gguf_weights(path: Path, config: ModelConfig, expected: dict[str, torch.Size]
                           ) -> Iterator[tuple[str, torch.Tensor]]:
     """The same from a GGUF file (quantization_config quant_method "gguf")."""
-    from kvslim.formats.gguf_weights import gguf_weights
+    from kvslim.formats.gguf.weights import gguf_weights
     if not path.is_file():
         raise WeightsError(f"config.json names GGUF file {path.name!r}, which is not in "
                            f"{path.parent}")

@@ -1,11 +1,11 @@
 """Export an HF-format model directory as a GGUF file that llama.cpp and Ollama run (the `llama`
 architecture for Llama, Mistral and Mixtral; `qwen2`, `qwen3`, `qwen3moe` and `phi3`, fused
-projections kept, for those): the inverse of `gguf_import`, using the same tensor-name tables
-(gguf_archs.py).
+projections kept, for those): the inverse of `importer`, using the same tensor-name tables
+(archs.py).
 
 Like llama.cpp's own converter, it reorders Q and K rows of `llama` files (llama.cpp's RoPE
 rotates adjacent pairs there, HF's rotates halves), keeps 1-D tensors (norms, biases) and MoE
-routers in F32, stacks each MoE layer's experts (gguf_moe.py), and writes the byte-level
+routers in F32, stacks each MoE layer's experts (moe.py), and writes the byte-level
 BPE vocabulary with llama.cpp's token types. Everything is read and checked before the output is
 opened, and the file is written under a temporary name and renamed when complete, so a failed
 export leaves nothing behind. Tensors are converted and written one at a time."""
@@ -24,11 +24,11 @@ from tqdm import tqdm
 
 from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig, parse_dtype
-from kvslim.formats.gguf_archs import EXPORT_ARCHITECTURES, LAYER_TENSORS, permutes_qk
-from kvslim.formats.gguf_import import GLOBAL_TENSORS
-from kvslim.formats.gguf_moe import add_moe_metadata, check_exportable, is_router, stack_experts
+from kvslim.formats.gguf.archs import EXPORT_ARCHITECTURES, LAYER_TENSORS, permutes_qk
+from kvslim.formats.gguf.importer import GLOBAL_TENSORS
+from kvslim.formats.gguf.moe import add_moe_metadata, check_exportable, is_router, stack_experts
 from kvslim.models.checkpoint_names import to_checkpoint
-from kvslim.formats.gguf_tokenizer import CONTROL, LLAMA3_SPLIT, USER_DEFINED
+from kvslim.formats.gguf.tokenizer import CONTROL, LLAMA3_SPLIT, USER_DEFINED
 from kvslim.formats.loader import load_model
 from kvslim.layers.rope import rope_inv_freq
 from kvslim.tokenizer.tokenizer import Tokenizer
@@ -310,7 +310,7 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
 
 
 def permute_qk(gguf_name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """llama.cpp's Q/K row order, the inverse of `gguf_import.unpermute_qk`: within each head,
+    """llama.cpp's Q/K row order, the inverse of `importer.unpermute_qk`: within each head,
     rows [first half | second half] become interleaved pairs (x_i, x_{i + d/2})."""
     if ".attn_q." not in gguf_name and ".attn_k." not in gguf_name:
         return weight

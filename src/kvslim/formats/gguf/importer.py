@@ -18,15 +18,15 @@ from tqdm import tqdm
 
 from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig
-from kvslim.formats.gguf_blocks import TYPE_IDS, kept_type
-from kvslim.formats import gguf_gemma3
-from kvslim.formats.gguf_archs import (FLOAT_ONLY, HF_ARCHITECTURES, LAYER_TENSORS,
+from kvslim.formats.gguf.blocks import TYPE_IDS, kept_type
+from kvslim.formats.gguf import gemma3 as gguf_gemma3
+from kvslim.formats.gguf.archs import (FLOAT_ONLY, HF_ARCHITECTURES, LAYER_TENSORS,
                                       MOE_HF_ARCHITECTURES, permutes_qk)
-from kvslim.formats.gguf_moe import legacy_expert_name, moe_config_fields, split_experts
+from kvslim.formats.gguf.moe import legacy_expert_name, moe_config_fields, split_experts
 from kvslim.models.checkpoint_names import from_checkpoint
-from kvslim.formats.gguf_file import GGUFFile, dequantize_tensor
-from kvslim.formats.gguf_rope import llama3_scaling_from_divisors
-from kvslim.formats.gguf_tokenizer import tokenizer_files, write_tokenizer_files
+from kvslim.formats.gguf.file import GGUFFile, dequantize_tensor
+from kvslim.formats.gguf.rope import llama3_scaling_from_divisors
+from kvslim.formats.gguf.tokenizer import tokenizer_files, write_tokenizer_files
 from kvslim.formats.writer import save_model
 
 SUPPORTED_GGUF_ARCHITECTURES = tuple(HF_ARCHITECTURES)
@@ -50,7 +50,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool 
     Q8_0, Q4_K, Q6_K, any mix), write config.json and the tokenizer beside the GGUF file itself
     (hard-linked, else copied) instead of float weights; the loader then reads those linears,
     and the token embeddings and LM head when they are of such a type too, as blocks
-    (formats/gguf_weights.py). A linear of another type makes it a float32 import, with a note on
+    (formats/gguf/weights.py). A linear of another type makes it a float32 import, with a note on
     stderr, or, with require_quantized, an error naming the tensor and its type."""
     gguf = GGUFFile.open(gguf_path)
     config = config_from_gguf(gguf)

@@ -9,7 +9,7 @@
   3-D tensor over all experts: the converter stacks the HF [out, in] matrices along a new first dimension
   (`torch.stack(dim=0)`), so in PyTorch's order `ffn_gate_exps` and `ffn_up_exps` are
   [experts, ffn, hidden] and `ffn_down_exps` is [experts, hidden, ffn] (GGUF lists the
-  dimensions the other way round). The layer tables (gguf_archs.py) name them after kvslim's
+  dimensions the other way round). The layer tables (archs.py) name them after kvslim's
   stacked `mlp.experts.gate_proj` etc.; `split_experts` and `stack_experts` go between those and
   one tensor per expert. Files converted before llama.cpp stacked them (early 2024 Mixtral
   ones) hold one 2-D tensor per expert instead, `blk.N.ffn_gate.E.weight`: `legacy_expert_name`.
@@ -24,8 +24,8 @@ from collections.abc import Iterator
 import torch
 
 from kvslim.errors import ConfigError
-from kvslim.formats.gguf_archs import MOE_HF_ARCHITECTURES
-from kvslim.formats.gguf_file import GGUFFile
+from kvslim.formats.gguf.archs import MOE_HF_ARCHITECTURES
+from kvslim.formats.gguf.file import GGUFFile
 from kvslim.models.config import ModelConfig
 from kvslim.models.shape_only import MoEConfig
 

@@ -1,7 +1,7 @@
 """The GGUF architectures kvslim reads and writes, and what differs between them: the tensor
 names of a layer, and whether llama.cpp's converter permuted the Q/K rows (only `llama`: the
 others run with the same half-split RoPE as transformers). Mixtral files are `llama` ones with
-experts (formats/gguf_moe.py)."""
+experts (formats/gguf/moe.py)."""
 from __future__ import annotations
 
 LLAMA_LAYER_TENSORS = {
