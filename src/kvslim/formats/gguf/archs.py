@@ -1,52 +1,41 @@
-"""The GGUF architectures kvslim reads and writes, and what differs between them: the tensor
-names of a layer, and whether llama.cpp's converter permuted the Q/K rows (only `llama`: the
-others run with the same half-split RoPE as transformers). Mixtral files are `llama` ones with
-experts (formats/gguf/moe.py)."""
+"""The GGUF architectures kvslim reads and writes, gathered from the families' layouts (each
+family's file in models/ holds its `GGUFLayout`: the tensor names of a layer, whether llama.cpp's
+converter permuted the Q/K rows, its other quirks). Several families can share one GGUF
+architecture — Llama, Mistral and Mixtral are all `llama` files, Mixtral's with experts
+(formats/gguf/moe.py) — so the tensor tables here are per GGUF architecture, merged."""
 from __future__ import annotations
 
-LLAMA_LAYER_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-QK_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-GEMMA3_LAYER_TENSORS = {
-    **LLAMA_LAYER_TENSORS, **QK_NORM_TENSORS,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-# Phi-3 files keep the checkpoint's fused q/k/v and gate/up (models/phi3.py splits them)
-PHI3_LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
-                      "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj",
-                      "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-# A sparse MoE layer's router and its experts' projections, each stacked over the experts
-MOE_LAYER_TENSORS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
-                     "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
-LAYER_TENSORS = {"llama": {**LLAMA_LAYER_TENSORS, **MOE_LAYER_TENSORS},
-                 "qwen2": LLAMA_LAYER_TENSORS,
-                 "qwen3": {**LLAMA_LAYER_TENSORS, **QK_NORM_TENSORS},
-                 "qwen3moe": {**LLAMA_LAYER_TENSORS, **QK_NORM_TENSORS, **MOE_LAYER_TENSORS},
-                 "gemma3": GEMMA3_LAYER_TENSORS, "phi3": PHI3_LAYER_TENSORS}
-# GGUF architecture -> the HF architecture it imports as
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                    "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
-# ... and when the file has experts (`{arch}.expert_count`)
-MOE_HF_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
-# architectures kvslim imports as float32 only (no block-kept linears for their layouts)
-FLOAT_ONLY = ("gemma3", "phi3")
+from kvslim.models.base import Family
+from kvslim.models.families import FAMILIES
+
+_WITH_LAYOUT = [f for f in FAMILIES if f.gguf is not None]
+
+
+def _merged_tables() -> dict[str, dict[str, str]]:
+    tables: dict[str, dict[str, str]] = {}
+    for family in _WITH_LAYOUT:
+        table = tables.setdefault(family.gguf.arch, {})
+        for gguf_name, module in family.gguf.layer_tensors.items():
+            if table.setdefault(gguf_name, module) != module:
+                raise AssertionError(f"{family.name}: {gguf_name} is {table[gguf_name]} in "
+                                     f"another {family.gguf.arch} family")
+    return tables
+
+
+# GGUF architecture -> its layer tensors (blk.N.<name>) -> kvslim's module names
+LAYER_TENSORS = _merged_tables()
+# the GGUF architectures import-gguf reads, in the families' order
+SUPPORTED_GGUF_ARCHITECTURES = tuple(dict.fromkeys(f.gguf.arch for f in _WITH_LAYOUT
+                                                   if f.gguf.imports))
 # kvslim model type -> the GGUF architecture export-gguf writes (Mistral runs as llama)
-EXPORT_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "phi3": "phi3",
-                        "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
-                        "qwen3_moe": "qwen3moe"}
+EXPORT_ARCHITECTURES = {f.model_type: f.gguf.arch for f in _WITH_LAYOUT if f.supports_gguf_export}
+
+
+def gguf_family(arch: str, experts: bool) -> Family | None:
+    """The family a file of `arch` imports as, with experts (`{arch}.expert_count`) or without."""
+    return next((f for f in _WITH_LAYOUT if f.gguf.imports and f.gguf.arch == arch
+                 and f.gguf.experts == experts), None)
 
 
 def permutes_qk(arch: str) -> bool:
-    return arch == "llama"
+    return any(f.gguf.permutes_qk for f in _WITH_LAYOUT if f.gguf.arch == arch)
