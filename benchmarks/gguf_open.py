@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gguf import GGUFReader
 
-from kvslim.formats.gguf_header import FastGGUFReader
+from kvslim.formats.gguf.header import FastGGUFReader
 
 
 def default_files() -> list[Path]:

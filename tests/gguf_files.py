@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from kvslim.formats.gguf_tokenizer import byte_alphabet
+from kvslim.formats.gguf.tokenizer import byte_alphabet
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w"]

@@ -63,7 +63,7 @@ def mixed_gguf(tmp_path_factory):
     types in one layer) and a Q8_0 tied embedding table."""
     from gguf import GGMLQuantizationType as Q
     from gguf_files import write_tiny_gguf
-    from kvslim.formats.gguf_import import import_gguf
+    from kvslim.formats.gguf.importer import import_gguf
     root = tmp_path_factory.mktemp("mixed")
     types = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_1, "attn_v": Q.Q6_K, "attn_output": Q.Q8_0,
              "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_0, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0}

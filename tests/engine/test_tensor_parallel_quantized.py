@@ -24,7 +24,7 @@ BFLOAT16_LOGPROBS = 0.1               # the bf16 kernels' rounding, on logprobs 
 def gguf_model(root):
     from gguf import GGMLQuantizationType as Q
     from gguf_files import write_tiny_gguf
-    from kvslim.formats.gguf_import import import_gguf
+    from kvslim.formats.gguf.importer import import_gguf
     types = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_1, "attn_v": Q.Q6_K, "attn_output": Q.Q8_0,
              "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_0, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0}
     write_tiny_gguf(root / "mixed.gguf", types=types, hidden=256, ffn=256, tied=True)

@@ -1,5 +1,5 @@
 """Stored weight bytes, from safetensors headers and GGUF tensor tables, without loading."""
-from kvslim.formats.gguf_export import export_gguf
+from kvslim.formats.gguf.exporter import export_gguf
 from kvslim.formats.weight_bytes import gguf_weight_bytes, stored_weight_bytes
 
 # The "tied" variant: 2 layers, hidden 64, 4 heads of 16, 2 KV heads, FFN 128, vocab 320.

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 from checkpoints import VOCAB
 from kvslim.cli.main import main
 from kvslim.errors import ConfigError
-from kvslim.formats.gguf_export import export_gguf
-from kvslim.formats.gguf_import import import_gguf
+from kvslim.formats.gguf.exporter import export_gguf
+from kvslim.formats.gguf.importer import import_gguf
 from kvslim.formats.loader import load_model
 from kvslim.models.config import LAYER_KV_HEADS_KEY, ModelConfig
 from kvslim.surgery.convert import convert_to_gqa

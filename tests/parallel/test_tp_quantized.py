@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf_files import write_tiny_gguf
 from quantized_checkpoints import write_awq
 from kvslim.errors import KvslimError
-from kvslim.formats.gguf_import import import_gguf
+from kvslim.formats.gguf.importer import import_gguf
 from kvslim.formats.loader import load_model
 from kvslim.layers.block_quant_linear import BlockQuantLinear
 from kvslim.layers.quant_linear import QuantLinear, QuantSpec

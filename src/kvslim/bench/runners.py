@@ -34,7 +34,7 @@ def kvslim_llm(model_dir, kv_cache_memory="1GiB", max_num_seqs: int = 256,
 
 def exported_gguf(model_dir: Path, dtype: str = "f32") -> Path:
     """The model exported by `kvslim export-gguf`, cached by weights' identity."""
-    from kvslim.formats.gguf_export import export_gguf
+    from kvslim.formats.gguf.exporter import export_gguf
     weights = sorted(Path(model_dir).glob("*.safetensors"))
     key = hashlib.sha256("|".join(f"{w.resolve()}:{w.stat().st_size}:{w.stat().st_mtime_ns}"
                                   for w in weights).encode()).hexdigest()[:16]

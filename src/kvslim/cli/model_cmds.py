@@ -5,8 +5,11 @@ import json
 
 
 def register(sub) -> None:
-    p = sub.add_parser("import-gguf", help="convert a llama GGUF file to an HF model directory")
-    p.add_argument("gguf", metavar="FILE", help="GGUF file (llama architecture)")
+    from kvslim.formats.gguf.archs import SUPPORTED_GGUF_ARCHITECTURES
+    p = sub.add_parser("import-gguf", help="convert a GGUF file to an HF model directory")
+    p.add_argument("gguf", metavar="FILE",
+                   help="GGUF file of one of the architectures "
+                        f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (llama with experts: Mixtral)")
     p.add_argument("out", metavar="OUT_DIR", help="output model directory")
     p.add_argument("--dtype", default="auto", choices=("auto", "quantized", "float32"),
                    help="auto (default): a file whose linear layers are all Q4_0, Q4_1, Q8_0, "
@@ -38,7 +41,7 @@ def register(sub) -> None:
 
 
 def run_import_gguf(args) -> int:
-    from kvslim.formats.gguf_import import import_gguf
+    from kvslim.formats.gguf.importer import import_gguf
     from kvslim.formats.info import model_info
     out = import_gguf(args.gguf, args.out, show_progress=not args.quiet,
                       keep_quantized=args.dtype == "auto",
@@ -57,11 +60,14 @@ def _gguf_backed(model_dir) -> bool:
 
 def run_export_gguf(args) -> int:
     import os
-    from kvslim.formats.gguf_export import export_gguf
+    from kvslim.formats.gguf.exporter import export_gguf
     from kvslim.formats.registry import resolve_model
-    out = export_gguf(resolve_model(args.model), args.out, args.dtype.lower(),
-                      show_progress=not args.quiet)
-    print(f"wrote {out} (llama GGUF, {args.dtype.lower()}, {os.path.getsize(out):,} bytes)")
+    from kvslim.models.config import ModelConfig
+    from kvslim.models.families import family_of
+    model_dir = resolve_model(args.model)
+    out = export_gguf(model_dir, args.out, args.dtype.lower(), show_progress=not args.quiet)
+    arch = family_of(ModelConfig.from_dir(model_dir)).gguf.arch
+    print(f"wrote {out} ({arch} GGUF, {args.dtype.lower()}, {os.path.getsize(out):,} bytes)")
     return 0
 
 

@@ -81,7 +81,7 @@ def count_parameters(model_dir: str | Path, config: ModelConfig) -> int:
     counted again even when a checkpoint stores a copy."""
     spec = config.quantization
     if spec is not None and spec.method == "gguf":
-        from kvslim.formats.gguf_weights import gguf_parameter_count
+        from kvslim.formats.gguf.weights import gguf_parameter_count
         return gguf_parameter_count(Path(model_dir) / spec.file, config)
     return sum(numel for numel, _ in _stored(model_dir, config))
 

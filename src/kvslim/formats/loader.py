@@ -16,9 +16,8 @@ from safetensors import safe_open
 from kvslim.errors import WeightsError
 from kvslim.formats.quant_layouts import LAYOUTS, gptq_weights
 from kvslim.formats.compressed_tensors_int import is_symmetric_zero_point
-from kvslim.models.checkpoint_names import from_checkpoint, needs_translation
 from kvslim.models.config import ModelConfig, parse_dtype
-from kvslim.models.families import model_class
+from kvslim.models.families import family_of, model_class
 from kvslim.models.llama import LlamaForCausalLM
 from kvslim.layers.rope import RotaryEmbedding
 
@@ -108,10 +107,10 @@ def _checked_weights(model_dir: Path, config: ModelConfig, expected: dict[str, t
     """(name, tensor) for every checkpoint weight the model takes, each checked by name and
     shape against `expected` before it is read. Another tool's quantized layout is converted
     to the GPTQ layout first (formats/quant_layouts.py) and checked after."""
-    spec = config.quantization
-    if spec is not None and config.model_type == "phi3":
+    spec, family = config.quantization, family_of(config)
+    if spec is not None and family.quantized_unsupported:
         raise WeightsError(f"{model_dir}: quantized {config.architecture} checkpoints are not "
-                           "supported yet (their fused projections have no quantized reader)")
+                           f"supported yet ({family.quantized_unsupported})")
     if spec is not None and spec.method in LAYOUTS:
         stored = ((path, name, f.get_tensor(name)) for path, f, name in _stored(model_dir, config))
         for path, name, tensor in gptq_weights(spec, stored, expected):
@@ -119,8 +118,8 @@ def _checked_weights(model_dir: Path, config: ModelConfig, expected: dict[str, t
             yield name, tensor
         return
     for path, f, name in _stored(model_dir, config):
-        if needs_translation(name, config):          # e.g. Phi-3's fused qkv_proj
-            for part, tensor in from_checkpoint(name, f.get_tensor(name), config):
+        if family.translates(name):                  # e.g. Phi-3's fused qkv_proj
+            for part, tensor in family.from_checkpoint(name, f.get_tensor(name), config):
                 _check(path, part, tuple(tensor.shape), config, expected)
                 yield part, tensor
             continue
@@ -144,7 +143,7 @@ def _stored(model_dir: Path, config: ModelConfig) -> Iterator[tuple[Path, Any, s
 def _checked_gguf_weights(path: Path, config: ModelConfig, expected: dict[str, torch.Size]
                           ) -> Iterator[tuple[str, torch.Tensor]]:
     """The same from a GGUF file (quantization_config quant_method "gguf")."""
-    from kvslim.formats.gguf_weights import gguf_weights
+    from kvslim.formats.gguf.weights import gguf_weights
     if not path.is_file():
         raise WeightsError(f"config.json names GGUF file {path.name!r}, which is not in "
                            f"{path.parent}")

@@ -5,7 +5,7 @@ The default model is SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI p
 later calls return that directory. GGUF files given by path are imported the same way, into a
 directory keyed by the file's contents. Each file has two imports, cached side by side: float32
 safetensors (`quantized=False`, what training, surgery and evaluation take), and the quantized
-one (`quantized=True`: the .gguf itself read as blocks, formats/gguf_weights.py; a file with
+one (`quantized=True`: the .gguf itself read as blocks, formats/gguf/weights.py; a file with
 linears of another type falls back to float32 there too), which the CLI's inference commands
 run unless given `--dtype float32`."""
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig
-from kvslim.formats.gguf_file import GGUFFile
-from kvslim.formats.gguf_import import config_from_gguf, import_gguf
+from kvslim.formats.gguf.file import GGUFFile
+from kvslim.formats.gguf.importer import config_from_gguf, import_gguf
 from kvslim.paths import kvslim_home
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -43,8 +43,8 @@ def stored_weight_bytes(model_dir: str | Path) -> WeightBytes:
 
 
 def gguf_weight_bytes(path: str | Path) -> WeightBytes:
-    from kvslim.formats.gguf_file import GGUFFile
-    from kvslim.formats.gguf_import import is_linear
+    from kvslim.formats.gguf.file import GGUFFile
+    from kvslim.formats.gguf.importer import is_linear
     tensors = GGUFFile.open(path).tensors
     return WeightBytes(sum(int(t.n_bytes) for t in tensors),
                        sum(int(t.n_bytes) for t in tensors if is_linear(t.name)))

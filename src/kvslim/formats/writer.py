@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kvslim.models.checkpoint_names import to_checkpoint
 from kvslim.models.config import ModelConfig, dtype_name
+from kvslim.models.families import family_of
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
@@ -23,7 +23,7 @@ def save_model(state_dict: dict[str, torch.Tensor], config: ModelConfig, out_dir
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for name, t in to_checkpoint(state_dict, config).items():
+    for name, t in family_of(config).to_checkpoint(state_dict, config).items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
         t = t.detach().to("cpu")

@@ -1,7 +1,7 @@
 """Token embeddings kept in a GGUF file's block form (SmolLM2's Q8_0 `token_embd`), and the LM
 head tied to them.
 
-The lookup dequantizes only the rows it gathers (exact, formats/gguf_blocks.py), so the table
+The lookup dequantizes only the rows it gathers (exact, formats/gguf/blocks.py), so the table
 stays 1 byte per weight plus its group scales and offsets: for SmolLM2-135M 28 MB + 14 MB
 instead of 113 MB of float32. The tied head multiplies with the whole table through the kernel a
 BlockQuantLinear of the table's type would run: for an 8-bit table (Q8_0) the exact float32 one

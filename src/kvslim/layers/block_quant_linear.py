@@ -1,11 +1,11 @@
 """Linear layers holding llama.cpp's block-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) in
 one decoded form, so a GGUF file's linear layers load without re-quantizing
-(docs/quantization-formats.md, formats/gguf_blocks.py for the decoding):
+(docs/quantization-formats.md, formats/gguf/blocks.py for the decoding):
 
     qvalues uint8 [out, in]        the integer of each weight (0..15, 0..63 or 0..255)
     scales        [out, in / 16]   s of each group of 16 inputs
     mins          [out, in / 16]   m of each group
-    qtype   int32 [shards]         each shard's GGML type id (formats/gguf_blocks.TYPE_IDS)
+    qtype   int32 [shards]         each shard's GGML type id (formats/gguf/blocks.TYPE_IDS)
 
 w[o, i] = qvalues[o, i] * scales[o, i // 16] + mins[o, i // 16], llama.cpp's dequantization bit
 for bit. Blocks run along the input dim, so every tensor is row-major over the outputs: fused
@@ -35,7 +35,7 @@ INT4_GROUP = 32
 NATIVE_INT4_ROWS = 16
 BLOCK_LEAVES = ("qvalues", "scales", "mins", "qtype", "bias")
 # GGML type ids whose values fit 4 bits (Q4_0, Q4_1, Q4_K) and 8 bits with their zero (Q8_0,
-# Q6_K): formats/gguf_blocks.py names them (tests/formats/test_gguf_blocks.py keeps the two equal).
+# Q6_K): formats/gguf/blocks.py names them (tests/formats/gguf/test_gguf_blocks.py keeps the two equal).
 FOUR_BIT_TYPES = (2, 3, 12)
 EIGHT_BIT_ZEROS = {8: 128, 14: 32}
 

@@ -13,27 +13,16 @@ from kvslim.attention.kv_cache import KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES
 from kvslim.errors import ConfigError
 from kvslim.layers.quant_linear import QuantSpec
 from kvslim.layers.rope import validate_rope_scaling
+from kvslim.models.families import BY_ARCHITECTURE, FAMILIES
 from kvslim.models.hf_fields import (LAYER_KV_HEADS_KEY, activation_from_hf,
-                                     check_rotary_fraction, gemma3_fields, gemma3_hf_fields,
-                                     layer_kv_heads_from_hf, moe_hf_fields, rope_from_hf)
-from kvslim.models.shape_only import MLAConfig, MoEConfig, mla_from_hf, moe_from_hf
+                                     check_rotary_fraction, layer_kv_heads_from_hf, rope_from_hf)
+from kvslim.models.shape_only import MLAConfig, MoEConfig
 
 # Architectures a model in models/ implements: the engine runs them.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Phi3ForCausalLM": "phi3",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-}
+SUPPORTED_ARCHITECTURES = {f.architecture: f.model_type for f in FAMILIES if f.runnable}
 # Architectures read for their shapes only (`from_hf_dict(..., runnable=False)`), so that the
 # memory planner sizes them from the same parser; nothing in kvslim runs them.
-SHAPE_ONLY_ARCHITECTURES = {
-    "DeepseekV2ForCausalLM": "deepseek_v2",
-}
+SHAPE_ONLY_ARCHITECTURES = {f.architecture: f.model_type for f in FAMILIES if not f.runnable}
 ARCHITECTURES = {**SUPPORTED_ARCHITECTURES, **SHAPE_ONLY_ARCHITECTURES}
 
 DTYPES = {
@@ -264,12 +253,9 @@ class ModelConfig:
             check_rotary_fraction(cfg)
             eos = cfg.get("eos_token_id")
             eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-            is_qwen2 = arch == "Qwen2ForCausalLM"
-            is_qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-            use_sw = cfg.get("use_sliding_window", not (is_qwen2 or is_qwen3))
-            mla = mla_from_hf(cfg) if arch == "DeepseekV2ForCausalLM" else None
             layer_heads = layer_kv_heads_from_hf(cfg)
-            family = gemma3_fields(cfg) if arch == "Gemma3ForCausalLM" else {}
+            # the family's own fields (Qwen2's biases, Gemma 3's layers, the experts, ...)
+            family = BY_ARCHITECTURE[arch].hf_fields(cfg) if arch in BY_ARCHITECTURE else {}
             fields = dict(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -279,25 +265,22 @@ class ModelConfig:
                 num_attention_heads=heads,
                 num_key_value_heads=(max(layer_heads) if layer_heads
                                      else int(cfg.get("num_key_value_heads") or heads)),
-                head_dim=(mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla
-                          else int(cfg.get("head_dim") or hidden // heads)),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=True if is_qwen2 else bool(cfg.get("attention_bias", False)),
-                o_bias=False if is_qwen2 else bool(cfg.get("attention_bias", False)),
-                qk_norm=is_qwen3,
+                qkv_bias=bool(cfg.get("attention_bias", False)),
+                o_bias=bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
-                sliding_window=cfg.get("sliding_window") if use_sw else None,
+                sliding_window=(cfg.get("sliding_window") if cfg.get("use_sliding_window", True)
+                                else None),
                 torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
                 layer_kv_heads=layer_heads,
                 raw=copy.deepcopy(cfg),
-                moe=moe_from_hf(cfg, arch),
-                mla=mla,
                 name=name,
                 source=source,
                 hidden_act=hidden_act,
@@ -367,15 +350,7 @@ class ModelConfig:
                           else (self.eos_token_ids or None)),
             dtype=self.torch_dtype,
         )
-        if self.model_type != "qwen2":
-            cfg["attention_bias"] = self.qkv_bias
-        if self.model_type == "llama":
-            cfg["mlp_bias"] = self.mlp_bias
-        if self.model_type == "gemma3_text":
-            cfg.pop("rope_theta", None)
-            cfg.update(gemma3_hf_fields(self))
-        if self.moe is not None and self.runnable:
-            cfg.update(moe_hf_fields(self, cfg))
+        BY_ARCHITECTURE[self.architecture].write_hf(self, cfg)
         return cfg
 
     def replace(self, **changes: Any) -> "ModelConfig":

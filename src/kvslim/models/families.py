@@ -1,13 +1,31 @@
-"""Which model class runs a config: the Llama decoder for the Llama family (Llama, Mistral,
-Qwen2, Qwen3, Phi-3, and the MoE ones, Mixtral and Qwen3-MoE), Gemma 3's own arrangement of the
-same pieces."""
+"""The model families kvslim knows, registered once. Each family's file in models/ declares
+its `Family` (models/base.py: its config fields, model class, checkpoint-name rule, GGUF layout
+and what it supports); this list is where a new one is added. Code outside models/ asks
+`family_of(config)` instead of testing architecture names."""
 from __future__ import annotations
 
-from kvslim.models.config import ModelConfig
-from kvslim.models.gemma3 import Gemma3ForCausalLM
-from kvslim.models.llama import LlamaForCausalLM
+from typing import TYPE_CHECKING
+
+from kvslim.models import (deepseek_v2, gemma3, llama, mistral, mixtral, phi3, qwen2, qwen3,
+                           qwen3_moe)
+from kvslim.models.base import Family
+
+if TYPE_CHECKING:
+    from kvslim.models.config import ModelConfig
+
+# In this order in messages (the architectures kvslim supports, the GGUF ones it imports)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
+                                gemma3.FAMILY, phi3.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY,
+                                deepseek_v2.FAMILY)
+BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 
 
-def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+def family_of(config: ModelConfig) -> Family:
+    return BY_ARCHITECTURE[config.architecture]
+
+
+def model_class(config: ModelConfig) -> type[llama.LlamaForCausalLM]:
+    """Which model class runs a config: the Llama decoder for most families, Gemma 3's own
+    arrangement of the same pieces."""
     config.require_runnable()
-    return Gemma3ForCausalLM if config.model_type == "gemma3_text" else LlamaForCausalLM
+    return family_of(config).model_class

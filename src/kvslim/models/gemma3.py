@@ -9,19 +9,35 @@
   context, `rope_theta` with its scaling), as `layer_types` says.
 
 Checkpoint names are the Llama family's plus the two feed-forward norms, so loading, surgery and
-writing reuse `LlamaForCausalLM`'s rule unchanged."""
+writing reuse `LlamaForCausalLM`'s rule unchanged.
+
+llama.cpp's `gemma3` files differ from `llama` ones: four norms per layer and per-head q/k
+norms under their own tensor names; norm weights stored as (1 + w) (llama.cpp multiplies by the
+weight, Gemma by one plus it, so the converter adds the one and the importer takes it off
+again); Q and K rows not permuted (llama.cpp runs Gemma with HF's half-split RoPE). What the
+file does not say, llama.cpp fixes for the architecture, and so does the importer: every sixth
+layer is global and the others slide over `attention.sliding_window` tokens, the local layers'
+RoPE base is 10000, and the attention scale is 1 / sqrt(head_dim)."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from kvslim.errors import ConfigError
 
 from kvslim.layers.linear import Linear
 from kvslim.layers.mlp import SwiGLUMLP
 from kvslim.layers.norm import GemmaRMSNorm
 from kvslim.layers.rope import RotaryEmbedding
 from kvslim.layers.self_attention import Attention
-from kvslim.models.config import ModelConfig
-from kvslim.models.llama import LlamaForCausalLM
+from kvslim.models.base import QK_NORM_TENSORS, Family, GGUFLayout, write_attention_bias
+from kvslim.models.hf_fields import rope_from_hf
+from kvslim.models.llama import LLAMA_LAYER_TENSORS, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from kvslim.models.config import ModelConfig
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -81,3 +97,74 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+
+# ---- config.json ---------------------------------------------------------------------------
+def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields a Gemma 3 config.json sets its own way: local and global layers
+    (`layer_types`, or the older `sliding_window_pattern`), each with its RoPE base
+    (`rope_parameters` per layer type, or the older `rope_theta` + `rope_local_base_freq`), the
+    attention scale's `query_pre_attn_scalar`, tied embeddings by default."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ConfigError(f"config.json: {key} is not supported (Gemma 3 sets it to null)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError("config.json: use_bidirectional_attention is not supported")
+    n, pattern = int(cfg["num_hidden_layers"]), int(cfg.get("sliding_window_pattern", 6))
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:
+        full = dict(params["full_attention"])
+        theta = float(full.pop("rope_theta", 1_000_000.0))
+        local = float((params.get("sliding_attention") or {}).get("rope_theta", 10_000.0))
+        scaling = full if full.get("rope_type", "default") != "default" else None
+    else:
+        theta, scaling = rope_from_hf({**cfg, "rope_theta": cfg.get("rope_theta", 1_000_000.0)})
+        local = float(cfg.get("rope_local_base_freq", 10_000.0))
+    head_dim = int(cfg.get("head_dim") or 256)
+    return dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local,
+                layer_types=tuple(types), sliding_window=cfg.get("sliding_window"),
+                query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", head_dim),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), qk_norm=True)
+
+
+def write_hf(config: ModelConfig, cfg: dict[str, Any]) -> None:
+    """The same fields written back the way transformers' Gemma3TextConfig reads them."""
+    write_attention_bias(config, cfg)
+    cfg.pop("rope_theta", None)
+    full = {"rope_type": "default", "rope_theta": config.rope_theta, **(config.rope_scaling or {})}
+    cfg.update({"hidden_activation": config.hidden_act, "layer_types": list(config.layer_types),
+                "sliding_window": config.sliding_window,
+                "query_pre_attn_scalar": config.query_pre_attn_scalar,
+                "rope_parameters": {"full_attention": full,
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": config.rope_local_theta}},
+                "final_logit_softcapping": None, "attn_logit_softcapping": None})
+
+
+# ---- GGUF ----------------------------------------------------------------------------------
+SLIDING_PATTERN = 6           # layers 5, 11, 17, ... are global
+LOCAL_ROPE_THETA = 10_000.0
+LAYER_TENSORS = {
+    **LLAMA_LAYER_TENSORS, **QK_NORM_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def gguf_fields(key, optional, head_dim: int) -> dict[str, Any]:
+    types = tuple("sliding_attention" if (i + 1) % SLIDING_PATTERN else "full_attention"
+                  for i in range(int(key("block_count"))))
+    return dict(hidden_act="gelu_pytorch_tanh", layer_types=types, qk_norm=True,
+                rope_local_theta=LOCAL_ROPE_THETA, query_pre_attn_scalar=head_dim)
+
+
+# AWQ and SmoothQuant fold scales into the norm before each linear; Gemma's (1 + w) norms, and
+# its post-attention norm that follows o_proj instead of preceding the MLP, do not fit that.
+FAMILY = Family("gemma3_text", "Gemma3ForCausalLM", "Gemma 3", Gemma3ForCausalLM,
+                hf_fields=hf_fields, write_hf=write_hf, norms_per_layer=4, scale_folding=False,
+                gguf=GGUFLayout("gemma3", LAYER_TENSORS, norms_plus_one=True,
+                                sliding_window=True, exports=False, float_only=True,
+                                fields=gguf_fields))

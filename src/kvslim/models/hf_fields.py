@@ -1,5 +1,6 @@
-"""Fields of an HF config.json that need more than a lookup: the RoPE layout (two spellings),
-per-layer KV head counts, partial rotary."""
+"""Fields of an HF config.json that need more than a lookup, whatever the family: the RoPE layout
+(two spellings), per-layer KV head counts, partial rotary, the activation. A family's own fields
+are read in its file (`Family.hf_fields`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -68,59 +69,3 @@ def activation_from_hf(cfg: dict[str, Any]) -> str:
         raise ConfigError(f"config.json: hidden activation {act!r} is not supported; kvslim "
                           f"runs {', '.join(SUPPORTED_ACTIVATIONS)}")
     return act
-
-
-def gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig fields a Gemma 3 config.json sets its own way: local and global layers
-    (`layer_types`, or the older `sliding_window_pattern`), each with its RoPE base
-    (`rope_parameters` per layer type, or the older `rope_theta` + `rope_local_base_freq`), the
-    attention scale's `query_pre_attn_scalar`, tied embeddings by default."""
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise ConfigError(f"config.json: {key} is not supported (Gemma 3 sets it to null)")
-    if cfg.get("use_bidirectional_attention"):
-        raise ConfigError("config.json: use_bidirectional_attention is not supported")
-    n, pattern = int(cfg["num_hidden_layers"]), int(cfg.get("sliding_window_pattern", 6))
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    params = cfg.get("rope_parameters") or {}
-    if "full_attention" in params:
-        full = dict(params["full_attention"])
-        theta = float(full.pop("rope_theta", 1_000_000.0))
-        local = float((params.get("sliding_attention") or {}).get("rope_theta", 10_000.0))
-        scaling = full if full.get("rope_type", "default") != "default" else None
-    else:
-        theta, scaling = rope_from_hf({**cfg, "rope_theta": cfg.get("rope_theta", 1_000_000.0)})
-        local = float(cfg.get("rope_local_base_freq", 10_000.0))
-    head_dim = int(cfg.get("head_dim") or 256)
-    return dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local,
-                layer_types=tuple(types), sliding_window=cfg.get("sliding_window"),
-                query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", head_dim),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), qk_norm=True)
-
-
-def gemma3_hf_fields(config) -> dict[str, Any]:
-    """The same fields written back the way transformers' Gemma3TextConfig reads them."""
-    full = {"rope_type": "default", "rope_theta": config.rope_theta, **(config.rope_scaling or {})}
-    return {"hidden_activation": config.hidden_act, "layer_types": list(config.layer_types),
-            "sliding_window": config.sliding_window,
-            "query_pre_attn_scalar": config.query_pre_attn_scalar,
-            "rope_parameters": {"full_attention": full,
-                                "sliding_attention": {"rope_type": "default",
-                                                      "rope_theta": config.rope_local_theta}},
-            "final_logit_softcapping": None, "attn_logit_softcapping": None}
-
-
-def moe_hf_fields(config, cfg: dict[str, Any]) -> dict[str, Any]:
-    """A mixture-of-experts config's expert fields as transformers' Mixtral and Qwen3-MoE configs
-    read them: written out, since an imported GGUF file has no config.json to keep them from.
-    `cfg` loses the alias of the count that is not written (transformers 5 saves Qwen3-MoE's
-    `num_experts` as `num_local_experts`)."""
-    moe = config.moe
-    if config.model_type == "mixtral":
-        return {"num_local_experts": moe.num_experts,
-                "num_experts_per_tok": moe.num_experts_per_tok}
-    cfg.pop("num_local_experts", None)
-    return {"num_experts": moe.num_experts, "num_experts_per_tok": moe.num_experts_per_tok,
-            "moe_intermediate_size": moe.expert_intermediate_size,
-            "norm_topk_prob": moe.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": []}

@@ -1,12 +1,13 @@
-"""One GQA-native decoder for the Llama family (Llama, Mistral, Qwen2, and Qwen3: the same
-decoder with each query and key head RMS-normalised before RoPE; Mixtral and Qwen3-MoE: the
-Llama and Qwen3 decoders with a sparse mixture-of-experts MLP, layers/moe.py). Parameter names
-follow HF transformers except for the fused projections, q/k/v (`qkv_proj`) and gate/up
+"""Llama, and the one GQA-native decoder the Llama family shares (Mistral, Qwen2, Phi-3; Qwen3:
+the same decoder with each query and key head RMS-normalised before RoPE; Mixtral and Qwen3-MoE:
+the Llama and Qwen3 decoders with a sparse mixture-of-experts MLP, layers/moe.py). Parameter
+names follow HF transformers except for the fused projections, q/k/v (`qkv_proj`) and gate/up
 (`gate_up_proj`); `packed_modules_mapping` is the weight-name rule between the two, used by
 `load_weights` (checkpoint in) and `hf_state_dict` (checkpoint out)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,9 +20,12 @@ from kvslim.layers.mlp import SwiGLUMLP
 from kvslim.layers.moe import SparseMoE
 from kvslim.layers.quant_linear import QuantLinear
 from kvslim.layers.self_attention import Attention
-from kvslim.models.config import ModelConfig
 from kvslim.layers.norm import RMSNorm
 from kvslim.layers.rope import RotaryEmbedding
+from kvslim.models.base import Family, GGUFLayout, write_attention_bias
+
+if TYPE_CHECKING:
+    from kvslim.models.config import ModelConfig
 
 
 class DecoderLayer(nn.Module):
@@ -182,3 +186,25 @@ def default_positions(input_ids: torch.Tensor, padding_mask: torch.Tensor | None
         return torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
     # Left padding: each row's first real token is position 0.
     return (padding_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _write_hf(config: ModelConfig, cfg: dict[str, Any]) -> None:
+    write_attention_bias(config, cfg)
+    cfg["mlp_bias"] = config.mlp_bias
+
+
+# A GGUF decoder layer's tensors (blk.N.<name>) -> kvslim's module names
+LLAMA_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+GGUF = GGUFLayout("llama", LLAMA_LAYER_TENSORS, permutes_qk=True)
+FAMILY = Family("llama", "LlamaForCausalLM", "Llama", LlamaForCausalLM, write_hf=_write_hf,
+                gguf=GGUF)

@@ -2,15 +2,22 @@
 store q, k and v as one `qkv_proj` matrix (q rows, then k, then v) and gate and up as one
 `gate_up_proj` (gate rows, then up). Everything inside kvslim — surgery, quantization, the
 writer's callers — speaks the split, Llama-style names, so this rule splits fused tensors when a
-checkpoint is read and fuses them again when one is written."""
+checkpoint is read and fuses them again when one is written. Its GGUF files keep the fused
+tensors, and its window in `phi3.attention.sliding_window`. LongRoPE (Phi-3's long-context
+scaling) is layers/rope.py's."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvslim.errors import KvslimError
-from kvslim.models.config import ModelConfig
+from kvslim.models.base import Family, GGUFLayout
+from kvslim.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from kvslim.models.config import ModelConfig
 
 # checkpoint module -> the split modules it stacks, in row order
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -26,6 +33,10 @@ def _layer_and_module(name: str) -> tuple[str, str, str] | None:
             prefix, leaf = name.split(marker)
             return prefix + ".", fused, leaf
     return None
+
+
+def is_fused_name(name: str) -> bool:
+    return _layer_and_module(name) is not None
 
 
 def _row_sizes(config: ModelConfig, layer: int, fused: str) -> list[int]:
@@ -75,3 +86,13 @@ def fuse_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str,
         out[key] = torch.cat([state[f"{prefix}.layers.{layer}.{p}.{leaf}"]
                               for p in FUSED[fused]])
     return out
+
+
+# The fused tensors as the file keeps them (split at the checkpoint boundary, as above)
+LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+                 "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj",
+                 "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+FAMILY = Family("phi3", "Phi3ForCausalLM", "Phi-3", LlamaForCausalLM,
+                translates=is_fused_name, from_checkpoint=split_tensor, to_checkpoint=fuse_state,
+                gguf=GGUFLayout("phi3", LAYER_TENSORS, sliding_window=True, float_only=True),
+                quantized_unsupported="their fused projections have no quantized reader")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from kvslim.models.config import ModelConfig
+from kvslim.models.families import family_of
 
 
 def parameter_counts(config: ModelConfig) -> tuple[int, int]:
@@ -10,7 +11,7 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
     h, layers = config.hidden_size, config.num_hidden_layers
     embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
     total = active = embeddings + h                         # + the final norm
-    norms = (4 if config.model_type == "gemma3_text" else 2) * h    # Gemma: around both blocks
+    norms = family_of(config).norms_per_layer * h
     for layer in range(layers):
         attention = _mla_params(config) if config.mla else _attention_params(config, layer)
         mlp_total, mlp_active = _mlp_params(config, layer)

@@ -29,7 +29,7 @@ def test_llamacpp_perplexity_is_kvslims_on_the_same_windows(tmp_path, shared_dir
     if tools.missing():
         pytest.skip(tools.missing())
     from kvslim.eval.perplexity import file_perplexity
-    from kvslim.formats.gguf_export import export_gguf
+    from kvslim.formats.gguf.exporter import export_gguf
     model, text = REPO / "models" / "ref-mha", shared_dir / "corpus" / "test.txt"
     gguf = export_gguf(model, tmp_path / "ref.gguf", "f32", show_progress=False)
     ppl, file_tokens = tools.perplexity(gguf, text, 256, 255, 3)    # 3 windows, stride 255

@@ -89,7 +89,7 @@ def gguf_kept(kind: str):
     """`kvslim import-gguf` keeping the file's blocks: the shipped file for a model shipped as
     GGUF and kind "shipped", else llama.cpp's `kind` file of the float model."""
     def build(ctx: Ctx) -> Path:
-        from kvslim.formats.gguf_import import import_gguf
+        from kvslim.formats.gguf.importer import import_gguf
         source = ctx.model.shipped_gguf if kind == "shipped" else ctx.peer_gguf(kind)
         if source is None:
             raise NotPossible("the model is not shipped as a GGUF file")

@@ -169,7 +169,7 @@ class QuantExperiment:
         float_dir = self.work / key / "float32-import"
         if not (float_dir / "config.json").is_file():
             import shutil
-            from kvslim.formats.gguf_import import import_gguf
+            from kvslim.formats.gguf.importer import import_gguf
             tmp = float_dir.with_name(float_dir.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             import_gguf(gguf, tmp, show_progress=self.cfg.show_progress).rename(float_dir)
@@ -186,7 +186,7 @@ class QuantExperiment:
         base = self.work / self.current.key
         f32 = base / "llamacpp-f32.gguf"
         if not f32.is_file():
-            from kvslim.formats.gguf_export import export_gguf
+            from kvslim.formats.gguf.exporter import export_gguf
             export_gguf(self.current.float_dir, base / "llamacpp-f32.tmp.gguf", "f32",
                         show_progress=False).replace(f32)
         return f32 if kind == "f32" else self.tools.quantize(f32, base / f"llamacpp-{kind}.gguf",

@@ -139,7 +139,7 @@ def smollm2_variants(work_dir: Path, calib: str, show_progress: bool = True) -> 
     """SmolLM2-135M-Instruct as float32 (the target) and the project's cheaper copies of it
     that need no new weights: its shipped 4-bit blocks kept as they are, and its MQA
     conversion (3 -> 1 KV heads, `align`). Built once under work_dir."""
-    from kvslim.formats.gguf_import import import_gguf
+    from kvslim.formats.gguf.importer import import_gguf
     from kvslim.formats.registry import default_model_gguf
     from kvslim.surgery.convert import convert_to_gqa
     gguf = default_model_gguf()

@@ -26,6 +26,7 @@ from kvslim.formats.loader import load_model
 from kvslim.formats.writer import save_model
 from kvslim.layers.quant_linear import QuantSpec
 from kvslim.models.config import ModelConfig, parse_dtype
+from kvslim.models.families import family_of
 from kvslim.models.llama import LlamaForCausalLM
 from kvslim.surgery.quantize.awq import clip_layer, fold_layer
 from kvslim.surgery.quantize.gptq import Hessian, gptq_quantize
@@ -54,11 +55,12 @@ def check_options(config: ModelConfig, method: str, spec: QuantSpec,
     if config.moe is not None:
         raise KvslimError(f"quantizing a mixture-of-experts model ({config.architecture}) is "
                           "not supported yet")
-    if config.model_type == "gemma3_text" and (method == "awq" or smooth_alpha is not None):
-        # both fold scales into the norm before each linear; Gemma's (1 + w) norms, and its
-        # post-attention norm that follows o_proj instead of preceding the MLP, do not fit that
+    family = family_of(config)
+    if not family.scale_folding and (method == "awq" or smooth_alpha is not None):
+        # both fold scales into the norm before each linear; the family file says why not
         raise KvslimError(f"--method {method}{' --smooth-alpha' if smooth_alpha else ''} does "
-                          "not support Gemma 3's norms yet; use gptq, rtn, int8 or plain w8a8")
+                          f"not support {family.name}'s norms yet; use gptq, rtn, int8 or plain "
+                          "w8a8")
     if (method == "w8a8") != (spec.method == "w8a8"):
         raise KvslimError(f"--method {method} does not write a {spec.method} checkpoint")
     if bits not in (4, 8):

@@ -17,7 +17,7 @@ GGUF_MAGIC = b"GGUF"
 @dataclass
 class GGUFFile:
     path: Path
-    reader: Any                      # gguf_header.FastGGUFReader; loosely typed: gguf loads lazily
+    reader: Any                      # header.FastGGUFReader; loosely typed: gguf loads lazily
 
     @classmethod
     def open(cls, path: str | Path) -> "GGUFFile":
@@ -29,7 +29,7 @@ class GGUFFile:
         # Checked here because GGUFReader's own error for a wrong file is a bare ValueError.
         if magic != GGUF_MAGIC:
             raise ConfigError(f"{path} is not a GGUF file (it does not start with b'GGUF')")
-        from kvslim.formats.gguf_header import FastGGUFReader
+        from kvslim.formats.gguf.header import FastGGUFReader
         try:
             reader = FastGGUFReader(path)
         except (ValueError, OSError, IndexError, KeyError) as e:

@@ -6,9 +6,9 @@ from tokenizers import pre_tokenizers
 
 from gguf_files import SPECIALS, write_tiny_gguf
 from kvslim.errors import ConfigError
-from kvslim.formats.gguf_file import GGUFFile
-from kvslim.formats.gguf_import import import_gguf
-from kvslim.formats.gguf_tokenizer import byte_alphabet, tokenizer_files
+from kvslim.formats.gguf.file import GGUFFile
+from kvslim.formats.gguf.importer import import_gguf
+from kvslim.formats.gguf.tokenizer import byte_alphabet, tokenizer_files
 from kvslim.tokenizer.tokenizer import Tokenizer
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

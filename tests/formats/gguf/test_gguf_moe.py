@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from checkpoints import VOCAB, dense_greedy, hf_config, write_random_checkpoint
 from gguf_files import write_tiny_gguf
 from kvslim.errors import ConfigError
-from kvslim.formats.gguf_export import export_gguf
-from kvslim.formats.gguf_import import hf_tensor_name, import_gguf
+from kvslim.formats.gguf.exporter import export_gguf
+from kvslim.formats.gguf.importer import hf_tensor_name, import_gguf
 from kvslim.formats.loader import load_model
 from kvslim.models.config import ModelConfig
 

@@ -19,7 +19,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, p
 from tokenizers.models import BPE
 
 from kvslim.errors import ConfigError
-from kvslim.formats.gguf_file import GGUFFile
+from kvslim.formats.gguf.file import GGUFFile
 
 # llama.cpp's token types (gguf.TokenType): which tokens must never be split by BPE.
 CONTROL, USER_DEFINED = 3, 4

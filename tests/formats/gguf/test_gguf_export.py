@@ -13,8 +13,8 @@ from gguf_files import llama_cpp_permute
 from kvslim.cli.main import main
 from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig
-from kvslim.formats.gguf_export import export_gguf, permute_qk, storage_type
-from kvslim.formats.gguf_import import hf_tensor_name, import_gguf, unpermute_qk
+from kvslim.formats.gguf.exporter import export_gguf, permute_qk, storage_type
+from kvslim.formats.gguf.importer import hf_tensor_name, import_gguf, unpermute_qk
 from kvslim.formats.loader import load_model
 from kvslim.layers.rope import rope_inv_freq
 from kvslim.tokenizer.tokenizer import Tokenizer
@@ -301,7 +301,7 @@ def test_llama3_rope_divisors_import_as_their_scaling(hf_checkpoints, exported, 
 
 
 def test_llama31_divisors_are_recognised_and_others_refused():
-    from kvslim.formats.gguf_rope import llama3_scaling_from_divisors
+    from kvslim.formats.gguf.rope import llama3_scaling_from_divisors
     llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     divisors = rope_inv_freq(128, 500000.0, None) / rope_inv_freq(128, 500000.0, llama31)

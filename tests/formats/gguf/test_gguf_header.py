@@ -9,8 +9,8 @@ from gguf import GGUFReader
 
 from gguf_files import write_tiny_gguf
 from kvslim.errors import ConfigError
-from kvslim.formats.gguf_file import GGUFFile
-from kvslim.formats.gguf_header import FastGGUFReader
+from kvslim.formats.gguf.file import GGUFFile
+from kvslim.formats.gguf.header import FastGGUFReader
 
 
 def assert_same(path):

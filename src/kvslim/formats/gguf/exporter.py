@@ -1,11 +1,11 @@
-"""Export an HF-format model directory as a GGUF file that llama.cpp and Ollama run (the `llama`
-architecture for Llama, Mistral and Mixtral; `qwen2`, `qwen3`, `qwen3moe` and `phi3`, fused
-projections kept, for those): the inverse of `gguf_import`, using the same tensor-name tables
-(gguf_archs.py).
+"""Export an HF-format model directory as a GGUF file that llama.cpp and Ollama run, in the GGUF
+architecture its family's layout names (the `llama` one for Llama, Mistral and Mixtral; a
+family's checkpoint names, such as fused projections, kept where its files keep them): the
+inverse of `importer`, using the same tensor-name tables (archs.py).
 
 Like llama.cpp's own converter, it reorders Q and K rows of `llama` files (llama.cpp's RoPE
 rotates adjacent pairs there, HF's rotates halves), keeps 1-D tensors (norms, biases) and MoE
-routers in F32, stacks each MoE layer's experts (gguf_moe.py), and writes the byte-level
+routers in F32, stacks each MoE layer's experts (moe.py), and writes the byte-level
 BPE vocabulary with llama.cpp's token types. Everything is read and checked before the output is
 opened, and the file is written under a temporary name and renamed when complete, so a failed
 export leaves nothing behind. Tensors are converted and written one at a time."""
@@ -24,11 +24,11 @@ from tqdm import tqdm
 
 from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig, parse_dtype
-from kvslim.formats.gguf_archs import EXPORT_ARCHITECTURES, LAYER_TENSORS, permutes_qk
-from kvslim.formats.gguf_import import GLOBAL_TENSORS
-from kvslim.formats.gguf_moe import add_moe_metadata, check_exportable, is_router, stack_experts
-from kvslim.models.checkpoint_names import to_checkpoint
-from kvslim.formats.gguf_tokenizer import CONTROL, LLAMA3_SPLIT, USER_DEFINED
+from kvslim.formats.gguf.archs import EXPORT_ARCHITECTURES, LAYER_TENSORS, permutes_qk
+from kvslim.formats.gguf.importer import GLOBAL_TENSORS
+from kvslim.formats.gguf.moe import add_moe_metadata, check_exportable, is_router, stack_experts
+from kvslim.models.families import family_of
+from kvslim.formats.gguf.tokenizer import CONTROL, LLAMA3_SPLIT, USER_DEFINED
 from kvslim.formats.loader import load_model
 from kvslim.layers.rope import rope_inv_freq
 from kvslim.tokenizer.tokenizer import Tokenizer
@@ -61,10 +61,11 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "f16",
         raise ConfigError(f"{model_dir} holds quantized weights ({config.quantization.method}); "
                           "export-gguf writes from float weights: export its float32 import "
                           "(import-gguf --dtype float32) instead")
-    arch = EXPORT_ARCHITECTURES.get(config.model_type)
-    if arch is None:
+    family = family_of(config)
+    if not family.supports_gguf_export:
         raise ConfigError(f"export-gguf writes {', '.join(sorted(set(EXPORT_ARCHITECTURES.values())))} "
                           f"GGUF files: {config.architecture} cannot be exported yet")
+    arch = family.gguf.arch
     if config.moe is not None:
         check_exportable(config)
     vocab = gguf_vocab(model_dir, config)
@@ -72,7 +73,8 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "f16",
     # the family's checkpoint names (Phi-3's fused projections), which its GGUF files keep; an
     # MoE model's experts stacked under kvslim's names instead
     state = model.hf_state_dict()
-    state = stack_experts(state, config) if config.moe else to_checkpoint(state, config)
+    state = (stack_experts(state, config) if config.moe
+             else family.to_checkpoint(state, config))
     tensors = tensor_plan(state, config, dtype, arch)
     tmp = out_path.with_name(f".{out_path.name}.partial")
     writer = gguf.GGUFWriter(str(tmp), arch)
@@ -122,7 +124,7 @@ def add_model_metadata(writer, config: ModelConfig, name: str, dtype: str) -> No
     writer.add_value_length(config.head_dim)
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_rope_freq_base(config.rope_theta)
-    if config.model_type == "phi3" and config.sliding_window:
+    if family_of(config).gguf.sliding_window and config.sliding_window:
         writer.add_sliding_window(config.sliding_window)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if config.moe is not None:
@@ -310,7 +312,7 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
 
 
 def permute_qk(gguf_name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """llama.cpp's Q/K row order, the inverse of `gguf_import.unpermute_qk`: within each head,
+    """llama.cpp's Q/K row order, the inverse of `importer.unpermute_qk`: within each head,
     rows [first half | second half] become interleaved pairs (x_i, x_{i + d/2})."""
     if ".attn_q." not in gguf_name and ".attn_k." not in gguf_name:
         return weight

@@ -14,7 +14,7 @@ from kvslim.engine.config import EngineConfig
 from kvslim.engine.llm_engine import LLMEngine
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.errors import ConfigError, WeightsError
-from kvslim.formats.gguf_import import import_gguf
+from kvslim.formats.gguf.importer import import_gguf
 from kvslim.formats.info import model_info
 from kvslim.formats.loader import load_model
 from kvslim.layers.block_quant_embedding import BlockQuantEmbedding, TiedBlockQuantHead

@@ -1,6 +1,6 @@
-"""Import a GGUF file (the llama architecture, Mixtral-style MoE among it, qwen2, qwen3, qwen3moe,
-phi3, gemma3) as an HF-format model directory (float32 weights, config.json, a rebuilt
-tokenizer) that kvslim and transformers both load.
+"""Import a GGUF file (an architecture some family's layout in models/ describes: archs.py's
+SUPPORTED_GGUF_ARCHITECTURES) as an HF-format model directory (float32 weights, config.json, a
+rebuilt tokenizer) that kvslim and transformers both load.
 
 Everything is read and checked before anything is written, so a file kvslim cannot use leaves no
 output behind."""
@@ -18,18 +18,14 @@ from tqdm import tqdm
 
 from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig
-from kvslim.formats.gguf_blocks import TYPE_IDS, kept_type
-from kvslim.formats import gguf_gemma3
-from kvslim.formats.gguf_archs import (FLOAT_ONLY, HF_ARCHITECTURES, LAYER_TENSORS,
-                                      MOE_HF_ARCHITECTURES, permutes_qk)
-from kvslim.formats.gguf_moe import legacy_expert_name, moe_config_fields, split_experts
-from kvslim.models.checkpoint_names import from_checkpoint
-from kvslim.formats.gguf_file import GGUFFile, dequantize_tensor
-from kvslim.formats.gguf_rope import llama3_scaling_from_divisors
-from kvslim.formats.gguf_tokenizer import tokenizer_files, write_tokenizer_files
+from kvslim.formats.gguf.archs import LAYER_TENSORS, SUPPORTED_GGUF_ARCHITECTURES, gguf_family
+from kvslim.formats.gguf.blocks import TYPE_IDS, kept_type
+from kvslim.formats.gguf.file import GGUFFile, dequantize_tensor
+from kvslim.formats.gguf.moe import legacy_expert_name, moe_config_fields, split_experts
+from kvslim.formats.gguf.rope import llama3_scaling_from_divisors
+from kvslim.formats.gguf.tokenizer import tokenizer_files, write_tokenizer_files
 from kvslim.formats.writer import save_model
-
-SUPPORTED_GGUF_ARCHITECTURES = tuple(HF_ARCHITECTURES)
+from kvslim.models.families import family_of
 
 GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -50,15 +46,16 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool 
     Q8_0, Q4_K, Q6_K, any mix), write config.json and the tokenizer beside the GGUF file itself
     (hard-linked, else copied) instead of float weights; the loader then reads those linears,
     and the token embeddings and LM head when they are of such a type too, as blocks
-    (formats/gguf_weights.py). A linear of another type makes it a float32 import, with a note on
+    (formats/gguf/weights.py). A linear of another type makes it a float32 import, with a note on
     stderr, or, with require_quantized, an error naming the tensor and its type."""
     gguf = GGUFFile.open(gguf_path)
     config = config_from_gguf(gguf)
     tok_files = tokenizer_files(gguf)
     names = {t.name: hf_tensor_name(t.name, gguf.architecture) for t in gguf.tensors
              if t.name not in DERIVED_TENSORS}
+    family = family_of(config)
     # MoE experts run as float layers: no block-kept expert kernels yet
-    if gguf.architecture in FLOAT_ONLY or config.moe is not None:
+    if family.gguf.float_only or config.moe is not None:
         if require_quantized:
             what = "MoE" if config.moe is not None else gguf.architecture
             raise ConfigError(f"{gguf.path.name}: kvslim imports {what} GGUF files as float32 "
@@ -82,7 +79,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool 
             # an MoE layer's stacked experts one by one; a family's checkpoint names (Phi-3's
             # fused projections) as kvslim's
             for name, part in split_experts(names[tensor.name], weight):
-                state.update(from_checkpoint(name, part, config))
+                state.update(family.from_checkpoint(name, part, config))
         out = save_model(state, config, out_dir, dtype=torch.float32)
     write_tokenizer_files(tok_files, out)
     return out
@@ -90,17 +87,17 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool 
 
 def from_gguf(gguf_name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """A dequantized tensor in the layout transformers holds it in."""
-    if config.model_type == "gemma3_text":
-        return gguf_gemma3.from_gguf(gguf_name, weight, config)
-    if permutes_qk(gguf_arch(config)):
+    layout = family_of(config).gguf
+    if layout.norms_plus_one:
+        return weight - 1.0 if gguf_name.endswith("norm.weight") else weight
+    if layout.permutes_qk:
         return unpermute_qk(gguf_name, weight, config)
     return weight
 
 
 def gguf_arch(config: ModelConfig) -> str:
     """The GGUF architecture a config was imported from."""
-    return next(a for table in (HF_ARCHITECTURES, MOE_HF_ARCHITECTURES)
-                for a, hf in table.items() if hf == config.architecture)
+    return family_of(config).gguf.arch
 
 
 def is_linear(gguf_name: str) -> bool:
@@ -168,13 +165,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     tokens = gguf.get("tokenizer.ggml.tokens") or []
     vocab = optional("vocab_size", None) or len(tokens) or _embedding_rows(gguf)
     eos = gguf.get("tokenizer.ggml.eos_token_id")
-    family = {"architecture": HF_ARCHITECTURES[arch], "qk_norm": arch in ("qwen3", "qwen3moe"),
-              **moe_config_fields(gguf, arch)}
-    if arch == "phi3":
-        family["sliding_window"] = optional("attention.sliding_window", None)
-    if arch == "gemma3":
-        family.update(gguf_gemma3.gemma3_config_fields(
-            int(key("block_count")), head_dim, optional("attention.sliding_window", None)))
+    family = _family_fields(gguf, arch, key, optional, head_dim)
     return ModelConfig(**{**dict(
         architecture="LlamaForCausalLM",
         vocab_size=int(vocab),
@@ -197,6 +188,19 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
     ), **family})
+
+
+def _family_fields(gguf: GGUFFile, arch: str, key, optional, head_dim: int) -> dict:
+    """The fields the file's family sets: its architecture (with experts or not), and what its
+    layout reads (models/<family>.py)."""
+    experts = moe_config_fields(gguf, arch)
+    family = gguf_family(arch, experts=bool(experts))
+    fields = {"architecture": family.architecture, **experts}
+    if family.gguf.sliding_window:
+        fields["sliding_window"] = optional("attention.sliding_window", None)
+    if family.gguf.fields is not None:
+        fields.update(family.gguf.fields(key, optional, head_dim))
+    return fields
 
 
 def _check_head_dims(gguf: GGUFFile, arch: str, head_dim: int) -> None:

@@ -9,7 +9,7 @@
   3-D tensor over all experts: the converter stacks the HF [out, in] matrices along a new first dimension
   (`torch.stack(dim=0)`), so in PyTorch's order `ffn_gate_exps` and `ffn_up_exps` are
   [experts, ffn, hidden] and `ffn_down_exps` is [experts, hidden, ffn] (GGUF lists the
-  dimensions the other way round). The layer tables (gguf_archs.py) name them after kvslim's
+  dimensions the other way round). The layer tables (models/base.py) name them after kvslim's
   stacked `mlp.experts.gate_proj` etc.; `split_experts` and `stack_experts` go between those and
   one tensor per expert. Files converted before llama.cpp stacked them (early 2024 Mixtral
   ones) hold one 2-D tensor per expert instead, `blk.N.ffn_gate.E.weight`: `legacy_expert_name`.
@@ -24,9 +24,10 @@ from collections.abc import Iterator
 import torch
 
 from kvslim.errors import ConfigError
-from kvslim.formats.gguf_archs import MOE_HF_ARCHITECTURES
-from kvslim.formats.gguf_file import GGUFFile
+from kvslim.formats.gguf.archs import gguf_family
+from kvslim.formats.gguf.file import GGUFFile
 from kvslim.models.config import ModelConfig
+from kvslim.models.families import family_of
 from kvslim.models.shape_only import MoEConfig
 
 ROUTER = "ffn_gate_inp"
@@ -36,12 +37,14 @@ _LEGACY_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 
 
 def moe_config_fields(gguf: GGUFFile, arch: str) -> dict:
-    """ModelConfig fields of a file with experts (the architecture, `moe`); {} without them."""
-    if arch not in MOE_HF_ARCHITECTURES:
+    """ModelConfig fields of a file with experts (the family's architecture, `moe`); {} without
+    them. An architecture that is experts only (`qwen3moe`) must say how many."""
+    moe_family = gguf_family(arch, experts=True)
+    if moe_family is None:
         return {}
     count = gguf.get(f"{arch}.expert_count")
     has_router = any(f".{ROUTER}." in name for name in gguf.tensor_names)
-    if count is None and (arch == "qwen3moe" or has_router):
+    if count is None and (gguf_family(arch, experts=False) is None or has_router):
         raise ConfigError(f"{gguf.path.name}: GGUF metadata has no '{arch}.expert_count'")
     if count is None:
         return {}
@@ -50,7 +53,7 @@ def moe_config_fields(gguf: GGUFFile, arch: str) -> dict:
     moe = MoEConfig(num_experts=int(count),
                     num_experts_per_tok=int(gguf.require(f"{arch}.expert_used_count")),
                     expert_intermediate_size=width, norm_topk_prob=True)
-    return {"architecture": MOE_HF_ARCHITECTURES[arch], "moe": moe}
+    return {"architecture": moe_family.architecture, "moe": moe}
 
 
 def legacy_expert_name(gguf_name: str) -> str | None:
@@ -91,10 +94,13 @@ def stack_experts(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
 
 
 def check_exportable(config: ModelConfig) -> None:
-    if config.model_type == "qwen3_moe" and not config.moe.norm_topk_prob:
-        raise ConfigError("this Qwen3-MoE model does not renormalise its top-k router weights "
-                          "(norm_topk_prob false), which llama.cpp's qwen3moe always does: "
-                          "it cannot be exported as itself")
+    """llama.cpp renormalises the chosen experts' weights in every MoE architecture kvslim
+    writes (Mixtral's always are; Qwen3-MoE's only under norm_topk_prob)."""
+    if not config.moe.norm_topk_prob:
+        family = family_of(config)
+        raise ConfigError(f"this {family.name} model does not renormalise its top-k router "
+                          f"weights (norm_topk_prob false), which llama.cpp's {family.gguf.arch} "
+                          "always does: it cannot be exported as itself")
 
 
 def add_moe_metadata(writer, config: ModelConfig) -> None:
@@ -102,7 +108,7 @@ def add_moe_metadata(writer, config: ModelConfig) -> None:
     Mixtral's expert width, Qwen3-MoE's dense one)."""
     writer.add_expert_count(config.moe.num_experts)
     writer.add_expert_used_count(config.moe.num_experts_per_tok)
-    if config.model_type == "qwen3_moe":
+    if family_of(config).gguf.expert_width_key:
         writer.add_expert_feed_forward_length(config.moe.expert_intermediate_size)
 
 

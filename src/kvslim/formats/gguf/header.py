@@ -6,7 +6,7 @@ file: for a vocabulary's token list that is two views per token, 262,144 tokens 
 GGUFReader and 0.3 s with this one, SmolLM2-135M's in 3.4-5.8 s and 0.1-0.2 s.
 `FastGGUFReader` keeps gguf-py's tensor handling (tensor infos, data views, alignment) and
 replaces only the metadata pass: `values` holds every key's value as Python data, exactly what
-`ReaderField.contents()` returns for it (tests/formats/test_gguf_header.py compares the two on
+`ReaderField.contents()` returns for it (tests/formats/gguf/test_gguf_header.py compares the two on
 every key of the embedded models' files). `fields` keeps the header's counts, and
 `general.alignment` for gguf-py's own use. Files in the other byte order, or with arrays of
 arrays, take gguf-py's own pass."""

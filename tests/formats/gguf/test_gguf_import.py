@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf_files import HEADS, KV_HEADS, gguf_parsed_once, llama_cpp_permute, write_tiny_gguf
 from kvslim.errors import ConfigError
 from kvslim.models.config import ModelConfig
-from kvslim.formats.gguf_import import hf_tensor_name, import_gguf, unpermute_qk
+from kvslim.formats.gguf.importer import hf_tensor_name, import_gguf, unpermute_qk
 from kvslim.formats.loader import load_model
 from kvslim.tokenizer.tokenizer import Tokenizer
 

@@ -6,7 +6,7 @@ import torch
 import gguf
 from gguf import GGMLQuantizationType as Q
 
-from kvslim.formats.gguf_blocks import BLOCK_SIZES, GROUP, TYPE_IDS, decode_blocks
+from kvslim.formats.gguf.blocks import BLOCK_SIZES, GROUP, TYPE_IDS, decode_blocks
 
 BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
@@ -37,7 +37,7 @@ def test_decoding_is_bit_exact(kind):
 
 def test_the_layers_read_the_same_type_ids():
     """layers/ cannot import formats/, so BlockQuantLinear keeps its own copy of the ids."""
-    from kvslim.formats.gguf_blocks import BITS, ZERO
+    from kvslim.formats.gguf.blocks import BITS, ZERO
     from kvslim.layers import block_quant_linear as layer
     assert layer.GROUP == GROUP
     assert set(layer.FOUR_BIT_TYPES) == {TYPE_IDS[k] for k, b in BITS.items() if b == 4}
