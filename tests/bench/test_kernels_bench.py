@@ -73,9 +73,9 @@ def test_command_prints_json():
 
 
 def test_choices_name_the_shipped_kernels_and_the_faster_for_a_w8a8_layer():
-    from kvslim.bench.kernel_choice import choose
+    from kvslim.quantization.kernel_choice import choose
     from kvslim.bench.kernels import KernelTiming
-    from kvslim.layers.quant_kernels import W8A8_MIN_ROWS
+    from kvslim.quantization.kernels import W8A8_MIN_ROWS
 
     def timing(candidate, family, rows, us):
         return KernelTiming("qkv", 576, 960, candidate, family, rows, us, 1.0, 1.0, 0.0)

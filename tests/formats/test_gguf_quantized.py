@@ -17,9 +17,9 @@ from kvslim.errors import ConfigError, WeightsError
 from kvslim.formats.gguf_import import import_gguf
 from kvslim.formats.info import model_info
 from kvslim.formats.loader import load_model
-from kvslim.layers.block_quant_embedding import BlockQuantEmbedding, TiedBlockQuantHead
-from kvslim.layers.block_quant_linear import BlockQuantLinear
-from kvslim.layers.quant_linear import QuantLinear
+from kvslim.quantization.gguf_embedding import BlockQuantEmbedding, TiedBlockQuantHead
+from kvslim.quantization.gguf_blocks import BlockQuantLinear
+from kvslim.quantization import QuantLinear
 
 # The int4 kernel multiplies in bfloat16 (8 bits of mantissa): 1% of the largest output per
 # layer (tests/layers/test_quant_kernels.py); two layers and the LM head, 3% of the logits.

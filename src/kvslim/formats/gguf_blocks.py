@@ -1,5 +1,5 @@
 """Decode llama.cpp's quantized blocks into the one form kvslim keeps them in
-(layers/block_quant_linear.py): per weight an unsigned integer q (uint8), per group of 16 inputs a
+(quantization/gguf_blocks.py): per weight an unsigned integer q (uint8), per group of 16 inputs a
 float32 scale s and offset m, with w = q * s + m computed in float32, bit for bit what
 `gguf.quants.dequantize` (and llama.cpp's dequantize_row_*) gives:
 
