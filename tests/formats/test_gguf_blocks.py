@@ -36,7 +36,7 @@ def test_decoding_is_bit_exact(kind):
 
 
 def test_the_layers_read_the_same_type_ids():
-    """layers/ cannot import formats/, so BlockQuantLinear keeps its own copy of the ids."""
+    """BlockQuantLinear's kernels read the decoder's ids (both from quantization/gguf_blocks.py)."""
     from kvslim.formats.gguf_blocks import BITS, ZERO
     from kvslim.quantization import gguf_blocks as layer
     assert layer.GROUP == GROUP

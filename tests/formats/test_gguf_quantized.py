@@ -22,7 +22,7 @@ from kvslim.quantization.gguf_blocks import BlockQuantLinear
 from kvslim.quantization import QuantLinear
 
 # The int4 kernel multiplies in bfloat16 (8 bits of mantissa): 1% of the largest output per
-# layer (tests/layers/test_quant_kernels.py); two layers and the LM head, 3% of the logits.
+# layer (tests/quantization/test_quant_kernels.py); two layers and the LM head, 3% of the logits.
 KERNEL_RTOL = 3e-2
 SHARDS = {"q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
           "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", None),

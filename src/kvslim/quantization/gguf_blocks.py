@@ -6,7 +6,7 @@ one decoded form, so a GGUF file's linear layers load without re-quantizing
     qvalues uint8 [out, in]        the integer of each weight (0..15, 0..63 or 0..255)
     scales        [out, in / 16]   s of each group of 16 inputs
     mins          [out, in / 16]   m of each group
-    qtype   int32 [shards]         each shard's GGML type id (formats/gguf_blocks.TYPE_IDS)
+    qtype   int32 [shards]         each shard's GGML type id (`TYPE_IDS`)
 
 w[o, i] = qvalues[o, i] * scales[o, i // 16] + mins[o, i // 16], llama.cpp's dequantization bit
 for bit. Blocks run along the input dim, so every tensor is row-major over the outputs: fused
@@ -36,10 +36,15 @@ GROUP = 16                  # storage group: Q6_K's sub-block; the others repeat
 INT4_GROUP = 32
 NATIVE_INT4_ROWS = 16
 BLOCK_LEAVES = ("qvalues", "scales", "mins", "qtype", "bias")
-# GGML type ids whose values fit 4 bits (Q4_0, Q4_1, Q4_K) and 8 bits with their zero (Q8_0,
-# Q6_K): formats/gguf_blocks.py names them (tests/formats/test_gguf_blocks.py keeps the two equal).
-FOUR_BIT_TYPES = (2, 3, 12)
-EIGHT_BIT_ZEROS = {8: 128, 14: 32}
+# The types kept in blocks (formats/gguf_blocks.py decodes them): GGML type ids
+# (gguf.GGMLQuantizationType) and the integer width their q values need.
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q6_K": 8}
+# q - ZERO is the signed 8-bit value of the 8-bit types (w = s * (q - ZERO)).
+ZERO = {"Q8_0": 128, "Q6_K": 32}
+# The kernels' view, by the `qtype` id a shard stores: 4-bit types, 8-bit ones with their zero.
+FOUR_BIT_TYPES = tuple(TYPE_IDS[kind] for kind, bits in BITS.items() if bits == 4)
+EIGHT_BIT_ZEROS = {TYPE_IDS[kind]: zero for kind, zero in ZERO.items()}
 
 
 def gguf_spec(cfg: dict[str, Any]) -> QuantSpec:
