@@ -98,7 +98,7 @@ def quant_row_shard(full: QuantLinear, columns: range, group=None) -> QuantLinea
         raise KvslimError(f"tensor parallelism cannot split a GGUF block layer of "
                           f"{full.in_features} inputs at [{columns.start}, {columns.stop}): "
                           f"the slices must be multiples of {INT4_GROUP} inputs")
-    if isinstance(full, QuantLinear) and not full.ROW_MAJOR and (
+    if not full.ROW_MAJOR and (
             columns.start % full.spec.pack or len(columns) % full.spec.pack):
         raise KvslimError(f"tensor parallelism cannot split a {full.spec.bits}-bit GPTQ layer "
                           f"at [{columns.start}, {columns.stop}): the slices must be multiples "
