@@ -10,7 +10,7 @@ once (`kvslim.layers.cpu_linear` on float32 CPU models, F.linear elsewhere).
 
 `make_linear` builds every linear layer of a model's blocks: these float ones, or a quantized
 method's layer (`kvslim.quantization`), which the quantization scheme itself builds
-(`LinearQuantization`): that room imports layers/, so layers/ name only the interface."""
+(`LinearQuantization`): that room imports layers/, so layers/ names only the interface."""
 from __future__ import annotations
 
 import math
