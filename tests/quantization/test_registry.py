@@ -53,3 +53,9 @@ def test_make_linear_without_quantization_builds_the_float_layers():
     assert type(down) is Linear and down.weight.shape == (48, 80) and down.bias is None
     with pytest.raises(ValueError, match="no float linear layer"):
         make_linear(48, {"a": 16, "b": 32})
+
+
+def test_each_method_says_what_a_slice_of_its_inputs_needs():
+    """The packing along the inputs that tensor parallelism's row shards must respect."""
+    assert {m: spec.input_multiple for m, spec in SPECS.items()} == {
+        "gptq": 8, "awq": 8, "compressed-tensors": 4, "w8a8": 1, "gguf": 32}

@@ -51,6 +51,12 @@ class QuantSpec:
         """A linear layer of this method (`layers.linear.make_linear` asks for it)."""
         return LINEARS[self.method](in_features, 0, bias, self, shard_sizes)
 
+    @property
+    def input_multiple(self) -> int:
+        """What the method's layers need of a slice of their inputs
+        (`QuantLinear.input_multiple`)."""
+        return LINEARS[self.method].input_multiple(self)
+
     def describe(self) -> str:
         """One line for people: `kvslim info`."""
         if self.method == "gguf":
@@ -118,6 +124,12 @@ class QuantLinear(nn.Module, ABC):
     def unprepared_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Before `prepare_for_inference`: the dequantized weight through F.linear."""
         return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+
+    @classmethod
+    def input_multiple(cls, spec: QuantSpec) -> int:
+        """How many inputs a slice of this layer's inputs (a row-parallel shard) must be a
+        multiple of, for its tensors to be cut where they are packed: 1, any."""
+        return 1
 
     @abstractmethod
     def dequantized_weight(self) -> torch.Tensor:

@@ -76,6 +76,11 @@ class BlockQuantLinear(QuantLinear):
         self.register_buffer("mins", torch.zeros(out, groups))
         self.register_buffer("qtype", torch.zeros(len(self.shard_sizes), dtype=torch.int32))
 
+    @classmethod
+    def input_multiple(cls, spec: QuantSpec) -> int:
+        """The int4 kernel's group: a shard's blocks are cut at 32 inputs."""
+        return INT4_GROUP
+
     def dequantized_weight(self) -> torch.Tensor:
         """[out, in] in the scales' dtype."""
         return dequantize_groups(self.qvalues, self.scales, self.mins)

@@ -88,6 +88,11 @@ class GPTQLinear(QuantLinear):
         self.register_buffer("g_idx", torch.zeros(len(self.shard_sizes), in_features,
                                                   dtype=torch.int32))
 
+    @classmethod
+    def input_multiple(cls, spec: QuantSpec) -> int:
+        """The int32 word qweight packs along the inputs: 32 / bits values."""
+        return spec.pack
+
     def dequantized_weight(self) -> torch.Tensor:
         """[out, in] in the scales' dtype."""
         q = unpack_int32(self.qweight, self.spec.bits, 0)                     # [in, out]
