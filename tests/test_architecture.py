@@ -13,8 +13,9 @@ MAX_LINES = 400
 MAX_FUNCTION_LINES = 60
 
 # Folder (or top-level module) -> the folders and modules it may import. Lower layers first:
-# base (errors, paths, device) <- tokenizer, layers, attention <- models <- formats <- parallel
-# <- engine <- server; surgery/train/eval use models/formats/tokenizer (and train's corpus streams);
+# base (errors, paths, device) <- tokenizer, layers, attention <- quantization (beside layers:
+# it builds on them) <- models <- formats <- parallel <- engine <- server; surgery/train/eval
+# use models/formats/tokenizer (and train's corpus streams);
 # experiments use surgery/train/eval (and bench, to time what they build); plan uses models;
 # bench uses engine/formats/plan/models
 # (and surgery's conversions); cli, demo and the package's
@@ -28,23 +29,28 @@ ALLOWED = {
     "tokenizer": BASE,
     "layers": BASE,
     "attention": BASE,
-    "models": KERNELS,
-    "formats": KERNELS | {"models"},
+    # Each quantization method's config parser, layer class and kernels; the layers build a
+    # method's linears through the `LinearQuantization` interface they declare, so they do not
+    # import it.
+    "quantization": BASE | {"layers"},
+    "models": KERNELS | {"quantization"},
+    "formats": KERNELS | {"quantization", "models"},
     "engine": KERNELS | {"models", "formats", "parallel"},
     # Tensor parallelism shards models (and prices a rank's share with the planner's formulas);
     # the engine runs its workers.
-    "parallel": KERNELS | {"models", "formats", "plan"},
+    "parallel": KERNELS | {"quantization", "models", "formats", "plan"},
     "server": KERNELS | {"models", "formats", "engine"},
     # Corpus streams (tokenized windows) live in train/: calibration and perplexity read them.
-    "surgery": KERNELS | {"models", "formats", "train"},
+    "surgery": KERNELS | {"quantization", "models", "formats", "train"},
     "train": KERNELS | {"models", "formats"},
     "eval": KERNELS | {"models", "formats", "train"},
     # The quantization experiment times every mode it builds with the benchmarks; experiments
     # measure what the engine does with what surgery and training produce.
-    "experiments": KERNELS | {"models", "formats", "surgery", "train", "eval", "bench", "engine"},
+    "experiments": KERNELS | {"quantization", "models", "formats", "surgery", "train", "eval",
+                              "bench", "engine"},
     "plan": BASE | {"models"},
     # The capacity benchmark converts the reference model to GQA/MQA to compare what fits.
-    "bench": KERNELS | {"models", "formats", "engine", "plan", "surgery"},
+    "bench": KERNELS | {"quantization", "models", "formats", "engine", "plan", "surgery"},
 }
 ANYTHING = {"cli", "demo", "__init__"}
 

@@ -7,7 +7,7 @@ import torch
 
 from kvslim.cli.main import main
 from kvslim.formats.loader import load_model
-from kvslim.layers.quant_linear import QuantLinear
+from kvslim.quantization import QuantLinear
 
 
 def quantize(capsys, *argv):

@@ -7,8 +7,8 @@ from checkpoints import VOCAB
 from engine_helpers import GREEDY, engine, run, tokens
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.formats.loader import load_model
-from kvslim.layers.quant_linear import QuantSpec
-from kvslim.layers.w8a8_linear import W8A8_SPEC
+from kvslim.quantization import QuantSpec
+from kvslim.quantization.w8a8 import W8A8_SPEC
 from kvslim.surgery.quantize.model import quantize_model
 
 PARAMS = SamplingParams(max_tokens=12, **GREEDY)

@@ -12,8 +12,8 @@ from engine_helpers import GREEDY, run
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.llm_engine import LLMEngine
 from kvslim.engine.sampling_params import SamplingParams
-from kvslim.layers.quant_linear import QuantSpec
-from kvslim.layers.w8a8_linear import W8A8_SPEC
+from kvslim.quantization import QuantSpec
+from kvslim.quantization.w8a8 import W8A8_SPEC
 from kvslim.models.config import ModelConfig
 from kvslim.surgery.quantize.model import quantize_model
 from test_tensor_parallel import COMMON, NUM_BLOCKS, TP, kv_cache_memory

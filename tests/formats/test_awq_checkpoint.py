@@ -9,7 +9,7 @@ import torch
 from kvslim.errors import ConfigError, WeightsError
 from kvslim.formats.awq import AWQ_REVERSE_ORDER, pack_awq, unpack_awq
 from kvslim.formats.loader import load_model
-from kvslim.layers.quant_linear import QuantSpec
+from kvslim.quantization import QuantSpec
 from quantized_checkpoints import (ORDER, awq_config, greedy_matches_float_model, hand_pack_awq,
                                    layer_weights, max_logit_error, rewrite, write_awq)
 

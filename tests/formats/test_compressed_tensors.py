@@ -10,7 +10,7 @@ import torch
 from kvslim.errors import ConfigError, WeightsError
 from kvslim.formats.compressed_tensors import pack_to_int32, unpack_from_int32
 from kvslim.formats.loader import load_model
-from kvslim.layers.quant_linear import QuantSpec
+from kvslim.quantization import QuantSpec
 from quantized_checkpoints import (greedy_matches_float_model, layer_weights, max_logit_error,
                                    rewrite, write_quantized_checkpoint)
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from kvslim.errors import WeightsError
 from kvslim.formats.loader import load_model
-from kvslim.layers.w8a8_linear import W8A8_SPEC, W8A8Linear
+from kvslim.quantization.w8a8 import W8A8_SPEC, W8A8Linear
 from kvslim.surgery.quantize.model import quantize_model
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

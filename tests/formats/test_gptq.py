@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 from kvslim.errors import WeightsError
 from kvslim.formats.gptq import QuantizedWeight, pack_gptq, unpack_gptq
 from kvslim.formats.loader import load_model
-from kvslim.layers.quant_linear import QuantSpec, pack_int32, unpack_int32
+from kvslim.quantization import QuantSpec
+from kvslim.quantization.gptq import pack_int32, unpack_int32
 from quantized_checkpoints import max_logit_error, write_quantized_checkpoint
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -26,10 +26,11 @@ from quantized_checkpoints import write_awq
 from kvslim.errors import KvslimError
 from kvslim.formats.gguf.importer import import_gguf
 from kvslim.formats.loader import load_model
-from kvslim.layers.block_quant_linear import BlockQuantLinear
-from kvslim.layers.quant_linear import QuantLinear, QuantSpec
-from kvslim.layers.quant_kernels import w8a8_linear
-from kvslim.layers.w8a8_linear import W8A8_SPEC, W8A8Linear
+from kvslim.quantization.gguf_blocks import BlockQuantLinear
+from kvslim.quantization import QuantLinear, QuantSpec
+from kvslim.quantization.gptq import GPTQLinear
+from kvslim.quantization.kernels import w8a8_linear
+from kvslim.quantization.w8a8 import W8A8_SPEC, W8A8Linear
 from kvslim.parallel import shard_model
 from kvslim.parallel.quant_layers import quant_row_shard
 from kvslim.surgery.quantize.model import quantize_model
@@ -192,6 +193,6 @@ def test_a_gguf_block_split_off_its_32_input_boundary_is_refused():
 
 
 def test_a_gptq_split_off_its_packing_is_refused():
-    layer = QuantLinear(64, 32, spec=GPTQ4)
+    layer = GPTQLinear(64, 32, spec=GPTQ4)
     with pytest.raises(KvslimError, match="slices must be multiples of 8 inputs"):
         quant_row_shard(layer, range(4, 36))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvslim.formats.loader import load_model
-from kvslim.layers.quant_linear import QuantSpec
+from kvslim.quantization import QuantSpec
 from kvslim.surgery.quantize.awq import clip_weight, fold_layer, search_scale
 from kvslim.surgery.quantize.model import layer0_inputs, linear_inputs, quantize_layers
 from kvslim.surgery.quantize.rtn import rtn_quantize

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kvslim.formats.loader import load_model
-from kvslim.layers.quant_linear import QuantSpec
+from kvslim.quantization import QuantSpec
 from kvslim.surgery.quantize.gptq import Hessian, gptq_quantize
 from kvslim.surgery.quantize.model import quantize_layers, quantize_model
 from kvslim.surgery.quantize.rtn import rtn_quantize

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvslim.formats.loader import load_model
-from kvslim.layers.quant_kernels import w8a8_linear
-from kvslim.layers.w8a8_linear import W8A8_SPEC
+from kvslim.quantization.kernels import w8a8_linear
+from kvslim.quantization.w8a8 import W8A8_SPEC
 from kvslim.surgery.quantize.model import layer0_inputs, linear_inputs, quantize_layers
 from kvslim.surgery.quantize.smoothquant import int8_per_channel, smooth_layer, smooth_scale
 

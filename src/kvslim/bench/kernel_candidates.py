@@ -45,7 +45,7 @@ class Candidate:
         return self.fn(x)
 
 
-# --- quantization (plain torch, the same conventions as kvslim.layers.quant_kernels) ---------
+# --- quantization (plain torch, the same conventions as kvslim.quantization.kernels) ----------
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
@@ -140,7 +140,7 @@ def int8_candidates(w: torch.Tensor, compile_: bool) -> list[Candidate]:
     return cands
 
 
-INT8_GROUPS = (32, 16)           # GGUF Q8_0 and Q6_K (layers/int8_group_kernel.py)
+INT8_GROUPS = (32, 16)           # GGUF Q8_0 and Q6_K (quantization/int8_group_kernel.py)
 REQUANT_RTOL = 5e-2              # the per-channel requantization's own error, reported as err
 
 

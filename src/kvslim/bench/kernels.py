@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvslim.bench.kernel_candidates import Candidate, build_candidates
-from kvslim.bench.kernel_choice import KernelChoice, choose, format_choices
+from kvslim.quantization.kernel_choice import KernelChoice, choose, format_choices
 from kvslim.bench.machine import machine_info
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536, vocabulary 49152.

@@ -40,8 +40,8 @@ def register(sub) -> None:
 
 
 def run_quantize(args) -> int:
-    from kvslim.layers.quant_linear import QuantSpec
-    from kvslim.layers.w8a8_linear import W8A8_SPEC
+    from kvslim.quantization import QuantSpec
+    from kvslim.quantization.w8a8 import W8A8_SPEC
     from kvslim.surgery.quantize.model import quantize_model
     from kvslim.errors import KvslimError
     from kvslim.surgery.quantize.model import METHODS

@@ -1,5 +1,5 @@
 """The AWQ GEMM checkpoint layout (AutoAWQ's `WQLinear_GEMM`, quant_method "awq", version
-"gemm"; docs/quantization-formats.md), read into the GPTQ layout `QuantLinear` holds.
+"gemm"; docs/quantization-formats.md), read into the GPTQ layout `GPTQLinear` holds.
 
 Per linear layer of `in` inputs and `out` outputs, 4 bits, groups = in / group_size:
 
@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from kvslim.formats.gptq import group_index
-from kvslim.layers.quant_linear import QuantSpec, pack_int32
+from kvslim.quantization.base import QuantSpec
+from kvslim.quantization.gptq import pack_int32
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)       # nibble k of a word holds output 8c + AWQ_ORDER[k]
 # Output 8c + j sits in nibble AWQ_REVERSE_ORDER[j]: the inverse permutation, which is

@@ -1,6 +1,6 @@
 """The compressed-tensors "pack-quantized" checkpoint layout (llm-compressor's W4A16 / W8A16
 output, quant_method "compressed-tensors"; docs/quantization-formats.md), read into the GPTQ
-layout `QuantLinear` holds. The config is parsed in layers/compressed_tensors_config.py.
+layout `GPTQLinear` holds. The config is parsed in quantization/compressed_tensors.py.
 
 Per linear layer of `in` inputs and `out` outputs, `bits` ∈ {4, 8}, pack = 32 / bits:
 
@@ -25,7 +25,8 @@ import torch
 
 from kvslim.errors import WeightsError
 from kvslim.formats.gptq import group_index
-from kvslim.layers.quant_linear import QuantSpec, pack_int32, unpack_int32
+from kvslim.quantization.base import QuantSpec
+from kvslim.quantization.gptq import pack_int32, unpack_int32
 
 
 def pack_to_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

@@ -7,16 +7,16 @@ config.json's `quantization_config` and each quantized linear's tensors.
 Activations are quantized per token at run time (`dynamic: true`), so nothing is stored for them.
 Some compressed-tensors versions also store `<module>.weight_zero_point` for symmetric schemes,
 all zeros: read and checked, then dropped (`is_symmetric_zero_point`).
-The layer that reads these tensors, and the parsing of the config, is
-`kvslim.layers.w8a8_linear` (config parsing sits with `QuantSpec`, below the formats folder)."""
+The layer that reads these tensors and the scheme's constants are `kvslim.quantization.w8a8`; the
+config is parsed in quantization/compressed_tensors.py (format "int-quantized")."""
 from __future__ import annotations
 
 import torch
 
 from kvslim.errors import WeightsError
 from kvslim.formats.gptq import QuantizedWeight
-from kvslim.layers.quant_linear import QuantSpec
-from kvslim.layers.w8a8_linear import FORMAT, INPUTS, WEIGHTS
+from kvslim.quantization.base import QuantSpec
+from kvslim.quantization.w8a8 import FORMAT, INPUTS, WEIGHTS
 
 
 ZERO_POINT = ".weight_zero_point"

@@ -4,7 +4,7 @@ checkpoint stores for it, and back.
 A `QuantizedWeight` is the unpacked form quantization produces: integer codes q [out, in], and
 per group a zero point and a scale for every output row. `pack_gptq` turns it into the stored
 tensors (`qweight`, `qzeros`, `scales` in float16, `g_idx`), `unpack_gptq` reads them back. The
-bit packing itself is the layers' (`kvslim.layers.quant_linear`), which run from the packed
+bit packing itself is the layers' (`kvslim.quantization.gptq`), which run from the packed
 form."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvslim.layers.quant_linear import QuantSpec, pack_int32, unpack_int32
+from kvslim.quantization.base import QuantSpec
+from kvslim.quantization.gptq import pack_int32, unpack_int32
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Checkpoints quantized in another tool's layout, read as the GPTQ-layout tensors `QuantLinear`
+"""Checkpoints quantized in another tool's layout, read as the GPTQ-layout tensors `GPTQLinear`
 holds, so the layers, their kernels and `prepare_for_inference` are the same for every format.
 
 Each layout (one file each: awq.py, compressed_tensors.py) says which tensors one quantized
@@ -17,7 +17,7 @@ import torch
 
 from kvslim.errors import WeightsError
 from kvslim.formats import awq, compressed_tensors
-from kvslim.layers.quant_linear import QuantSpec
+from kvslim.quantization.base import QuantSpec
 
 Shapes = dict[str, tuple[tuple[int, ...], str]]
 Stored = Iterator[tuple[Path, str, torch.Tensor]]

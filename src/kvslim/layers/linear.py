@@ -6,17 +6,21 @@ decode step — where each op costs a few microseconds of framework overhead —
 share of the step. Each layer knows how a checkpoint shard goes into its weight
 (`weight_loader`) and how to give the shards back (`shard_views`), so training, saving and
 surgery still see HF-named tensors. After loading, `prepare_for_inference` chooses the kernel
-once (`kvslim.layers.cpu_linear` on float32 CPU models, F.linear elsewhere)."""
+once (`kvslim.layers.cpu_linear` on float32 CPU models, F.linear elsewhere).
+
+`make_linear` builds every linear layer of a model's blocks: these float ones, or a quantized
+method's layer (`kvslim.quantization`), which the quantization scheme itself builds
+(`LinearQuantization`): that room imports layers/, so layers/ names only the interface."""
 from __future__ import annotations
 
-from typing import Hashable
+import math
+from typing import Hashable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvslim.layers.cpu_linear import PackedCpuKernel, gemv_copy_fits, packed_kernel_usable
-from kvslim.layers.quant_linear import QuantLinear
 
 
 class Linear(nn.Module):
@@ -98,13 +102,39 @@ class MergedLinear(ShardedLinear):
         return list(self.shard_sizes)[shard_id] if isinstance(shard_id, int) else shard_id
 
 
-def prepare_linears_for_inference(model: nn.Module) -> bool:
-    """Choose every Linear's kernel once its weights are loaded. Returns whether they run the
-    packed CPU kernel (False: F.linear, e.g. off the CPU or not float32). Quantized layers
-    choose their own kernel (`QuantLinear.prepare_for_inference`)."""
-    for module in model.modules():
-        if isinstance(module, QuantLinear):
-            module.prepare_for_inference()
+class LinearQuantization(Protocol):
+    """How a model's linear layers are quantized, as the layers see it (kvslim.quantization's
+    `QuantSpec`): it builds the layer that holds a matrix, or stacked shards, in its form."""
+
+    def make_linear(self, in_features: int, shard_sizes: dict[Hashable, int],
+                    bias: bool = False) -> nn.Module: ...
+
+
+def make_linear(in_features: int, out_features: int | dict[Hashable, int], bias: bool = False,
+                quant: LinearQuantization | None = None) -> nn.Module:
+    """The linear layer of one projection: `out_features` outputs, or the checkpoint matrices
+    stacked along the output by name ("q"/"k"/"v": `QKVLinear`, "gate"/"up": `MergedLinear`),
+    float, or quantized as `quant` says."""
+    shard_sizes = (dict(out_features) if isinstance(out_features, dict)
+                   else {None: out_features})
+    if quant is not None:
+        return quant.make_linear(in_features, shard_sizes, bias)
+    names = tuple(shard_sizes)
+    if names == (None,):
+        return Linear(in_features, out_features, bias)
+    if names == ("q", "k", "v") and shard_sizes["k"] == shard_sizes["v"]:
+        # QKVLinear keeps only the three sizes: any head width dividing them gives them.
+        width = math.gcd(shard_sizes["q"], shard_sizes["k"])
+        return QKVLinear(in_features, width, shard_sizes["q"] // width,
+                         shard_sizes["k"] // width, bias)
+    if len(set(shard_sizes.values())) == 1:
+        return MergedLinear(in_features, names, shard_sizes[names[0]], bias)
+    raise ValueError(f"no float linear layer stacks shards {shard_sizes}")
+
+
+def prepare_float_linears(model: nn.Module) -> bool:
+    """Choose every float Linear's kernel once its weights are loaded. Returns whether they run
+    the packed CPU kernel (False: F.linear, e.g. off the CPU or not float32)."""
     if not packed_kernel_usable(model):
         return False
     gemv_copy = gemv_copy_fits(model)

@@ -6,17 +6,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvslim.layers.linear import Linear, QKVLinear
-from kvslim.layers.mlp import ROW_MAJOR
+from kvslim.layers.linear import LinearQuantization, make_linear
 from kvslim.layers.norm import RMSNorm
-from kvslim.layers.quant_linear import QuantLinear, QuantQKVLinear, QuantSpec
 from kvslim.layers.rope import apply_rope
 
 
 class Attention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  layer_idx: int, qkv_bias: bool = False, o_bias: bool = False,
-                 quant: QuantSpec | None = None, qk_norm_eps: float | None = None,
+                 quant: LinearQuantization | None = None, qk_norm_eps: float | None = None,
                  qk_norm_cls: type[nn.Module] = RMSNorm, scale: float | None = None):
         """qk_norm_eps: normalise each query and key head (`qk_norm_cls` over head_dim, one
         weight for all query heads and one for all key heads) before RoPE, as Qwen3 and Gemma 3
@@ -28,19 +26,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
-        if quant is None:
-            self.qkv_proj = QKVLinear(hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias)
-            self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
-        elif quant.method in ROW_MAJOR:
-            cls = ROW_MAJOR[quant.method]
-            self.qkv_proj = cls(hidden_size, 0, qkv_bias, quant, {
-                "q": num_heads * head_dim, "k": num_kv_heads * head_dim,
-                "v": num_kv_heads * head_dim})
-            self.o_proj = cls(num_heads * head_dim, hidden_size, o_bias, quant)
-        else:
-            self.qkv_proj = QuantQKVLinear(hidden_size, head_dim, num_heads, num_kv_heads,
-                                           qkv_bias, quant)
-            self.o_proj = QuantLinear(num_heads * head_dim, hidden_size, o_bias, quant)
+        qkv = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
+               "v": num_kv_heads * head_dim}
+        self.qkv_proj = make_linear(hidden_size, qkv, qkv_bias, quant)
+        self.o_proj = make_linear(num_heads * head_dim, hidden_size, o_bias, quant)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
         """x [..., hidden] where ... is [B, T] (dense) or [N] (paged); attn is the backend context."""

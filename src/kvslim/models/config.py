@@ -11,12 +11,12 @@ import torch
 
 from kvslim.attention.kv_cache import KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES
 from kvslim.errors import ConfigError
-from kvslim.layers.quant_linear import QuantSpec
 from kvslim.layers.rope import validate_rope_scaling
 from kvslim.models.families import BY_ARCHITECTURE, FAMILIES
 from kvslim.models.hf_fields import (LAYER_KV_HEADS_KEY, activation_from_hf,
                                      check_rotary_fraction, layer_kv_heads_from_hf, rope_from_hf)
 from kvslim.models.shape_only import MLAConfig, MoEConfig
+from kvslim.quantization import QuantSpec
 
 # Architectures a model in models/ implements: the engine runs them.
 SUPPORTED_ARCHITECTURES = {f.architecture: f.model_type for f in FAMILIES if f.runnable}

@@ -13,15 +13,15 @@ import torch
 from torch import nn
 
 from kvslim.attention import DenseAttention
-from kvslim.layers.block_quant_embedding import BlockQuantEmbedding, TiedBlockQuantHead
-from kvslim.layers.block_quant_linear import BlockQuantLinear
-from kvslim.layers.linear import Linear, ShardedLinear, prepare_linears_for_inference
+from kvslim.layers.linear import Linear, ShardedLinear, make_linear
 from kvslim.layers.mlp import SwiGLUMLP
 from kvslim.layers.moe import SparseMoE
-from kvslim.layers.quant_linear import QuantLinear
 from kvslim.layers.self_attention import Attention
 from kvslim.layers.norm import RMSNorm
 from kvslim.layers.rope import RotaryEmbedding
+from kvslim.quantization import QuantLinear
+from kvslim.quantization.base import prepare_linears_for_inference
+from kvslim.quantization.gguf_embedding import BlockQuantEmbedding, TiedBlockQuantHead
 from kvslim.models.base import Family, GGUFLayout, write_attention_bias
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ def _lm_head(config: ModelConfig, embed_tokens: nn.Module) -> nn.Module:
     if config.tie_word_embeddings and isinstance(embed_tokens, BlockQuantEmbedding):
         return TiedBlockQuantHead(embed_tokens, quant)
     if not config.tie_word_embeddings and quant is not None and quant.lm_head:
-        return BlockQuantLinear(config.hidden_size, config.vocab_size, False, quant)
+        return make_linear(config.hidden_size, config.vocab_size, False, quant)
     head = Linear(config.hidden_size, config.vocab_size, bias=False)
     if config.tie_word_embeddings:
         head.weight = embed_tokens.weight

@@ -39,15 +39,11 @@ import torch.distributed as dist
 from torch import nn
 
 from kvslim.errors import KvslimError
-from kvslim.layers.block_quant_embedding import BlockQuantEmbedding, TiedBlockQuantHead
-from kvslim.layers.block_quant_linear import BlockQuantLinear
 from kvslim.layers.linear import Linear, MergedLinear, QKVLinear
 from kvslim.layers.mlp import SwiGLUMLP
 from kvslim.layers.moe import SparseMoE
 from kvslim.layers.norm import GemmaRMSNorm, RMSNorm
-from kvslim.layers.quant_linear import QuantLinear, QuantMergedLinear, QuantQKVLinear
 from kvslim.layers.self_attention import Attention
-from kvslim.layers.w8a8_linear import W8A8Linear
 from kvslim.models.config import ModelConfig
 from kvslim.parallel.layers import (ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
                                     column_shard, merged_shard, reduce_output, row_shard)
@@ -55,6 +51,10 @@ from kvslim.parallel.quant_layers import (VocabParallelBlockEmbedding, quant_col
                                           quant_lm_head, quant_row_shard)
 from kvslim.parallel.sharding import (HeadShard, RankLayout, check_world_size, local_config,
                                       rank_layout)
+from kvslim.quantization import QuantLinear
+from kvslim.quantization.gguf_blocks import BlockQuantLinear
+from kvslim.quantization.gguf_embedding import BlockQuantEmbedding, TiedBlockQuantHead
+from kvslim.quantization.registry import linear_classes
 
 
 @dataclass
@@ -196,17 +196,14 @@ def _holds_tensors(module: nn.Module) -> bool:
             isinstance(module, TiedBlockQuantHead))
 
 
-# The quantized layers `quant_layers` can cut: fused (q/k/v, gate/up) and single ones.
-_QUANT_FUSED = (QuantQKVLinear, QuantMergedLinear, BlockQuantLinear, W8A8Linear)
-_QUANT_SINGLE = (QuantLinear, BlockQuantLinear, W8A8Linear)
-
-
+# The quantized layers `quant_layers` can cut, fused (q/k/v, gate/up) or single: every
+# registered method's layer class.
 def _fused(layer: nn.Module, float_cls: type) -> tuple[type, ...]:
-    return _QUANT_FUSED if isinstance(layer, QuantLinear) else (float_cls,)
+    return linear_classes() if isinstance(layer, QuantLinear) else (float_cls,)
 
 
 def _single(layer: nn.Module) -> tuple[type, ...]:
-    return _QUANT_SINGLE if isinstance(layer, QuantLinear) else (Linear,)
+    return linear_classes() if isinstance(layer, QuantLinear) else (Linear,)
 
 
 def _require(name: str, module: nn.Module, **children: tuple[type, ...]) -> None:

@@ -3,9 +3,10 @@ holds its slice of the int4/int8 codes, scales and zero points as the checkpoint
 never a float copy (what the full layer's kernel choice then runs on the slice, see
 `QuantLinear.prepare_for_inference`).
 
-Two layouts, one rule each (layers/quant_linear.py, w8a8_linear.py, block_quant_linear.py):
+Two layouts, one rule each (`QuantLinear.ROW_MAJOR`; quantization/gptq.py, w8a8.py,
+gguf_blocks.py):
 
-- GPTQ (`QuantLinear`, also AWQ and compressed-tensors int4, converted to it at load): column
+- GPTQ (`GPTQLinear`, also AWQ and compressed-tensors int4, converted to it at load): column
   major, `qweight` [in/pack, out], `qzeros` [groups, out/pack], `scales` [groups, out],
   `g_idx` [shards, in]. Column-parallel keeps output columns (the packed zero points unpacked,
   cut, repacked); row-parallel keeps input rows (the packed codes likewise) with their g_idx,
@@ -32,22 +33,14 @@ import torch.distributed as dist
 from torch import nn
 
 from kvslim.errors import KvslimError
-from kvslim.layers.block_quant_embedding import BlockQuantEmbedding, TiedBlockQuantHead
-from kvslim.layers.block_quant_linear import GROUP, INT4_GROUP, BlockQuantLinear
-from kvslim.layers.quant_kernels import w8a8_linear
-from kvslim.layers.quant_linear import QuantLinear, pack_int32, unpack_int32
-from kvslim.layers.w8a8_linear import W8A8Linear
 from kvslim.parallel.layers import vocab_rows, gather_logits
 from kvslim.parallel.sharding import VocabShard
-
-ROW_MAJOR = (BlockQuantLinear, W8A8Linear)
-
-
-def _storage_init(cls: type):
-    """The constructor that lays out `cls`'s buffers (QuantQKVLinear and QuantMergedLinear only
-    name their shards on top of QuantLinear's)."""
-    return next(base.__init__ for base in (BlockQuantLinear, W8A8Linear, QuantLinear)
-                if issubclass(cls, base))
+from kvslim.quantization import QuantLinear
+from kvslim.quantization.gguf_blocks import GROUP, INT4_GROUP, BlockQuantLinear
+from kvslim.quantization.gguf_embedding import BlockQuantEmbedding, TiedBlockQuantHead
+from kvslim.quantization.gptq import pack_int32, unpack_int32
+from kvslim.quantization.kernels import w8a8_linear
+from kvslim.quantization.w8a8 import W8A8Linear
 
 
 def _empty_like(full: QuantLinear, in_features: int, shard_sizes: dict, bias: bool,
@@ -55,10 +48,8 @@ def _empty_like(full: QuantLinear, in_features: int, shard_sizes: dict, bias: bo
     """A layer of `full`'s kind (or `cls`) at these sizes, its buffers on the meta device (the
     shard's tensors are assigned next)."""
     cls = cls or type(full)
-    layer = cls.__new__(cls)
     with torch.device("meta"):
-        _storage_init(cls)(layer, in_features, 0, bias, full.spec, shard_sizes)
-    return layer
+        return cls(in_features, 0, bias, full.spec, shard_sizes)
 
 
 def _assign(layer: nn.Module, leaf: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
@@ -79,8 +70,7 @@ def quant_column_shard(full: QuantLinear, rows: dict[Hashable, range]) -> QuantL
         if tensor is None:
             continue
         parts = [_output_part(full, leaf, key, rows[key]) for key in keys]
-        dim = 1 if leaf in ("qweight", "qzeros", "scales") and not isinstance(full, ROW_MAJOR) \
-            else 0
+        dim = 1 if leaf in ("qweight", "qzeros", "scales") and not full.ROW_MAJOR else 0
         _assign(layer, leaf, torch.cat(parts, dim=dim), tensor)
     return layer
 
@@ -91,7 +81,7 @@ def _output_part(full: QuantLinear, leaf: str, key: Hashable, part: range) -> to
         return view.unsqueeze(0)
     if leaf == "qtype":                   # one GGML type per shard
         return view
-    if isinstance(full, ROW_MAJOR) or leaf == "bias":
+    if full.ROW_MAJOR or leaf == "bias":
         return view[part.start:part.stop]
     if leaf == "qzeros":
         bits = full.spec.bits
@@ -108,14 +98,14 @@ def quant_row_shard(full: QuantLinear, columns: range, group=None) -> QuantLinea
         raise KvslimError(f"tensor parallelism cannot split a GGUF block layer of "
                           f"{full.in_features} inputs at [{columns.start}, {columns.stop}): "
                           f"the slices must be multiples of {INT4_GROUP} inputs")
-    if isinstance(full, QuantLinear) and not isinstance(full, ROW_MAJOR) and (
+    if not full.ROW_MAJOR and (
             columns.start % full.spec.pack or len(columns) % full.spec.pack):
         raise KvslimError(f"tensor parallelism cannot split a {full.spec.bits}-bit GPTQ layer "
                           f"at [{columns.start}, {columns.stop}): the slices must be multiples "
                           f"of {full.spec.pack} inputs")
     cls = RowParallelW8A8Linear if isinstance(full, W8A8Linear) else type(full)
     layer = _empty_like(full, len(columns), full.shard_sizes, False, cls)
-    cut = _row_major_columns if isinstance(full, ROW_MAJOR) else _gptq_rows
+    cut = _row_major_columns if full.ROW_MAJOR else _gptq_rows
     for leaf, tensor in cut(full, columns).items():
         _assign(layer, leaf, tensor, getattr(full, leaf))
     if isinstance(layer, RowParallelW8A8Linear):

@@ -137,13 +137,13 @@ def rank_layout(config: ModelConfig, rank: int, world_size: int) -> RankLayout:
                       vocab_shard(config.vocab_size, rank, world_size))
 
 
-# Inputs a row-parallel slice of a quantized layer must be a multiple of: the int32 word a GPTQ
-# layer packs along its inputs (32 / bits values), the 32-input block of GGUF's kernels.
+# Inputs a row-parallel slice of a quantized layer must be a multiple of, as its method's layer
+# says (`QuantLinear.input_multiple`): the int32 word a GPTQ layer packs along its inputs
+# (32 / bits values), the 32-input block of GGUF's kernels; None for any.
 def _row_slice_multiple(config: ModelConfig) -> int | None:
     quant = config.quantization
-    if quant is None or quant.method == "w8a8":
-        return None
-    return 32 if quant.method == "gguf" else quant.pack
+    multiple = 1 if quant is None else quant.input_multiple
+    return None if multiple == 1 else multiple
 
 
 def _check_quantized_slices(config: ModelConfig, heads, intermediate: range,

@@ -36,9 +36,9 @@ def test_decoding_is_bit_exact(kind):
 
 
 def test_the_layers_read_the_same_type_ids():
-    """layers/ cannot import formats/, so BlockQuantLinear keeps its own copy of the ids."""
+    """BlockQuantLinear's kernels read the decoder's ids (both from quantization/gguf_blocks.py)."""
     from kvslim.formats.gguf.blocks import BITS, ZERO
-    from kvslim.layers import block_quant_linear as layer
+    from kvslim.quantization import gguf_blocks as layer
     assert layer.GROUP == GROUP
     assert set(layer.FOUR_BIT_TYPES) == {TYPE_IDS[k] for k, b in BITS.items() if b == 4}
     assert layer.EIGHT_BIT_ZEROS == {TYPE_IDS[k]: z for k, z in ZERO.items()}

@@ -17,12 +17,12 @@ from kvslim.errors import ConfigError, WeightsError
 from kvslim.formats.gguf.importer import import_gguf
 from kvslim.formats.info import model_info
 from kvslim.formats.loader import load_model
-from kvslim.layers.block_quant_embedding import BlockQuantEmbedding, TiedBlockQuantHead
-from kvslim.layers.block_quant_linear import BlockQuantLinear
-from kvslim.layers.quant_linear import QuantLinear
+from kvslim.quantization.gguf_embedding import BlockQuantEmbedding, TiedBlockQuantHead
+from kvslim.quantization.gguf_blocks import BlockQuantLinear
+from kvslim.quantization import QuantLinear
 
 # The int4 kernel multiplies in bfloat16 (8 bits of mantissa): 1% of the largest output per
-# layer (tests/layers/test_quant_kernels.py); two layers and the LM head, 3% of the logits.
+# layer (tests/quantization/test_quant_kernels.py); two layers and the LM head, 3% of the logits.
 KERNEL_RTOL = 3e-2
 SHARDS = {"q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
           "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", None),

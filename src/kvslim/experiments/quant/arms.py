@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvslim.errors import KvslimError
-from kvslim.layers.quant_linear import QuantSpec
+from kvslim.quantization import QuantSpec
 from kvslim.models.config import ModelConfig
 
 # What an arm measures (measure.py does each).

@@ -190,7 +190,7 @@ def _goals_section(exp: QuantExperiment) -> str:
 def _notes(exp: QuantExperiment) -> str:
     return """## Reading the numbers
 - kvslim's quantized layers run their own kernels (int8 and int4 weight-only with bfloat16
-  activations, `layers/quant_kernels.py`); `kvslim ppl` scores the dequantized weights, so the
+  activations, `quantization/kernels.py`); `kvslim ppl` scores the dequantized weights, so the
   perplexity column measures the weights, not the kernels' activation rounding.
 - The embedding and the (tied) LM head stay float32 in kvslim's checkpoints, which bounds how
   much smaller a quantized checkpoint gets; a GGUF file quantizes them too.

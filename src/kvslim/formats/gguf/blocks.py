@@ -1,5 +1,5 @@
 """Decode llama.cpp's quantized blocks into the one form kvslim keeps them in
-(layers/block_quant_linear.py): per weight an unsigned integer q (uint8), per group of 16 inputs a
+(quantization/gguf_blocks.py): per weight an unsigned integer q (uint8), per group of 16 inputs a
 float32 scale s and offset m, with w = q * s + m computed in float32, bit for bit what
 `gguf.quants.dequantize` (and llama.cpp's dequantize_row_*) gives:
 
@@ -26,13 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-GROUP = 16
+# The kept types' ids, widths and zeros are the layer's (the layer reads `qtype` by them).
+from kvslim.quantization.gguf_blocks import BITS, GROUP, TYPE_IDS, ZERO  # noqa: F401
+
 QK_K = 256
-# GGML type ids (gguf.GGMLQuantizationType) and the integer width their q values need.
-TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q6_K": 8}
-# q - ZERO is the signed 8-bit value of the 8-bit types (w = s * (q - ZERO)).
-ZERO = {"Q8_0": 128, "Q6_K": 32}
 BLOCK_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": QK_K, "Q6_K": QK_K}
 
 

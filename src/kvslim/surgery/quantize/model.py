@@ -24,7 +24,7 @@ from kvslim.formats.compressed_tensors_int import pack_w8a8, quantization_config
 from kvslim.formats.gptq import QuantizedWeight, pack_gptq, quantization_config
 from kvslim.formats.loader import load_model
 from kvslim.formats.writer import save_model
-from kvslim.layers.quant_linear import QuantSpec
+from kvslim.quantization import QuantSpec
 from kvslim.models.config import ModelConfig, parse_dtype
 from kvslim.models.families import family_of
 from kvslim.models.llama import LlamaForCausalLM

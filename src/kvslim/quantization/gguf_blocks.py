@@ -1,11 +1,12 @@
 """Linear layers holding llama.cpp's block-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) in
 one decoded form, so a GGUF file's linear layers load without re-quantizing
-(docs/quantization-formats.md, formats/gguf/blocks.py for the decoding):
+(docs/quantization-formats.md, formats/gguf/blocks.py for the decoding; config.json's
+`quantization_config` quant_method "gguf" names the file, `gguf_spec`):
 
     qvalues uint8 [out, in]        the integer of each weight (0..15, 0..63 or 0..255)
     scales        [out, in / 16]   s of each group of 16 inputs
     mins          [out, in / 16]   m of each group
-    qtype   int32 [shards]         each shard's GGML type id (formats/gguf/blocks.TYPE_IDS)
+    qtype   int32 [shards]         each shard's GGML type id (`TYPE_IDS`)
 
 w[o, i] = qvalues[o, i] * scales[o, i // 16] + mins[o, i // 16], llama.cpp's dequantization bit
 for bit. Blocks run along the input dim, so every tensor is row-major over the outputs: fused
@@ -14,56 +15,71 @@ Q4_K_M file stores attn_v as Q6_K beside Q4_K q and k).
 
 `prepare_for_inference` packs each run of 4-bit shards (Q4_0, Q4_1, Q4_K: 32 inputs share s and
 m) for `int4_linear` with scale s and offset m (`pack_int4_offsets`), and each run of 8-bit shards
-(Q8_0, Q6_K) for `int8_group_linear` (layers/int8_group_kernel.py); a layer whose shards are
+(Q8_0, Q6_K) for `int8_group_linear` (int8_group_kernel.py); a layer whose shards are
 all one width runs one kernel."""
 from __future__ import annotations
 
 from functools import partial
-from typing import Hashable
+from typing import Any, Hashable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from kvslim.errors import ConfigError
-from kvslim.layers.int8_group_kernel import int8_group_linear, pack_int8_group
-from kvslim.layers.quant_kernels import pack_int4_offsets
-from kvslim.layers.quant_linear import QuantLinear, QuantSpec, _int4_forward
+from kvslim.quantization.base import QuantLinear, QuantSpec
+from kvslim.quantization.gptq import _int4_forward
+from kvslim.quantization.int8_group_kernel import int8_group_linear, pack_int8_group
+from kvslim.quantization.kernels import pack_int4_offsets
+from kvslim.quantization.registry import register
 
 GROUP = 16                  # storage group: Q6_K's sub-block; the others repeat over 32
 INT4_GROUP = 32
 NATIVE_INT4_ROWS = 16
 BLOCK_LEAVES = ("qvalues", "scales", "mins", "qtype", "bias")
-# GGML type ids whose values fit 4 bits (Q4_0, Q4_1, Q4_K) and 8 bits with their zero (Q8_0,
-# Q6_K): formats/gguf/blocks.py names them (tests/formats/gguf/test_gguf_blocks.py keeps the two equal).
-FOUR_BIT_TYPES = (2, 3, 12)
-EIGHT_BIT_ZEROS = {8: 128, 14: 32}
+# The types kept in blocks (formats/gguf/blocks.py decodes them): GGML type ids
+# (gguf.GGMLQuantizationType) and the integer width their q values need.
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q6_K": 8}
+# q - ZERO is the signed 8-bit value of the 8-bit types (w = s * (q - ZERO)).
+ZERO = {"Q8_0": 128, "Q6_K": 32}
+# The kernels' view, by the `qtype` id a shard stores: 4-bit types, 8-bit ones with their zero.
+FOUR_BIT_TYPES = tuple(TYPE_IDS[kind] for kind, bits in BITS.items() if bits == 4)
+EIGHT_BIT_ZEROS = {TYPE_IDS[kind]: zero for kind, zero in ZERO.items()}
+
+
+def gguf_spec(cfg: dict[str, Any]) -> QuantSpec:
+    """quant_method "gguf": kvslim's own config for a model whose weights stay in a GGUF file
+    (`kvslim import-gguf` writes it)."""
+    file = cfg.get("file")
+    if not isinstance(file, str) or not file:
+        raise ConfigError("config.json: quantization_config quant_method 'gguf' needs "
+                          "'file', the GGUF file's name")
+    return QuantSpec(4, 32, sym=False, checkpoint_format="gguf", method="gguf", file=file,
+                     embedding=bool(cfg.get("embedding", False)),
+                     lm_head=bool(cfg.get("lm_head", False)))
 
 
 class BlockQuantLinear(QuantLinear):
-    """A linear layer of decoded GGUF blocks; shards (named as in QuantQKVLinear and
-    QuantMergedLinear: "q"/"k"/"v", or "gate"/"up" also reachable as 0/1) are stacked along the
-    output."""
+    """A linear layer of decoded GGUF blocks; shards ("q"/"k"/"v", or "gate"/"up" also
+    reachable as 0/1) are stacked along the output, row major."""
     LEAVES = BLOCK_LEAVES
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  spec: QuantSpec | None = None, shard_sizes: dict[Hashable, int] | None = None):
-        nn.Module.__init__(self)
-        if spec is None:
-            raise ValueError("BlockQuantLinear needs a QuantSpec")
+        super().__init__(in_features, out_features, bias, spec, shard_sizes)
         if in_features % INT4_GROUP:
             raise ConfigError(f"a GGUF block layer needs inputs divisible by {INT4_GROUP}, "
                               f"got {in_features}")
-        self.spec = spec
-        self.shard_sizes = dict(shard_sizes or {None: out_features})
-        self.in_features, self.out_features = in_features, sum(self.shard_sizes.values())
         out, groups = self.out_features, in_features // GROUP
         self.register_buffer("qvalues", torch.zeros(out, in_features, dtype=torch.uint8))
         self.register_buffer("scales", torch.zeros(out, groups))
         self.register_buffer("mins", torch.zeros(out, groups))
         self.register_buffer("qtype", torch.zeros(len(self.shard_sizes), dtype=torch.int32))
-        self.bias = nn.Parameter(torch.zeros(out)) if bias else None
-        self.kernel = None
+
+    @classmethod
+    def input_multiple(cls, spec: QuantSpec) -> int:
+        """The int4 kernel's group: a shard's blocks are cut at 32 inputs."""
+        return INT4_GROUP
 
     def dequantized_weight(self) -> torch.Tensor:
         """[out, in] in the scales' dtype."""
@@ -79,17 +95,12 @@ class BlockQuantLinear(QuantLinear):
         self.kernel = block_kernel(self.qvalues, self.scales, self.mins, self.qtype.tolist(),
                                    list(self.shard_sizes.values()), self.bias)
 
-    def shard_key(self, shard_id: Hashable) -> Hashable:
-        if isinstance(shard_id, int):
-            return list(self.shard_sizes)[shard_id]
-        return shard_id
-
     def shard_view(self, leaf: str, shard_id: Hashable) -> torch.Tensor:
-        """The rows of buffer `leaf` that hold one shard, as a view."""
-        i, rows = self._shard(shard_id)
+        """The rows of buffer `leaf` that hold one shard, as a view; its entry of qtype."""
         if leaf == "qtype":
+            i, _ = self._shard(shard_id)
             return self.qtype[i:i + 1]
-        return getattr(self, leaf)[rows]
+        return super().shard_view(leaf, shard_id)
 
 
 def block_kernel(qvalues: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
@@ -155,3 +166,6 @@ def _concat_forward(x: torch.Tensor, kernels, bias: torch.Tensor | None) -> torc
 def _dense_forward(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight.to(x.dtype), bias)
+
+
+register("gguf", BlockQuantLinear, "gguf", gguf_spec)

@@ -3,9 +3,9 @@ rescale) exactly, rows do not depend on their batch, and fused shards keep their
 import pytest
 import torch
 
-from kvslim.layers.quant_kernels import w8a8_linear
-from kvslim.layers.quant_linear import QuantSpec
-from kvslim.layers.w8a8_linear import W8A8_SPEC, W8A8Linear
+from kvslim.quantization.kernels import w8a8_linear
+from kvslim.quantization import QuantSpec
+from kvslim.quantization.w8a8 import W8A8_SPEC, W8A8Linear
 from kvslim.errors import ConfigError
 from kvslim.formats.compressed_tensors_int import quantization_config_w8a8
 
@@ -95,7 +95,7 @@ def test_config_is_parsed_and_what_is_not_read_is_named():
 def test_padding_for_cuda_int_mm_changes_no_row(rows):
     """CUDA's torch._int_mm wants more than 16 rows, a multiple of 8: the padded product (run
     here on the CPU) is the unpadded one, row for row."""
-    from kvslim.layers.quant_kernels import padded_int_mm
+    from kvslim.quantization.kernels import padded_int_mm
     g = torch.Generator().manual_seed(rows)
     xq = torch.randint(-127, 128, (rows, 64), generator=g, dtype=torch.int8)
     w = torch.randint(-127, 128, (40, 64), generator=g, dtype=torch.int8)

@@ -10,17 +10,18 @@ Weights are row-major over the outputs, so fused layers (q/k/v, gate/up) stack t
 rows and their scales alike. The product runs in integers (`w8a8_linear`): each output row is
 (sum_i xq[i] * wq[o, i]) * sx * sw[o], exact in int32, so a row's result does not depend on
 which other rows share the call (the batch). config.json's `quantization_config` for this layout
-is read by layers/compressed_tensors_config.py (format "int-quantized")."""
+is read by compressed_tensors.py (format "int-quantized"); its constants are here, where the
+layer that runs the scheme is (formats/compressed_tensors_int.py writes them)."""
 from __future__ import annotations
 
 from functools import partial
 from typing import Hashable
 
 import torch
-from torch import nn
 
-from kvslim.layers.quant_kernels import w8a8_linear
-from kvslim.layers.quant_linear import QuantLinear, QuantSpec
+from kvslim.quantization.base import QuantLinear, QuantSpec
+from kvslim.quantization.kernels import w8a8_linear
+from kvslim.quantization.registry import register
 
 W8A8_LEAVES = ("weight", "weight_scale", "bias")
 FORMAT = "int-quantized"
@@ -31,29 +32,20 @@ W8A8_SPEC = QuantSpec(8, -1, sym=True, checkpoint_format=FORMAT, method="w8a8")
 
 
 class W8A8Linear(QuantLinear):
-    """A W8A8 linear layer; shards (named as in QuantQKVLinear and QuantMergedLinear: "q"/"k"/"v",
-    or "gate"/"up" also reachable as 0/1) are stacked along the output."""
+    """A W8A8 linear layer; shards ("q"/"k"/"v", or "gate"/"up" also reachable as 0/1) are
+    stacked along the output, row major."""
     LEAVES = W8A8_LEAVES
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  spec: QuantSpec | None = None, shard_sizes: dict[Hashable, int] | None = None):
-        nn.Module.__init__(self)
-        if spec is None:
-            raise ValueError("W8A8Linear needs a QuantSpec")
-        self.spec = spec
-        self.shard_sizes = dict(shard_sizes or {None: out_features})
-        self.in_features, self.out_features = in_features, sum(self.shard_sizes.values())
+        super().__init__(in_features, out_features, bias, spec, shard_sizes)
         self.register_buffer("weight", torch.zeros(self.out_features, in_features,
                                                    dtype=torch.int8))
         # Scales follow the model's dtype (`.to(dtype)` leaves the int8 weight alone); the
         # kernel rescales in float32 whatever it is.
         self.register_buffer("weight_scale", torch.zeros(self.out_features, 1))
-        self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
-        self.kernel = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x)
+    def unprepared_forward(self, x: torch.Tensor) -> torch.Tensor:
         return w8a8_linear(x, self.weight, self.weight_scale.view(-1), self.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -64,16 +56,9 @@ class W8A8Linear(QuantLinear):
     def prepare_for_inference(self) -> None:
         """Every row count runs the integer product: `kvslim bench kernels` had it faster than
         int8 weight-only on the same weight from 4 rows and even at 1, and one kernel at every
-        M keeps a row's result independent of its batch (quant_kernels.W8A8_MIN_ROWS)."""
+        M keeps a row's result independent of its batch (kernels.W8A8_MIN_ROWS)."""
         self.kernel = partial(w8a8_linear, qweight=self.weight.contiguous(),
                               scales=self.weight_scale.view(-1).contiguous(), bias=self.bias)
 
-    def shard_key(self, shard_id: Hashable) -> Hashable:
-        if isinstance(shard_id, int):
-            return list(self.shard_sizes)[shard_id]
-        return shard_id
 
-    def shard_view(self, leaf: str, shard_id: Hashable) -> torch.Tensor:
-        """The rows of buffer `leaf` that hold one shard, as a view."""
-        _, rows = self._shard(shard_id)
-        return getattr(self, leaf)[rows]
+register("w8a8", W8A8Linear)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvslim.layers.int8_group_kernel import (dequantize_int8_group, int8_group_linear,
+from kvslim.quantization.int8_group_kernel import (dequantize_int8_group, int8_group_linear,
                                              pack_int8_group)
 
 

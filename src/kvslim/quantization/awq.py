@@ -1,14 +1,14 @@
 """config.json `quantization_config` of AWQ checkpoints (AutoAWQ, transformers' AwqConfig:
-quant_method "awq"), read as a `QuantSpec`. The tensors are converted in formats/awq.py.
-
-This lives beside `QuantSpec` rather than in formats/ because the model's layers are built from
-the parsed spec, and layers/ may not import formats/ (docs/architecture.md)."""
+quant_method "awq"), read as a `QuantSpec`. The tensors are converted to GPTQ's at load
+(formats/awq.py), so AWQ layers are `GPTQLinear`s."""
 from __future__ import annotations
 
 from typing import Any
 
 from kvslim.errors import ConfigError
-from kvslim.layers.quant_linear import QuantSpec
+from kvslim.quantization.base import QuantSpec
+from kvslim.quantization.gptq import GPTQLinear
+from kvslim.quantization.registry import register
 
 PREFIX = "config.json: quantization_config"
 # The only AWQ version whose tensors kvslim reads: qweight [in, out / 8] in AWQ's nibble order.
@@ -41,3 +41,6 @@ def awq_spec(cfg: dict[str, Any]) -> QuantSpec:
     # they are read as stored either way (as vLLM's awq.py does).
     return QuantSpec(4, group, desc_act=False, sym=not zero_point, checkpoint_format="gemm",
                      method="awq")
+
+
+register("awq", GPTQLinear, "awq", awq_spec)

@@ -1,4 +1,4 @@
-"""QuantLinear after prepare_for_inference: the int4 kernel (groups in order, act-order
+"""GPTQLinear after prepare_for_inference: the int4 kernel (groups in order, act-order
 permutations, v1 zero points of 16), the int8 kernel (8 bits, one symmetric group per output
 channel) and the dequantize-once path for everything else compute the layer's dequantized
 weight within the kernels' bfloat16 bound."""
@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kvslim.formats.gptq import QuantizedWeight, pack_gptq
-from kvslim.layers.quant_linear import QuantLinear, QuantSpec
+from kvslim.quantization import QuantSpec
+from kvslim.quantization.gptq import GPTQLinear
 
 IN, OUT = 128, 48
 
@@ -24,7 +25,7 @@ def layer(bits, group, act_order, fmt, bias, seed=0):
                         scales=(torch.rand(groups, OUT, generator=gen) + 0.5) / top,
                         g_idx=g_idx)
     spec = QuantSpec(bits, group, act_order, False, fmt)
-    module = QuantLinear(IN, OUT, bias=bias, spec=spec)
+    module = GPTQLinear(IN, OUT, bias=bias, spec=spec)
     with torch.no_grad():
         for name, tensor in pack_gptq(w, spec).items():
             target = module.g_idx[0] if name == "g_idx" else getattr(module, name)

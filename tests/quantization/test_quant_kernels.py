@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvslim.layers import quant_kernels as qk
+from kvslim.quantization import kernels as qk
 
 IN, OUT, GROUP = 128, 96, 32
 ROWS = list(range(1, 65))

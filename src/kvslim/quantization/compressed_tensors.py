@@ -5,17 +5,19 @@ A config names a storage `format` (at the top, or per config group) and per conf
 scheme: which modules (`targets`), how their weights are quantized (`weights`) and whether their
 activations are (`input_activations`). `FORMATS` maps each storage format kvslim reads to the
 function that checks a scheme stored in it; a format missing there is refused with its name, and
-a new one is one more entry. The tensors are converted in formats/compressed_tensors.py.
-
-This lives beside `QuantSpec` rather than in formats/ because the model's layers are built from
-the parsed spec, and layers/ may not import formats/ (docs/architecture.md). Field meanings and
-defaults follow compressed-tensors' `QuantizationArgs` (quantization/quant_args.py)."""
+a new one is one more entry. "pack-quantized" tensors are converted to GPTQ's at load
+(formats/compressed_tensors.py), so those layers are `GPTQLinear`s; "int-quantized" is W8A8
+(w8a8.py). Field meanings and defaults follow compressed-tensors' `QuantizationArgs`
+(quantization/quant_args.py)."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from kvslim.errors import ConfigError
-from kvslim.layers.quant_linear import QuantSpec
+from kvslim.quantization.base import QuantSpec
+from kvslim.quantization.gptq import GPTQLinear
+from kvslim.quantization.registry import register
+from kvslim.quantization.w8a8 import INPUTS, W8A8_SPEC, WEIGHTS
 
 PREFIX = "config.json: quantization_config"
 # Features of a config kvslim would silently get wrong if it ignored them.
@@ -80,8 +82,7 @@ def _group_size(w: dict[str, Any], where: str) -> int:
 
 def int8_weights_and_activations(scheme: dict[str, Any], where: str) -> QuantSpec:
     """A scheme in format "int-quantized": W8A8, int8 per-channel weights and int8 activations
-    quantized per token at run time (layers/w8a8_linear.py), the only such scheme read."""
-    from kvslim.layers.w8a8_linear import INPUTS, W8A8_SPEC, WEIGHTS
+    quantized per token at run time (w8a8.py), the only such scheme read."""
     where = f"{PREFIX} {where}"
     if scheme.get("output_activations") is not None:
         raise ConfigError(f"{where}.output_activations is not supported (must be null)")
@@ -137,3 +138,7 @@ def compressed_tensors_spec(cfg: dict[str, Any]) -> QuantSpec:
             raise ConfigError(f"{PREFIX} config_groups {names[0]} and {name} quantize weights "
                               "differently: kvslim runs one scheme for every linear layer")
     return specs[names[0]]
+
+
+register("compressed-tensors", GPTQLinear, "compressed-tensors",
+         compressed_tensors_spec)

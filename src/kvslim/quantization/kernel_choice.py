@@ -1,11 +1,11 @@
 """Which kernel a quantized layer should run at each row count M, from `kvslim bench kernels`'
 timings of the kernels kvslim ships (not the other candidates it measures):
 
-    fp32   cpu_linear.PackedCpuKernel: a GEMV over the input-major copy at one row, oneDNN's
-           packed GEMM from two
-    int8   quant_kernels.int8_linear: _weight_int8pack_mm with bfloat16 activations
-    int4   quant_kernels.int4_linear: _weight_int4pack_mm_for_cpu with bfloat16 activations
-    w8a8   quant_kernels.w8a8_linear: per-token int8 activations, torch._int_mm
+    fp32   layers/cpu_linear.PackedCpuKernel: a GEMV over the input-major copy at one row,
+           oneDNN's packed GEMM from two
+    int8   kernels.int8_linear: _weight_int8pack_mm with bfloat16 activations
+    int4   kernels.int4_linear: _weight_int4pack_mm_for_cpu with bfloat16 activations
+    w8a8   kernels.w8a8_linear: per-token int8 activations, torch._int_mm
 
 For each shape and M it reports the shipped kernels' µs, which kernel a W8A8 model's layer
 should run (W8A8, or int8 weight-only on the same int8 weight), next to the stored rule
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvslim.layers.quant_kernels import W8A8_MIN_ROWS
+from kvslim.quantization.kernels import W8A8_MIN_ROWS
 
 INT4_ALTERNATIVES = ("bf16_copy_mm", "w8a8_per_group_int_mm")
 

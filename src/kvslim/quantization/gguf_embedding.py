@@ -5,19 +5,17 @@ The lookup dequantizes only the rows it gathers (exact, formats/gguf/blocks.py),
 stays 1 byte per weight plus its group scales and offsets: for SmolLM2-135M 28 MB + 14 MB
 instead of 113 MB of float32. The tied head multiplies with the whole table through the kernel a
 BlockQuantLinear of the table's type would run: for an 8-bit table (Q8_0) the exact float32 one
-(layers/int8_group_kernel.py says why bfloat16 is not good enough for logits), 113 MB built by
+(int8_group_kernel.py says why bfloat16 is not good enough for logits), 113 MB built by
 `prepare_for_inference`; for a 4-bit table the int4 kernel."""
 from __future__ import annotations
 
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kvslim.layers.block_quant_linear import (GROUP, _dense_forward, block_kernel,
-                                              dequantize_groups)
-from kvslim.layers.quant_linear import QuantLinear, QuantSpec
+from kvslim.quantization.base import QuantLinear, QuantSpec
+from kvslim.quantization.gguf_blocks import GROUP, _dense_forward, block_kernel, dequantize_groups
 
 
 class BlockQuantEmbedding(nn.Module):
@@ -47,18 +45,11 @@ class TiedBlockQuantHead(QuantLinear):
     LEAVES = ()
 
     def __init__(self, embedding: BlockQuantEmbedding, spec: QuantSpec):
-        nn.Module.__init__(self)
-        self.spec = spec
+        super().__init__(embedding.embedding_dim, embedding.num_embeddings, False, spec)
         self._embedding = (embedding,)            # a tuple: not a registered submodule
-        self.in_features, self.out_features = embedding.embedding_dim, embedding.num_embeddings
-        self.shard_sizes = {None: self.out_features}
-        self.bias = None
-        self.kernel = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x)
-        return F.linear(x, self._embedding[0].dequantized_weight().to(x.dtype))
+    def dequantized_weight(self) -> torch.Tensor:
+        return self._embedding[0].dequantized_weight()
 
     @torch.no_grad()
     def prepare_for_inference(self) -> None:
