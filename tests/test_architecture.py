@@ -141,3 +141,49 @@ def kv_formula_sites() -> list[str]:
 def test_kv_formula_is_written_once():
     sites = kv_formula_sites()
     assert len(sites) == 1 and sites[0].startswith("models/config.py:"), sites
+
+
+# Other commands that name one of their own settings like an engine option (training's dtype
+# and device, a GGUF export's tensor type, `kvslim info`'s and the planner's dtype vocabularies,
+# the conversion's tensor-parallel warning): not a second declaration of the engine's option.
+OTHER_MEANINGS = {("cli/train_cmds.py", "--dtype"), ("cli/train_cmds.py", "--device"),
+                  ("cli/model_cmds.py", "--dtype"), ("cli/surgery_cmds.py", "--dtype"),
+                  ("cli/surgery_cmds.py", "--device"),
+                  ("cli/surgery_cmds.py", "--tensor-parallel-size"),
+                  ("cli/memory_cmds.py", "--dtype")}
+
+
+def hand_written_flags(flags: set[str]) -> list[str]:
+    """`add_argument("--flag", ...)` literals for any of `flags`."""
+    found = []
+    for path in source_files():
+        rel = str(path.relative_to(SRC))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "add_argument"):
+                found += [f"{rel}:{node.lineno}: {arg.value}" for arg in node.args
+                          if isinstance(arg, ast.Constant) and arg.value in flags
+                          and (rel, arg.value) not in OTHER_MEANINGS]
+    return found
+
+
+def test_each_engine_option_is_declared_once():
+    """An engine option is one field of EngineConfig (engine/config.py): its flag is generated
+    from the field (cli/engine_args.py), never written by hand, and LLM passes its keywords on
+    instead of listing the options again."""
+    from kvslim.cli.engine_args import flag_fields, flag_of
+    hand = hand_written_flags({flag_of(f) for f in flag_fields()})
+    assert not hand, "engine flags written by hand:\n" + "\n".join(hand)
+    llm = next(node for node in ast.walk(ast.parse((SRC / "engine" / "llm.py").read_text()))
+               if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    assert [a.arg for a in llm.args.args] == ["self", "model"] and llm.args.kwarg is not None
+    assert not llm.args.kwonlyargs
+
+
+def test_the_kv_cache_dtypes_are_written_once():
+    """The engine's quantized KV-cache dtypes are one constant (attention/kv_cache.py); the
+    planner's names for them are one table beside the KV-cache plan."""
+    sites = [f"{path.relative_to(SRC)}:{node.lineno}" for path in source_files()
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.Constant) and node.value == "fp8_e4m3"]
+    assert len(sites) == 1 and sites[0].startswith("attention/kv_cache.py:"), sites
