@@ -101,17 +101,15 @@ def llm_from_args(args):
 
 def check_args(args) -> None:
     """What loading the model would reject later: sampling flags (when the command has them),
-    engine sizes, and that one KV-cache block fits kv_cache_memory (from the model's config,
-    read without its weights)."""
+    engine sizes, and the engine's KV-cache plan (one block fits kv_cache_memory, max_model_len
+    fits the cache), from the model's config read without its weights."""
     from kvslim.attention import resolve_kv_cache_dtype
-    from kvslim.engine.config import num_kv_blocks
-    from kvslim.engine.model_runner import kv_block_bytes
     from kvslim.errors import KvslimError
     from kvslim.device import resolve_device
     from kvslim.formats.loader import resolve_dtype
     from kvslim.formats.registry import model_config_of
     from kvslim.engine.parallel_executor import check_tensor_parallel
-    from kvslim.models.kv_groups import kv_cache_groups
+    from kvslim.kv_cache.plan import plan_kv_cache
     from kvslim.parallel import local_config
     if args.threads is not None and args.threads < 1:
         raise KvslimError(f"--threads must be at least 1, got {args.threads}")
@@ -119,14 +117,12 @@ def check_args(args) -> None:
         sampling_from_args(args)
     config = engine_config_from_args(args)
     model_config = model_config_of(args.model)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, model_config, device)
-    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, model_config, device)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     check_tensor_parallel(model_config, config)
-    # kv_cache_memory is per rank, and a rank's cache holds its KV heads
-    model_config = local_config(model_config, config.tensor_parallel_size)
-    groups = kv_cache_groups(model_config, not config.keep_out_of_window_blocks)
-    num_kv_blocks(config, kv_block_bytes(model_config, config.block_size, kv_dtype, groups))
+    # The engine's own plan: kv_cache_memory is per rank, and a rank's cache holds its KV heads
+    plan_kv_cache(local_config(model_config, config.tensor_parallel_size), kv_dtype, config)
 
 
 def engine_config_from_args(args):

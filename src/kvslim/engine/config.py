@@ -16,6 +16,7 @@ from kvslim.attention.backends import ATTENTION_BACKENDS
 from kvslim.attention.kv_cache import KV_CACHE_DTYPES
 from kvslim.engine.speculative.config import SpeculativeConfig
 from kvslim.errors import KvslimError
+from kvslim.kv_cache.plan import DEFAULT_BLOCK_SIZE
 from kvslim.parallel.sharding import check_world_size
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
@@ -69,7 +70,8 @@ class EngineConfig:
     kv_cache_memory: int | str = option(
         "1GiB", "KV-cache budget per tensor-parallel rank, e.g. 512MiB, 2GiB (default "
                 "%(default)s)")
-    block_size: int = option(16, "tokens per KV-cache block (default %(default)s)")
+    block_size: int = option(DEFAULT_BLOCK_SIZE,
+                             "tokens per KV-cache block (default %(default)s)")
     max_num_seqs: int = option(64, "most sequences running at once (default %(default)s)")
     max_num_batched_tokens: int = option(
         1024, "tokens computed per step, prefill chunks included (default %(default)s)")
@@ -152,13 +154,3 @@ class EngineConfig:
             raise KvslimError("speculative decoding with tensor_parallel_size > 1 is not "
                               "supported yet")
 
-
-def num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
-    """Blocks that kv_cache_memory holds; at least one must fit. Used both before a model loads
-    (the CLI, from config.json) and by the model runner."""
-    num_blocks = config.kv_cache_memory // bytes_per_block
-    if num_blocks < 1:
-        raise KvslimError(
-            f"kv_cache_memory={config.kv_cache_memory} bytes is too small for one block of "
-            f"{config.block_size} tokens ({bytes_per_block} bytes for this model)")
-    return num_blocks

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from kvslim.engine.block_manager import BlockManager
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.detokenizer import IncrementalDetokenizer
-from kvslim.engine.model_runner import ModelRunner, max_model_len_for
+from kvslim.engine.model_runner import ModelRunner, kv_cache_plan_of
 from kvslim.engine.parallel_executor import TensorParallelExecutor
 from kvslim.engine.parallel_worker import RankKVStats, kv_stats
 from kvslim.engine.outputs import CompletionOutput, KVCacheStats, RequestMetrics, RequestOutput
@@ -23,7 +23,7 @@ from kvslim.engine.speculative.draft import DraftModelProposer
 from kvslim.errors import EngineFailedError, InvalidRequestError
 from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
-from kvslim.models.kv_groups import longest_sequence
+from kvslim.kv_cache.groups import longest_sequence
 from kvslim.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvslim.engine")
@@ -71,8 +71,9 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer.from_dir(model_dir)
         eos = list(dict.fromkeys(self.tokenizer.eos_token_ids + self.model_config.eos_token_ids))
         self.eos_token_ids = eos
-        self.max_model_len = max_model_len_for(self.model, self.config)
-        self.runner = ModelRunner(self.model, self.config, eos, self.max_model_len)
+        self.kv_plan = kv_cache_plan_of(self.model, self.config)
+        self.max_model_len = self.kv_plan.max_model_len
+        self.runner = ModelRunner(self.model, self.config, eos, self.kv_plan)
         # What runs each step: the runner, or the executor that runs it on every rank.
         self.executor = (self.runner if self.parallel is None
                          else self.parallel.attach(self.runner, self.max_model_len, eos))
