@@ -1,5 +1,5 @@
 """The shape of the source tree (docs/architecture.md): which folder may import which, file and
-function sizes, and the KV-cache formula written once.
+function sizes, the KV-cache formula written once, and each engine option declared once.
 
 Every `import` counts, including the lazy ones inside functions: a lazy import hides a dependency
 from the top of the file, it does not remove it."""

@@ -6,9 +6,8 @@ from dataclasses import asdict, fields
 import pytest
 
 from kvslim import LLM
-from kvslim.cli.engine_args import flag_fields, flag_of
+from kvslim.cli.engine_args import engine_config_from_args, flag_fields, flag_of
 from kvslim.cli.main import build_parser
-from kvslim.cli.engine_args import engine_config_from_args
 from kvslim.engine.config import EngineConfig
 from kvslim.errors import KvslimError
 

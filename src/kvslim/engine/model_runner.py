@@ -1,6 +1,6 @@
 """`ModelRunner`: all tensor work of a step. Owns the KV cache (allocated once, as its
-`KVCachePlan` sizes it), turns the scheduler's decision into flat inputs + attention metadata, runs the model and
-samples."""
+`KVCachePlan` sizes it), turns the scheduler's decision into flat inputs + attention metadata,
+runs the model and samples."""
 from __future__ import annotations
 
 import itertools
