@@ -1,5 +1,5 @@
 """The shape of the source tree (docs/architecture.md): which folder may import which, file and
-function sizes, and the KV-cache formula written once.
+function sizes, the KV-cache formula written once, and each engine option declared once.
 
 Every `import` counts, including the lazy ones inside functions: a lazy import hides a dependency
 from the top of the file, it does not remove it."""
@@ -14,8 +14,10 @@ MAX_FUNCTION_LINES = 60
 
 # Folder (or top-level module) -> the folders and modules it may import. Lower layers first:
 # base (errors, paths, device) <- tokenizer, layers, attention <- quantization (beside layers:
-# it builds on them) <- models <- formats <- parallel <- engine <- server; surgery/train/eval
-# use models/formats/tokenizer (and train's corpus streams);
+# it builds on them) <- models <- formats <- parallel <- engine <- server; the KV-cache plan
+# (kv_cache: groups, block arithmetic, KVCachePlan) sits on models, below the engine, the
+# planner and parallel; surgery/train/eval use models/formats/tokenizer (and train's corpus
+# streams);
 # experiments use surgery/train/eval (and bench, to time what they build); plan uses models;
 # bench uses engine/formats/plan/models
 # (and surgery's conversions); cli, demo and the package's
@@ -35,10 +37,12 @@ ALLOWED = {
     "quantization": BASE | {"layers"},
     "models": KERNELS | {"quantization"},
     "formats": KERNELS | {"quantization", "models"},
-    "engine": KERNELS | {"models", "formats", "parallel"},
+    # The engine allocates, the CLI checks, the planner prices one KVCachePlan.
+    "kv_cache": BASE | {"attention", "models"},
+    "engine": KERNELS | {"models", "formats", "parallel", "kv_cache"},
     # Tensor parallelism shards models (and prices a rank's share with the planner's formulas);
     # the engine runs its workers.
-    "parallel": KERNELS | {"quantization", "models", "formats", "plan"},
+    "parallel": KERNELS | {"quantization", "models", "formats", "plan", "kv_cache"},
     "server": KERNELS | {"models", "formats", "engine"},
     # Corpus streams (tokenized windows) live in train/: calibration and perplexity read them.
     "surgery": KERNELS | {"quantization", "models", "formats", "train"},
@@ -48,7 +52,7 @@ ALLOWED = {
     # measure what the engine does with what surgery and training produce.
     "experiments": KERNELS | {"quantization", "models", "formats", "surgery", "train", "eval",
                               "bench", "engine"},
-    "plan": BASE | {"models"},
+    "plan": BASE | {"models", "kv_cache"},
     # The capacity benchmark converts the reference model to GQA/MQA to compare what fits.
     "bench": KERNELS | {"quantization", "models", "formats", "engine", "plan", "surgery"},
 }
@@ -183,3 +187,49 @@ def kv_formula_sites() -> list[str]:
 def test_kv_formula_is_written_once():
     sites = kv_formula_sites()
     assert len(sites) == 1 and sites[0].startswith("models/config.py:"), sites
+
+
+# Other commands that name one of their own settings like an engine option (training's dtype
+# and device, a GGUF export's tensor type, `kvslim info`'s and the planner's dtype vocabularies,
+# the conversion's tensor-parallel warning): not a second declaration of the engine's option.
+OTHER_MEANINGS = {("cli/train_cmds.py", "--dtype"), ("cli/train_cmds.py", "--device"),
+                  ("cli/model_cmds.py", "--dtype"), ("cli/surgery_cmds.py", "--dtype"),
+                  ("cli/surgery_cmds.py", "--device"),
+                  ("cli/surgery_cmds.py", "--tensor-parallel-size"),
+                  ("cli/memory_cmds.py", "--dtype")}
+
+
+def hand_written_flags(flags: set[str]) -> list[str]:
+    """`add_argument("--flag", ...)` literals for any of `flags`."""
+    found = []
+    for path in source_files():
+        rel = str(path.relative_to(SRC))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "add_argument"):
+                found += [f"{rel}:{node.lineno}: {arg.value}" for arg in node.args
+                          if isinstance(arg, ast.Constant) and arg.value in flags
+                          and (rel, arg.value) not in OTHER_MEANINGS]
+    return found
+
+
+def test_each_engine_option_is_declared_once():
+    """An engine option is one field of EngineConfig (engine/config.py): its flag is generated
+    from the field (cli/engine_args.py), never written by hand, and LLM passes its keywords on
+    instead of listing the options again."""
+    from kvslim.cli.engine_args import flag_fields, flag_of
+    hand = hand_written_flags({flag_of(f) for f in flag_fields()})
+    assert not hand, "engine flags written by hand:\n" + "\n".join(hand)
+    llm = next(node for node in ast.walk(ast.parse((SRC / "engine" / "llm.py").read_text()))
+               if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    assert [a.arg for a in llm.args.args] == ["self", "model"] and llm.args.kwarg is not None
+    assert not llm.args.kwonlyargs
+
+
+def test_the_kv_cache_dtypes_are_written_once():
+    """The engine's quantized KV-cache dtypes are one constant (attention/kv_cache.py); the
+    planner's names for them are one table beside the KV-cache plan."""
+    sites = [f"{path.relative_to(SRC)}:{node.lineno}" for path in source_files()
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.Constant) and node.value == "fp8_e4m3"]
+    assert [s.split(":")[0] for s in sites] == ["attention/kv_cache.py", "kv_cache/plan.py"], sites

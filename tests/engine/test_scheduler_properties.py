@@ -29,7 +29,7 @@ from kvslim.engine.sampler import SampleResult
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.engine.scheduler import Scheduler
 from kvslim.engine.sequence import Sequence, SequenceStatus, TokenLogprob
-from kvslim.models.kv_groups import NULL_BLOCK, first_needed_block
+from kvslim.kv_cache.groups import NULL_BLOCK, first_needed_block
 
 EOS = 0
 VOCAB = 12

@@ -1,5 +1,5 @@
 """Sliding windows that free memory: layers with a window release the blocks that fell out of
-it (per KV-cache group, `models/kv_groups.py`), so a long sequence's blocks on those layers stay
+it (per KV-cache group, `kv_cache/groups.py`), so a long sequence's blocks on those layers stay
 bounded, outputs stay identical to the mask-only path (every block kept), prefix caching stays
 correct, and the memory planner's per-group blocks and bytes are the engine's.
 
@@ -11,9 +11,9 @@ import pytest
 
 from engine_helpers import GREEDY, engine, tokens
 from kvslim.engine.sampling_params import SamplingParams
+from kvslim.kv_cache.groups import (KVCacheGroup, blocks_held, first_needed_block,
+                                    kv_cache_groups, longest_sequence, step_blocks)
 from kvslim.models.config import ModelConfig
-from kvslim.models.kv_groups import (KVCacheGroup, blocks_held, first_needed_block,
-                                     kv_cache_groups, longest_sequence, step_blocks)
 from kvslim.plan.memory import plan_memory
 
 WINDOWS = {"gemma3": 7, "mixtral": 16}

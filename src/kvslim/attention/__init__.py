@@ -19,13 +19,14 @@ from kvslim.attention.backends import (ATTENTION_BACKENDS, build_paged_attention
 from kvslim.attention.dense import DenseAttention
 from kvslim.attention.flex import FlexPagedAttention
 from kvslim.attention.flex_metadata import FlexAttentionMetadata, build_flex_layer_metadata
-from kvslim.attention.kv_cache import (KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, KVCacheLayer,
-                                       QuantizedKVCacheLayer, resolve_kv_cache_dtype)
+from kvslim.attention.kv_cache import (KV_CACHE_DTYPES, KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES,
+                                       KVCacheLayer, QuantizedKVCacheLayer,
+                                       resolve_kv_cache_dtype)
 from kvslim.attention.metadata import (PagedAttentionMetadata, PagedStepLayout, PrefillChunk,
                                        build_layer_metadata, build_paged_metadata)
 from kvslim.attention.paged import PagedAttention
 
-__all__ = ["ATTENTION_BACKENDS", "KV_SCALE_DTYPE", "QUANTIZED_KV_DTYPES", "DenseAttention",
+__all__ = ["ATTENTION_BACKENDS", "KV_CACHE_DTYPES", "KV_SCALE_DTYPE", "QUANTIZED_KV_DTYPES", "DenseAttention",
            "FlexAttentionMetadata", "FlexPagedAttention", "KVCacheLayer",
            "QuantizedKVCacheLayer", "PagedAttention", "PagedAttentionMetadata", "PagedStepLayout",
            "PrefillChunk", "build_flex_layer_metadata", "build_layer_metadata",

@@ -151,7 +151,7 @@ def build_flex_metadata(step: FlexStepTensors, block_size: int, pool_blocks: int
     mapping those would point a real block at the wrong logical index)."""
     dev = step.q_seq.device
     first_needed = torch.zeros_like(step.seq_first_pos)
-    if window is not None:      # models.kv_groups.first_needed_block, per sequence
+    if window is not None:      # kv_cache.groups.first_needed_block, per sequence
         first_needed = (step.seq_first_pos - window + 1).clamp(min=0) // block_size
     seq = step.entry_seq
     valid = ((step.entry_logical < step.seq_num_blocks[seq])

@@ -25,6 +25,8 @@ from kvslim.errors import KvslimError
 KV_SCALE_DTYPE = torch.float16
 # The quantized KV dtypes the engine offers, and the largest magnitude each stores.
 QUANTIZED_KV_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+# What `kv_cache_dtype` (`--kv-cache-dtype`) accepts: "auto" (the model's dtype) or one of those.
+KV_CACHE_DTYPES = ("auto", *QUANTIZED_KV_DTYPES)
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # float16's smallest normal number: a row of zeros gets this scale instead of a division by 0.
 _MIN_SCALE = 2.0 ** -14

@@ -5,28 +5,23 @@ import json
 
 import torch
 
-from kvslim.cli.engine_args import add_parallel_args, parallel_from_args
+from kvslim.cli.engine_args import (PARALLEL_OPTIONS, add_engine_flags, add_threads_arg,
+                                   engine_options_from_args, parallel_from_args)
 from kvslim.errors import KvslimError
 
-
-def _kv_cache_dtype(p) -> None:
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"),
-                   help="kvslim's KV-cache storage (default auto: the model's dtype)")
-
-
-def _speculative(p) -> None:
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="kvslim's speculative decoding, as for generate and serve")
-
-
-def _model_dtype(p) -> None:
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32"),
-                   help="auto: the default model and .gguf files run their quantized import; "
-                        "float32: their float32 import")
+# --dtype here chooses which import of the default model and .gguf files runs.
+IMPORT_DTYPE = dict(choices=("auto", "float32"),
+                    help="auto: the default model and .gguf files run their quantized import; "
+                         "float32: their float32 import")
+# The peers (HF, llama.cpp) run without these.
+KVSLIM_ONLY = dict(kv_cache_dtype=dict(help="kvslim's KV-cache storage (default auto: the model's "
+                                            "dtype)"),
+                   speculative=dict(help="kvslim's speculative decoding, as for generate and "
+                                         "serve"))
 
 
 def _common(p) -> None:
-    p.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) threads")
+    add_threads_arg(p, help="torch (and llama.cpp) threads")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -38,12 +33,10 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--compare", default="hf,llamacpp", help="peers: hf, llamacpp, or ''")
     p.add_argument("--hf-batch-size", type=int, default=8)
-    p.add_argument("--kv-cache-memory", default="2GiB", help="per tensor-parallel rank")
-    _kv_cache_dtype(p)
-    _speculative(p)
-    _model_dtype(p)
+    add_engine_flags(p, "kv_cache_memory", "kv_cache_dtype", "speculative", "dtype",
+                     kv_cache_memory=dict(default="2GiB"), dtype=IMPORT_DTYPE, **KVSLIM_ONLY)
     _common(p)
-    add_parallel_args(p)
+    add_engine_flags(p, *PARALLEL_OPTIONS)
     p.set_defaults(func=run_throughput_cmd)
 
     p = kinds.add_parser("latency", help="batch-1/8 decode speed and roofline vs peers")
@@ -54,11 +47,10 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--compare", default="hf,llamacpp")
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds, engines taking turns in each; tables show medians")
-    _kv_cache_dtype(p)
-    _speculative(p)
-    _model_dtype(p)
+    add_engine_flags(p, "kv_cache_dtype", "speculative", "dtype", dtype=IMPORT_DTYPE,
+                     **KVSLIM_ONLY)
     _common(p)
-    add_parallel_args(p)
+    add_engine_flags(p, *PARALLEL_OPTIONS)
     p.set_defaults(func=run_latency_cmd)
 
     p = kinds.add_parser("profile", help="where a decode step's time goes: GEMM, attention, "
@@ -67,14 +59,14 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--steps", type=int, default=16, help="decode steps profiled per batch")
-    _model_dtype(p)
+    add_engine_flags(p, "dtype", dtype=IMPORT_DTYPE)
     _common(p)
     p.set_defaults(func=run_profile_cmd)
 
     p = kinds.add_parser("capacity", help="an MHA model vs its GQA/MQA conversions, one budget")
     p.add_argument("--model", default="models/ref-mha", help="the MHA model")
     p.add_argument("--kv-heads", default=None, help="conversions to compare (default H/4,1)")
-    p.add_argument("--kv-cache-memory", default="64MiB")
+    add_engine_flags(p, "kv_cache_memory", kv_cache_memory=dict(default="64MiB"))
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--work-dir", default="runs/capacity")
@@ -151,9 +143,8 @@ def run_latency_cmd(args) -> int:
 
 def _speculative_config(args) -> dict | None:
     """Parsed and checked before any model loads."""
-    from kvslim.cli.engine_args import speculative_from_args
     from kvslim.engine.speculative.config import SpeculativeConfig
-    value = speculative_from_args(args)
+    value = engine_options_from_args(args)["speculative"]
     SpeculativeConfig.from_value(value)
     return value
 

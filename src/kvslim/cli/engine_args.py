@@ -1,54 +1,86 @@
-"""Engine flags shared by generate, chat, demo, serve and the benchmarks."""
+"""Engine flags shared by generate, chat, demo, serve and the benchmarks: generated from
+EngineConfig's fields (engine/config.py), where each engine option is declared once."""
 from __future__ import annotations
 
+# The tensor-parallel options: last in the engine group, and what the benchmarks pass on.
+PARALLEL_OPTIONS = ("tensor_parallel_size", "tensor_parallel_oversubscribe",
+                    "distributed_timeout")
+THREADS_HELP = ("torch CPU threads (default: one per core). On cores that other busy processes "
+                "share, fewer threads (often 1) decode faster")
 
-def add_engine_args(p, kv_cache_memory: str = "1GiB", max_num_seqs: int = 64) -> None:
+
+def add_engine_args(p, **defaults) -> None:
+    """Every engine option's flag, and --threads. `defaults`: this command's own default for an
+    option, e.g. kv_cache_memory="256MiB"."""
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto "
-                                                   "(float32 on CPU; the default model and "
-                                                   ".gguf files run their quantized import, "
-                                                   "any other value their float one)")
-    g.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"),
-                   help="KV-cache storage: auto (the model's dtype), int8 or fp8_e4m3, with a "
-                        "float16 scale per token and KV head (default auto)")
-    g.add_argument("--kv-cache-memory", default=kv_cache_memory,
-                   help=f"KV-cache budget, e.g. 512MiB, 2GiB (default {kv_cache_memory})")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="on CUDA, run decode steps without CUDA graphs")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "gather", "flex"),
-                   help="paged attention: gather (copies each context out, the reference), flex "
-                        "(FlexAttention reading the cache in place) or auto (flex on CUDA, "
-                        "gather on the CPU, where it measured faster; a quantized KV cache "
-                        "always gathers)")
-    g.add_argument("--keep-out-of-window-blocks", action="store_true",
-                   help="sliding-window layers keep every KV block (their window only masks) "
-                        "instead of releasing the blocks that fell out of it")
-    g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 3}\' or \'{"method": "draft", "model": DIR, '
-                        '"num_speculative_tokens": 4}\' (options: docs/speculative.md)')
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: one per core). On cores that other busy "
-                        "processes share, fewer threads (often 1) decode faster")
-    add_parallel_args(g)
+    overrides = {name: {"default": value} for name, value in defaults.items()}
+    add_engine_flags(g, *[f.name for f in flag_fields() if f.name not in PARALLEL_OPTIONS],
+                     **overrides)
+    add_threads_arg(g)
+    add_engine_flags(g, *PARALLEL_OPTIONS, **overrides)
 
 
-def add_parallel_args(g) -> None:
-    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="split the model over N ranks, each with its own KV-cache share "
-                        "(--kv-cache-memory is per rank); ranks run as local processes, or one "
-                        "per torchrun process (RANK/WORLD_SIZE set) across machines")
-    g.add_argument("--tensor-parallel-oversubscribe", action="store_true",
-                   help="allow more tensor-parallel ranks on this machine than CPU cores")
-    g.add_argument("--distributed-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="a rank that does not answer a collective within this fails the engine "
-                        "(default 60)")
+def add_threads_arg(p, help: str = THREADS_HELP) -> None:
+    p.add_argument("--threads", type=int, default=None, help=help)
+
+
+def flag_fields() -> list:
+    """EngineConfig's fields that have a CLI flag, in declaration order."""
+    from dataclasses import fields
+
+    from kvslim.engine.config import EngineConfig
+    return [f for f in fields(EngineConfig) if f.metadata["flag"] is not None]
+
+
+def flag_of(f) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def add_engine_flags(p, *names: str, **overrides: dict) -> None:
+    """The flags of the engine options `names` (EngineConfig's field names), generated from the
+    fields: type, default, choices, metavar and help. `overrides[name]`: add_argument keywords
+    that replace the field's for this command (its own default, narrower choices, its help)."""
+    import typing
+
+    from kvslim.engine.config import EngineConfig
+    hints = typing.get_type_hints(EngineConfig)
+    by_name = {f.name: f for f in flag_fields()}
+    unknown = [n for n in (*names, *overrides) if n not in by_name]
+    assert not unknown, f"not engine options with a flag: {unknown}"
+    for name in names:
+        f, meta = by_name[name], by_name[name].metadata
+        kwargs = {"help": meta["help"]}
+        if hints[name] is bool:
+            # store_true: a False default switches on, a True default is --no-... (switch off)
+            assert f.default is False or flag_of(f).startswith("--no-"), flag_of(f)
+            kwargs["action"] = "store_true"
+        else:
+            kinds = [t for t in typing.get_args(hints[name]) or (hints[name],)
+                     if t is not type(None)]
+            if meta["parse"] is None and len(kinds) == 1 and kinds[0] in (int, float):
+                kwargs["type"] = kinds[0]
+            kwargs["default"] = f.default
+            kwargs.update({k: meta[k] for k in ("choices", "metavar") if meta[k] is not None})
+        kwargs.update(overrides.get(name, {}))
+        p.add_argument(flag_of(f), **kwargs)
+
+
+def engine_options_from_args(args) -> dict:
+    """EngineConfig's keyword arguments from the engine flags the command has (an option
+    without its flag here keeps the field's default). Parsing a flag's text (JSON) happens
+    here, so that its error is a one-line KvslimError."""
+    options = {}
+    for f in flag_fields():
+        dest = flag_of(f).removeprefix("--").replace("-", "_")
+        if not hasattr(args, dest):
+            continue
+        value = getattr(args, dest)
+        if f.default is True:                    # --no-...
+            value = not value
+        elif f.metadata["parse"] is not None and value is not None:
+            value = f.metadata["parse"](value)
+        options[f.name] = value
+    return options
 
 
 def llm_from_args(args):
@@ -64,29 +96,20 @@ def llm_from_args(args):
         torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model, quantized=args.dtype == "auto")
     print(f"kvslim: loading {model_dir} ...", file=sys.stderr, flush=True)
-    return LLM(str(model_dir), dtype=args.dtype, device=args.device,
-               kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-               enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
-               keep_out_of_window_blocks=args.keep_out_of_window_blocks,
-               attention_backend=args.attention_backend,
-               speculative=speculative_from_args(args), **parallel_from_args(args))
+    return LLM(str(model_dir), **engine_options_from_args(args))
 
 
 def check_args(args) -> None:
     """What loading the model would reject later: sampling flags (when the command has them),
-    engine sizes, and that one KV-cache block fits kv_cache_memory (from the model's config,
-    read without its weights)."""
+    engine sizes, and the engine's KV-cache plan (one block fits kv_cache_memory, max_model_len
+    fits the cache), from the model's config read without its weights."""
     from kvslim.attention import resolve_kv_cache_dtype
-    from kvslim.engine.config import num_kv_blocks
-    from kvslim.engine.model_runner import kv_block_bytes
     from kvslim.errors import KvslimError
     from kvslim.device import resolve_device
     from kvslim.formats.loader import resolve_dtype
     from kvslim.formats.registry import model_config_of
     from kvslim.engine.parallel_executor import check_tensor_parallel
-    from kvslim.models.kv_groups import kv_cache_groups
+    from kvslim.kv_cache.plan import plan_kv_cache
     from kvslim.parallel import local_config
     if args.threads is not None and args.threads < 1:
         raise KvslimError(f"--threads must be at least 1, got {args.threads}")
@@ -94,54 +117,26 @@ def check_args(args) -> None:
         sampling_from_args(args)
     config = engine_config_from_args(args)
     model_config = model_config_of(args.model)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, model_config, device)
-    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, model_config, device)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     check_tensor_parallel(model_config, config)
-    # kv_cache_memory is per rank, and a rank's cache holds its KV heads
-    model_config = local_config(model_config, config.tensor_parallel_size)
-    groups = kv_cache_groups(model_config, not config.keep_out_of_window_blocks)
-    num_kv_blocks(config, kv_block_bytes(model_config, config.block_size, kv_dtype, groups))
+    # The engine's own plan: kv_cache_memory is per rank, and a rank's cache holds its KV heads
+    plan_kv_cache(local_config(model_config, config.tensor_parallel_size), kv_dtype, config)
 
 
 def engine_config_from_args(args):
     from kvslim.engine.config import EngineConfig
-    return EngineConfig(
-        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-        kv_cache_dtype=args.kv_cache_dtype,
-        keep_out_of_window_blocks=args.keep_out_of_window_blocks,
-        attention_backend=args.attention_backend,
-        speculative=speculative_from_args(args), **parallel_from_args(args))
+    return EngineConfig(**engine_options_from_args(args))
 
 
 def parallel_from_args(args) -> dict:
-    """The tensor-parallel fields of EngineConfig (and LLM); defaults for a command without
+    """The tensor-parallel options (for the benchmarks' LLM); defaults for a command without
     the flags."""
-    return dict(tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                tensor_parallel_oversubscribe=getattr(args, "tensor_parallel_oversubscribe",
-                                                      False),
-                distributed_timeout=getattr(args, "distributed_timeout", 60.0))
-
-
-def speculative_from_args(args) -> dict | None:
-    """--speculative-config's JSON object, or None."""
-    import json
-
-    from kvslim.errors import KvslimError
-    text = getattr(args, "speculative_config", None)
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise KvslimError(f"--speculative-config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise KvslimError("--speculative-config must be a JSON object, e.g. "
-                          '\'{"method": "ngram", "num_speculative_tokens": 3}\'')
-    return value
+    from kvslim.engine.config import EngineConfig
+    options = engine_options_from_args(args)
+    return {name: options.get(name, EngineConfig.__dataclass_fields__[name].default)
+            for name in PARALLEL_OPTIONS}
 
 
 def add_sampling_args(p, max_tokens: int = 256) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvslim.cli.engine_args import add_engine_flags
+
 
 def register(sub) -> None:
     p = sub.add_parser("memory", help="weight and KV-cache bytes of a model; what fits in memory")
@@ -19,12 +21,13 @@ def register(sub) -> None:
     p.add_argument("--kv-dtype", help="KV-cache dtype, same choices (default: --dtype, or fp16 "
                                       "when the weights are fp8/int8/int4)")
     p.add_argument("--memory", help="device budget, e.g. 24GiB or 80GB (GB = 10^9, GiB = 2^30)")
-    p.add_argument("--block-size", type=int, default=16,
-                   help="KV block size in tokens, as the engine allocates (default 16)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="also show one rank's share at N tensor-parallel ranks: its weights, "
-                        "its KV heads (replicated when N exceeds them) and what fits in --memory "
-                        "per device")
+    add_engine_flags(
+        p, "block_size", "tensor_parallel_size",
+        block_size=dict(help="KV block size in tokens, as the engine allocates (default "
+                             "%(default)s)"),
+        tensor_parallel_size=dict(help="also show one rank's share at N tensor-parallel ranks: "
+                                       "its weights, its KV heads (replicated when N exceeds "
+                                       "them) and what fits in --memory per device"))
     p.add_argument("--json", action="store_true", help="print the plan as JSON (exact bytes)")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of KV bytes vs context")
     p.set_defaults(func=run_memory)

@@ -9,7 +9,7 @@
   order (least recently freed first; a sequence's tail blocks before its prefix).
 - Copy-on-write: a sequence about to write into a block it shares gets a private copy; the copy
   itself is tensor work, returned as (src, dst) pairs for the model runner.
-- KV-cache groups (`models/kv_groups.py`): a sequence holds one block table per group, all drawn
+- KV-cache groups (`kv_cache/groups.py`): a sequence holds one block table per group, all drawn
   from this one pool. A group with a window releases the blocks its next query can no longer see
   (`release_out_of_window`), and allocates a prompt chunk by chunk instead of whole, so its blocks
   stay bounded however long the context grows; a prefix-cache hit for it needs only the cached
@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvslim.engine.sequence import Sequence
-from kvslim.models.kv_groups import NULL_BLOCK, first_needed_block
+from kvslim.kv_cache.groups import NULL_BLOCK, first_needed_block
 
 
 def block_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:

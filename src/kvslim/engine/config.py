@@ -1,15 +1,23 @@
-"""`EngineConfig`: everything that shapes the engine, validated once."""
+"""`EngineConfig`: everything that shapes the engine, validated once.
+
+Each engine option is declared once, as one field of `EngineConfig` carrying its type, default,
+choices and help (`option`), as vLLM's `EngineArgs` does: the CLI's flags are generated from
+the fields (`cli/engine_args.py`), `LLM(model, **options)` passes its keywords here
+(`from_options`), and `__post_init__` is the one place they are checked."""
 from __future__ import annotations
 
+import difflib
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
 
-from kvslim.attention.backends import check_attention_backend
+from kvslim.attention.backends import ATTENTION_BACKENDS
+from kvslim.attention.kv_cache import KV_CACHE_DTYPES
 from kvslim.engine.speculative.config import SpeculativeConfig
 from kvslim.errors import KvslimError
+from kvslim.kv_cache.plan import DEFAULT_BLOCK_SIZE
 from kvslim.parallel.sharding import check_world_size
-
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12,
@@ -26,38 +34,101 @@ def parse_bytes(value: str | int | float) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def speculative_from_json(text: str) -> dict:
+    """--speculative-config's text: a JSON object of `SpeculativeConfig`'s options."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise KvslimError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise KvslimError("--speculative-config must be a JSON object, e.g. "
+                          '\'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    return value
+
+
+def option(default: Any, help: str, *, flag: str | None = "", choices: tuple | None = None,
+           metavar: str | None = None, parse: Callable[[str], Any] | None = None) -> Any:
+    """An engine option: a field of EngineConfig with what its CLI flag needs. `flag`: "" for
+    --<name-with-dashes>, None for an option without a flag; a bool option that defaults to
+    True is turned off by its flag, named --no-...; `parse`: the flag's text -> the value, for
+    an option that is not a plain str, int or float (its type comes from the annotation).
+    `help` may say %(default)s: a command that sets its own default shows that one."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices,
+                                            "metavar": metavar, "parse": parse})
+
+
 @dataclass
 class EngineConfig:
-    kv_cache_memory: int = 1 << 30       # bytes for K and V of all layers
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024   # tokens computed per step, prefill chunks included
-    max_model_len: int | None = None     # default: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"         # auto (the model's dtype), int8 or fp8_e4m3
-    device: str = "auto"
-    seed: int = 0                        # for requests that sample without their own seed
-    enforce_eager: bool = False          # on CUDA: no CUDA graphs for decode steps
-    # Paged attention: "gather" (each context copied out, the reference), "flex" (FlexAttention
-    # reading the cache in place) or "auto" (attention/backends.py: flex on CUDA, the measured
-    # faster one on the CPU). A quantized KV cache always gathers.
-    attention_backend: str = "auto"
-    # Sliding-window layers keep every block (their windows only mask), instead of releasing
-    # the blocks that fell out of the window: the mask-only path, for comparison.
-    keep_out_of_window_blocks: bool = False
-    # Speculative decoding: a SpeculativeConfig or a dict of its options; None: off.
-    speculative: SpeculativeConfig | dict | None = None
+    dtype: str = option("auto", "float32, bfloat16, float16 or auto (float32 on CPU; the default "
+                                "model and .gguf files run their quantized import, any other "
+                                "value their float one)")
+    device: str = option("auto", "cpu, cuda or auto")
+    kv_cache_dtype: str = option(
+        "auto", "KV-cache storage: auto (the model's dtype), int8 or fp8_e4m3, with a float16 "
+                "scale per token and KV head (default auto)", choices=KV_CACHE_DTYPES)
+    # Bytes for K and V of all layers (per tensor-parallel rank); a size text is parsed.
+    kv_cache_memory: int | str = option(
+        "1GiB", "KV-cache budget per tensor-parallel rank, e.g. 512MiB, 2GiB (default "
+                "%(default)s)")
+    block_size: int = option(DEFAULT_BLOCK_SIZE,
+                             "tokens per KV-cache block (default %(default)s)")
+    max_num_seqs: int = option(64, "most sequences running at once (default %(default)s)")
+    max_num_batched_tokens: int = option(
+        1024, "tokens computed per step, prefill chunks included (default %(default)s)")
+    max_model_len: int | None = option(
+        None, "longest prompt + output in tokens (default: the model's context, capped by what "
+              "the KV cache holds for one sequence)")
+    enable_prefix_caching: bool = option(
+        True, "do not reuse the KV blocks of prompt prefixes computed before",
+        flag="--no-prefix-caching")
+    enable_chunked_prefill: bool = option(
+        True, "prefill long prompts in chunks within max_num_batched_tokens", flag=None)
+    seed: int = option(0, "for requests that sample without their own seed", flag=None)
+    enforce_eager: bool = option(False, "on CUDA, run decode steps without CUDA graphs")
+    # "auto" picks per device in attention/backends.py; a quantized KV cache always gathers.
+    attention_backend: str = option(
+        "auto", "paged attention: gather (copies each context out, the reference), flex "
+                "(FlexAttention reading the cache in place) or auto (flex on CUDA, gather on the "
+                "CPU, where it measured faster; a quantized KV cache always gathers)",
+        choices=ATTENTION_BACKENDS)
+    # The mask-only path, for comparison: sliding-window layers release nothing.
+    keep_out_of_window_blocks: bool = option(
+        False, "sliding-window layers keep every KV block (their window only masks) instead of "
+               "releasing the blocks that fell out of it")
+    # A SpeculativeConfig or a dict of its options; None: off.
+    speculative: SpeculativeConfig | dict | None = option(
+        None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+              'or \'{"method": "draft", "model": DIR, "num_speculative_tokens": 4}\' (options: '
+              'docs/speculative.md)',
+        flag="--speculative-config", metavar="JSON", parse=speculative_from_json)
     # Tensor parallelism (`engine/parallel_executor.py`): ranks that each hold a slice of the
     # model and its own share of the KV cache (kv_cache_memory is per rank).
-    tensor_parallel_size: int = 1
-    # Start more ranks on this machine than it has CPU cores: each rank then competes for a
-    # core, which only tests and experiments want (CUDA ranks always need a device each).
-    tensor_parallel_oversubscribe: bool = False
-    # Seconds a rank waits in a collective of the model's forward before giving up (a rank that
-    # hangs fails the engine instead of stalling it forever); also the rendezvous' limit.
-    distributed_timeout: float = 60.0
+    tensor_parallel_size: int = option(
+        1, "split the model over N ranks, each with its own KV-cache share (--kv-cache-memory "
+           "is per rank); ranks run as local processes, or one per torchrun process "
+           "(RANK/WORLD_SIZE set) across machines", metavar="N")
+    # More ranks than CPU cores make each compete for a core, which only tests and experiments
+    # want (CUDA ranks always need a device each).
+    tensor_parallel_oversubscribe: bool = option(
+        False, "allow more tensor-parallel ranks on this machine than CPU cores")
+    # A rank that hangs fails the engine instead of stalling it forever; also the rendezvous'
+    # limit.
+    distributed_timeout: float = option(
+        60.0, "a rank that does not answer a collective within this fails the engine "
+              "(default 60)", metavar="SECONDS")
+
+    @classmethod
+    def from_options(cls, **options) -> "EngineConfig":
+        """The config of keyword options (`LLM(model, **options)`); an unknown name is a
+        one-line error that names the options it is close to."""
+        names = [f.name for f in fields(cls)]
+        for name in options:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=3)
+                hint = (f"; did you mean {' or '.join(close)}?" if close
+                        else f" (options: {', '.join(names)})")
+                raise KvslimError(f"unknown engine option {name!r}{hint}")
+        return cls(**options)
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
@@ -65,10 +136,11 @@ class EngineConfig:
         for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise KvslimError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise KvslimError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                              f"got {self.kv_cache_dtype!r}")
-        check_attention_backend(self.attention_backend)
+        for f in fields(self):
+            choices, value = f.metadata["choices"], getattr(self, f.name)
+            if choices is not None and value not in choices:
+                raise KvslimError(f"{f.name} must be one of {', '.join(choices)}, "
+                                  f"got {value!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise KvslimError(f"max_model_len must be positive, got {self.max_model_len}")
         self._check_parallel()
@@ -82,13 +154,3 @@ class EngineConfig:
             raise KvslimError("speculative decoding with tensor_parallel_size > 1 is not "
                               "supported yet")
 
-
-def num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
-    """Blocks that kv_cache_memory holds; at least one must fit. Used both before a model loads
-    (the CLI, from config.json) and by the model runner."""
-    num_blocks = config.kv_cache_memory // bytes_per_block
-    if num_blocks < 1:
-        raise KvslimError(
-            f"kv_cache_memory={config.kv_cache_memory} bytes is too small for one block of "
-            f"{config.block_size} tokens ({bytes_per_block} bytes for this model)")
-    return num_blocks

@@ -11,19 +11,18 @@ from dataclasses import replace
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.errors import InvalidRequestError
-from kvslim.models.kv_groups import longest_sequence
+from kvslim.kv_cache.plan import KVCachePlan
 from kvslim.tokenizer.tokenizer import Tokenizer
 
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, config: EngineConfig,
-                 max_model_len: int, num_blocks: int, group_windows: tuple[int | None, ...]):
+                 kv_plan: KVCachePlan):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.config = config
-        self.max_model_len = max_model_len
-        self.num_blocks = num_blocks                 # the KV cache, in blocks of every group
-        self.group_windows = group_windows
+        self.kv_plan = kv_plan
+        self.max_model_len = kv_plan.max_model_len
 
     def process(self, prompt: str | list[int], params: SamplingParams
                 ) -> tuple[str | None, list[int], SamplingParams]:
@@ -65,9 +64,7 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"max_model_len ({self.max_model_len})", "max_tokens")
-        capacity = longest_sequence(self.num_blocks, self.group_windows,
-                                    self.config.block_size, self.config.max_num_batched_tokens,
-                                    total)
+        capacity = self.kv_plan.longest_sequence(self.config.max_num_batched_tokens, total)
         if total > capacity:
             raise InvalidRequestError(
                 f"request needs {total} tokens of KV cache, but the whole cache holds {capacity} "

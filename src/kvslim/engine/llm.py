@@ -16,32 +16,16 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 kv_cache_memory: str | int = "1GiB", block_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, seed: int = 0,
-                 enforce_eager: bool = False, kv_cache_dtype: str = "auto",
-                 speculative: dict | None = None, keep_out_of_window_blocks: bool = False,
-                 tensor_parallel_size: int = 1, tensor_parallel_oversubscribe: bool = False,
-                 distributed_timeout: float = 60.0, attention_backend: str = "auto"):
-        """tensor_parallel_size > 1 starts that many ranks (`engine/parallel_executor.py`):
+    def __init__(self, model: str | None = None, **options):
+        """`options`: EngineConfig's fields (engine/config.py), e.g. kv_cache_memory="2GiB";
+        an unknown one is an error that names the close matches.
+        tensor_parallel_size > 1 starts that many ranks (`engine/parallel_executor.py`):
         call `shutdown` (or use the LLM as a context manager) to stop them; they also stop at
         interpreter exit. Under torchrun, LLM() on ranks > 0 never returns (SystemExit(0)
         once rank 0 shuts down)."""
         from kvslim.formats.registry import resolve_model
+        config = EngineConfig.from_options(**options)
         self.model_dir = resolve_model(model)
-        config = EngineConfig(
-            kv_cache_memory=kv_cache_memory, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, dtype=dtype, device=device, seed=seed,
-            enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, speculative=speculative,
-            attention_backend=attention_backend,
-            keep_out_of_window_blocks=keep_out_of_window_blocks,
-            tensor_parallel_size=tensor_parallel_size,
-            tensor_parallel_oversubscribe=tensor_parallel_oversubscribe,
-            distributed_timeout=distributed_timeout)
         self.engine = LLMEngine(self.model_dir, config)
         self.tokenizer = self.engine.tokenizer
 

@@ -9,7 +9,7 @@ import weakref
 from kvslim.engine.block_manager import BlockManager
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.input_processor import InputProcessor
-from kvslim.engine.model_runner import ModelRunner, max_model_len_for
+from kvslim.engine.model_runner import ModelRunner, kv_cache_plan_of
 from kvslim.engine.output_processor import OutputProcessor, RequestState
 from kvslim.engine.parallel_executor import TensorParallelExecutor
 from kvslim.engine.parallel_worker import RankKVStats, kv_stats
@@ -55,8 +55,9 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer.from_dir(model_dir)
         eos = list(dict.fromkeys(self.tokenizer.eos_token_ids + self.model_config.eos_token_ids))
         self.eos_token_ids = eos
-        self.max_model_len = max_model_len_for(self.model, self.config)
-        self.runner = ModelRunner(self.model, self.config, eos, self.max_model_len)
+        self.kv_plan = kv_cache_plan_of(self.model, self.config)
+        self.max_model_len = self.kv_plan.max_model_len
+        self.runner = ModelRunner(self.model, self.config, eos, self.kv_plan)
         # What runs each step: the runner, or the executor that runs it on every rank.
         self.executor = (self.runner if self.parallel is None
                          else self.parallel.attach(self.runner, self.max_model_len, eos))
@@ -69,9 +70,8 @@ class LLMEngine:
                                    self.config.enable_chunked_prefill,
                                    longrope_original_context(self.model_config.rope_scaling))
         self.spec = self._speculative_decoder()
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.model_config.vocab_size, self.config, self.max_model_len,
-            self.runner.num_blocks, self.block_manager.group_windows)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
+                                              self.config, self.kv_plan)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()

@@ -1,6 +1,6 @@
-"""`ModelRunner`: all tensor work of a step. Owns the KV cache (allocated once from the byte
-budget), turns the scheduler's decision into flat inputs + attention metadata, runs the model and
-samples."""
+"""`ModelRunner`: all tensor work of a step. Owns the KV cache (allocated once, as its
+`KVCachePlan` sizes it), turns the scheduler's decision into flat inputs + attention metadata,
+runs the model and samples."""
 from __future__ import annotations
 
 import itertools
@@ -12,47 +12,25 @@ from kvslim.attention import (KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, KVCacheLayer,
                               resolve_attention_backend, resolve_kv_cache_dtype)
 from kvslim.device import host_tensor
 from kvslim.engine.block_table import BlockTables
-from kvslim.engine.config import EngineConfig, num_kv_blocks
+from kvslim.engine.config import EngineConfig
 from kvslim.engine.decode_graphs import DecodeGraphs
 from kvslim.engine.prompt_logprobs import record_prompt_logprobs
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
-from kvslim.errors import KvslimError
 from kvslim.layers.rope import longrope_original_context
-from kvslim.models.kv_groups import (KVCacheGroups, first_needed_block, kv_cache_groups,
-                                     longest_sequence, page_bytes_per_token)
+from kvslim.kv_cache.groups import first_needed_block
+from kvslim.kv_cache.plan import KVCachePlan, plan_kv_cache
 from kvslim.models.llama import LlamaForCausalLM
 
 
-def kv_block_bytes(model_config, block_size: int, kv_dtype: torch.dtype,
-                   groups: KVCacheGroups | None = None) -> int:
-    """Bytes of one block id (page): K and V of `block_size` tokens for one layer at each
-    position of a KV-cache group (every layer, for a model with one group), in the cache's
-    dtype; a quantized cache adds its per-token scales."""
-    groups = groups or kv_cache_groups(model_config)
-    return block_size * page_bytes_per_token(model_config, groups, kv_dtype)
-
-
-def max_model_len_for(model, config: EngineConfig) -> int:
-    """The model's context, capped by what the KV cache can hold for one sequence (a user
-    who asks for more than the cache holds gets an error instead). For a tensor-parallel shard
-    `model.config` is the rank's: its cache, its capacity (the same on every rank)."""
-    mc = model.config
+def kv_cache_plan_of(model, config: EngineConfig, **given) -> KVCachePlan:
+    """The KV-cache plan of a loaded model: its parameters' dtype and device resolve
+    kv_cache_dtype ("auto": the model's dtype; fp8 where the device stores it). For a
+    tensor-parallel shard `model.config` is the rank's: its cache, its capacity (the same on
+    every rank). `given`: plan_kv_cache's num_blocks / max_model_len."""
     param = next(model.parameters())
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, param.dtype, param.device)
-    groups = kv_cache_groups(mc, not config.keep_out_of_window_blocks)
-    num_blocks = config.kv_cache_memory // kv_block_bytes(mc, config.block_size, kv_dtype, groups)
-    limit = max(mc.max_position_embeddings, config.max_model_len or 0)
-    capacity = longest_sequence(num_blocks, groups.windows, config.block_size,
-                                config.max_num_batched_tokens, limit)
-    if config.max_model_len is not None:
-        if capacity and config.max_model_len > capacity:
-            raise KvslimError(
-                f"max_model_len={config.max_model_len} needs more KV cache than "
-                f"kv_cache_memory={config.kv_cache_memory} bytes holds ({capacity} "
-                f"tokens); raise kv_cache_memory or lower max_model_len")
-        return config.max_model_len
-    return max(1, min(mc.max_position_embeddings, capacity))
+    return plan_kv_cache(model.config, kv_dtype, config, **given)
 
 
 def is_quantized(kv_dtype: torch.dtype) -> bool:
@@ -61,28 +39,30 @@ def is_quantized(kv_dtype: torch.dtype) -> bool:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, eos_token_ids,
-                 max_model_len: int):
+                 kv_plan: KVCachePlan):
+        """Allocates the KV cache `kv_plan` sizes (`kv_cache_plan_of`)."""
         self.model = model
         self.config = config
+        self.kv_plan = kv_plan
         mc = model.config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.block_size = config.block_size
+        self.block_size = kv_plan.block_size
         self.layer_windows = list(mc.layer_sliding_windows)   # fixed: not rebuilt per step
         # LongRoPE: each token's sequence says which factors rotate it (Sequence.long_rope)
         self.long_rope = longrope_original_context(mc.rope_scaling) is not None
-        self.kv_groups = kv_cache_groups(mc, not config.keep_out_of_window_blocks)
+        self.kv_groups = kv_plan.groups
         self.layer_group = self.kv_groups.group_of_layer()
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
-        self.bytes_per_block = kv_block_bytes(mc, self.block_size, self.kv_dtype, self.kv_groups)
-        self.num_blocks = num_kv_blocks(config, self.bytes_per_block)
+        self.kv_dtype = kv_plan.kv_dtype
+        self.bytes_per_block = kv_plan.bytes_per_block
+        self.num_blocks = kv_plan.num_blocks
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.device, is_quantized(self.kv_dtype), self.block_size)
         # Not with tensor parallelism: the graphs would capture the ranks' collectives too.
         use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                       and config.tensor_parallel_size == 1)
         self._allocate_cache(reserved_blocks=int(use_graphs))
-        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        max_blocks_per_seq = -(-kv_plan.max_model_len // self.block_size)
         self.block_tables = BlockTables(config.max_num_seqs, max_blocks_per_seq, self.device,
                                         len(self.kv_groups.groups))
         self.sampler = Sampler(mc.vocab_size, self.device, eos_token_ids, config.seed)

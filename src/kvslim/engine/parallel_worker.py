@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from kvslim.device import resolve_device
 from kvslim.engine.config import EngineConfig
-from kvslim.engine.model_runner import ModelRunner
+from kvslim.engine.model_runner import ModelRunner, kv_cache_plan_of
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvslim.engine.sequence import Sequence
 from kvslim.errors import KvslimError
@@ -244,7 +244,8 @@ def follow(group: RankGroup, model: torch.nn.Module, config: EngineConfig) -> No
     setup = group.broadcast()
     if setup is None:
         return
-    runner = ModelRunner(model, config, setup.eos_token_ids, setup.max_model_len)
+    plan = kv_cache_plan_of(model, config, max_model_len=setup.max_model_len)
+    runner = ModelRunner(model, config, setup.eos_token_ids, plan)
     group.gather(kv_stats(group.rank, runner))
     while (step := group.broadcast()) is not None:
         runner.release(step.released_seq_ids)

@@ -38,7 +38,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0           # tokens whose K/V are in the cache
     num_cached_tokens: int = 0             # of those, taken from the prefix cache at admission
-    # One block table per KV-cache group (`models/kv_groups.py`; most models have one group).
+    # One block table per KV-cache group (`kv_cache/groups.py`; most models have one group).
     block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     block_hashes: list[bytes] = field(default_factory=list)  # chained digests of full blocks
     # Per group: leading blocks already entered in the prefix cache (or released).

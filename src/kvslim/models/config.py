@@ -185,13 +185,20 @@ class ModelConfig:
         """Bytes of those scales (float16, `KV_SCALE_DTYPE`), added to `kv_bytes_per_token`."""
         return self.kv_scales_per_token(num_kv_heads) * KV_SCALE_DTYPE.itemsize
 
+    def kv_storage_bytes_per_token(self, element_bits: int, scaled: bool,
+                                   num_kv_heads: int | None = None) -> int:
+        """What a KV cache stores per token, all layers: elements of `element_bits` (int4: two
+        a byte), plus the scales of an int8/fp8 cache (`scaled`). The engine's, the planner's
+        and a tensor-parallel rank's bytes all come here."""
+        elements = -(-self.kv_elements_per_token(num_kv_heads) * element_bits // 8)
+        return elements + (self.kv_scale_bytes_per_token(num_kv_heads) if scaled else 0)
+
     def kv_cache_bytes_per_token(self, kv_cache_dtype: torch.dtype | str) -> int:
         """What the engine's cache stores per token: the elements in `kv_cache_dtype` (a float
         dtype, "int8" or "fp8_e4m3"), plus the scales when that dtype is quantized."""
-        dtype = QUANTIZED_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
-        if dtype in QUANTIZED_KV_DTYPES.values():
-            return self.kv_bytes_per_token(dtype) + self.kv_scale_bytes_per_token()
-        return self.kv_bytes_per_token(dtype)
+        dtype = parse_dtype(QUANTIZED_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype))
+        return self.kv_storage_bytes_per_token(8 * dtype.itemsize,
+                                               dtype in QUANTIZED_KV_DTYPES.values())
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> None:

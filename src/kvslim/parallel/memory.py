@@ -5,8 +5,8 @@ stores per token, for a ModelConfig at degree N, counted exactly as `shard_model
 
 Both reuse the single-device formulas instead of re-deriving them: a rank's shapes are a
 ModelConfig (`rank_config`: `local_config` with the vocabulary at one rank's padded block), and
-`plan.parameters.parameter_counts` and `ModelConfig.kv_elements_per_token` price it as they
-price any model. Consequences worth knowing when reading the numbers:
+`plan.parameters.parameter_counts` and `plan.memory.kv_bytes_per_token` (the engine's
+elements + scales rule) price it as they price any model. Consequences worth knowing when reading the numbers:
 
 - KV heads: a rank stores K/N heads per layer when N divides K, and one head when the heads
   are replicated (N > K), so N ranks together store max(K, N) heads: beyond N = K, adding ranks
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from kvslim.models.config import ModelConfig
 from kvslim.parallel.sharding import local_config, rank_layout
-from kvslim.plan.memory import (SCALED_KV_DTYPES, parse_storage_dtype, storage_bytes)
+from kvslim.plan.memory import kv_bytes_per_token, parse_storage_dtype, storage_bytes
 from kvslim.plan.parameters import parameter_counts
 
 
@@ -62,9 +62,7 @@ def tensor_parallel_memory(config: ModelConfig, world_size: int, dtype: str | No
         kv_dtype or (dtype if dtype in ("fp32", "fp16", "bf16") else "fp16"), "--kv-dtype")
     shard = rank_config(config, world_size)
     total, _ = parameter_counts(shard)
-    per_token = storage_bytes(shard.kv_elements_per_token(), kv_dtype)
-    if kv_dtype in SCALED_KV_DTYPES:
-        per_token += shard.kv_scale_bytes_per_token()
+    per_token = kv_bytes_per_token(shard, kv_dtype)
     heads = rank_layout(config, 0, world_size).heads
     return RankMemory(world_size, dtype, kv_dtype, total, storage_bytes(total, dtype),
                       shard.kv_heads_per_layer, tuple(h.kv_replicas for h in heads), per_token)

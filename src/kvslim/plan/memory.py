@@ -18,7 +18,8 @@ from typing import Any
 
 from kvslim.errors import KvslimError
 from kvslim.models.config import ModelConfig
-from kvslim.models.kv_groups import blocks_held, kv_cache_groups
+from kvslim.kv_cache.groups import KVCacheGroups, blocks_held, kv_cache_groups
+from kvslim.kv_cache.plan import DEFAULT_BLOCK_SIZE, ENGINE_KV_DTYPES, size_kv_cache
 from kvslim.plan.parameters import parameter_counts
 from kvslim.plan.published import builtin_config
 
@@ -28,8 +29,8 @@ DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": 
                  "bfloat16": "bf16", "float8": "fp8", "float8_e4m3fn": "fp8",
                  "float8_e5m2": "fp8"}
 DEFAULT_CONTEXT = 4096
-DEFAULT_BLOCK_SIZE = 16                # the engine's default (EngineConfig.block_size)
-SCALED_KV_DTYPES = ("fp8", "int8")     # KV dtypes the engine stores with per-token scales
+# The KV dtypes the engine stores with per-token scales, by the names the planner gives them.
+SCALED_KV_DTYPES = tuple(ENGINE_KV_DTYPES)
 
 
 def parse_storage_dtype(name: str, flag: str = "--dtype") -> str:
@@ -46,6 +47,15 @@ def storage_bytes(num_elements: int, dtype: str) -> int:
     return -(-num_elements * STORAGE_BITS[dtype] // 8)
 
 
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, num_kv_heads: int | None = None
+                       ) -> int:
+    """K/V bytes per token, all layers, in the planner's `kv_dtype`, by the rule the engine
+    allocates with (`ModelConfig.kv_storage_bytes_per_token`): fp8 and int8 with their scales.
+    `num_kv_heads`: the same model with that many KV heads in every layer."""
+    return config.kv_storage_bytes_per_token(STORAGE_BITS[kv_dtype], kv_dtype in SCALED_KV_DTYPES,
+                                             num_kv_heads)
+
+
 # ---- KV arithmetic -----------------------------------------------------------------------------
 @dataclass
 class KVLayout:
@@ -53,7 +63,7 @@ class KVLayout:
     name: str                          # "MHA", "GQA", "MQA" or "MLA"
     label: str                         # e.g. "GQA, 8 KV heads (this model)"
     elements_per_token: int
-    scale_bytes_per_token: int         # the float16 scales of an int8/fp8 cache
+    num_kv_heads: int | None           # per layer, for an equivalent; None: the model's own
     is_model: bool = False             # the layout the model really uses
 
 
@@ -65,15 +75,14 @@ def kv_layouts(config: ModelConfig) -> list[KVLayout]:
     kind = config.attention_kind
     own_label = (f"MLA, latent {config.mla.kv_lora_rank} + RoPE key {config.mla.qk_rope_head_dim}"
                  if config.mla else f"{kind}, {_kv_heads_label(config)}")
-    layouts = [KVLayout(kind, own_label + " (this model)", config.kv_elements_per_token(),
-                        config.kv_scale_bytes_per_token(), True)]
+    layouts = [KVLayout(kind, own_label + " (this model)", config.kv_elements_per_token(), None,
+                        True)]
     if kind != "MHA":
         layouts.insert(0, KVLayout("MHA", f"MHA equivalent, {heads} KV heads",
-                                   config.kv_elements_per_token(heads),
-                                   config.kv_scale_bytes_per_token(heads)))
+                                   config.kv_elements_per_token(heads), heads))
     if kind != "MQA":
-        layouts.append(KVLayout("MQA", "MQA equivalent, 1 KV head",
-                                config.kv_elements_per_token(1), config.kv_scale_bytes_per_token(1)))
+        layouts.append(KVLayout("MQA", "MQA equivalent, 1 KV head", config.kv_elements_per_token(1),
+                                1))
     return layouts
 
 
@@ -96,16 +105,15 @@ class Capacity:
 
 def kv_capacity(kv_budget_bytes: int, bytes_per_token: int, block_size: int, context: int,
                 windows: tuple[int | None, ...] = (None,)) -> Capacity:
-    """The engine's own sizing: num_blocks = budget // bytes_per_block (ModelRunner), where a
-    block (page) holds one KV-cache group's layers (`models/kv_groups.py`; `windows` has one
+    """The engine's own sizing, its `KVCachePlan` (`kv_cache/plan.py`): num_blocks = budget //
+    bytes_per_block, where a block (page) holds one KV-cache group's layers (`windows` has one
     entry per group, each group a 1/len(windows) share of `bytes_per_token`); a sequence of
     `context` tokens holds ceil(context / block_size) blocks in each full group and those its
     window still sees in each window group. max_tokens: the token slots of one group."""
-    bytes_per_block = block_size * bytes_per_token // len(windows)
-    num_blocks = max(0, kv_budget_bytes) // bytes_per_block
-    blocks_per_seq = sum(blocks_held(context, w, block_size) for w in windows)
-    return Capacity(max(0, kv_budget_bytes), bytes_per_block, num_blocks,
-                    num_blocks * block_size // len(windows), num_blocks // blocks_per_seq)
+    plan = size_kv_cache(KVCacheGroups.of_windows(windows), block_size, bytes_per_token,
+                         kv_budget_bytes)
+    return Capacity(max(0, kv_budget_bytes), plan.bytes_per_block, plan.num_blocks,
+                    plan.max_tokens, plan.max_sequences(context))
 
 
 @dataclass
@@ -223,9 +231,7 @@ def plan_memory(config: ModelConfig, context: int = DEFAULT_CONTEXT, batch: int 
     windows = kv_cache_groups(config).windows
     layouts = []
     for layout in kv_layouts(config):
-        per_token = storage_bytes(layout.elements_per_token, kv_dtype)
-        if kv_dtype in SCALED_KV_DTYPES:
-            per_token += layout.scale_bytes_per_token
+        per_token = kv_bytes_per_token(config, kv_dtype, layout.num_kv_heads)
         capacity = None if memory_bytes is None else \
             kv_capacity(memory_bytes - weight_bytes, per_token, block_size, context, windows)
         layouts.append(LayoutPlan(layout.name, layout.label, layout.is_model,

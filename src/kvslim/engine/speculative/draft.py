@@ -12,11 +12,10 @@ from dataclasses import replace
 
 import torch
 
-from kvslim.attention import resolve_kv_cache_dtype
 from kvslim.device import resolve_device
 from kvslim.engine.block_manager import BlockManager
 from kvslim.engine.config import EngineConfig
-from kvslim.engine.model_runner import ModelRunner, kv_block_bytes
+from kvslim.engine.model_runner import ModelRunner, kv_cache_plan_of
 from kvslim.engine.sampler import PenaltyState, filter_probs, process_rows
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvslim.engine.sequence import Sequence
@@ -24,7 +23,6 @@ from kvslim.engine.speculative.config import MAX_SPECULATIVE_TOKENS
 from kvslim.errors import KvslimError
 from kvslim.formats.loader import load_model
 from kvslim.models.config import ModelConfig
-from kvslim.models.kv_groups import kv_cache_groups
 
 Drafts = dict[int, tuple[list[int], torch.Tensor]]      # seq_id -> (tokens, q [k, vocab])
 
@@ -41,16 +39,13 @@ class DraftModelProposer:
                            device=resolve_device(engine_config.device))
         model.prepare_for_inference()
         param = next(model.parameters())
-        kv_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, param.dtype,
-                                          param.device)
         # The draft rolls its mirrors back to a common prefix, so it keeps every block (one
-        # group, windows only masked).
-        groups = kv_cache_groups(model.config, free_out_of_window=False)
-        block_bytes = kv_block_bytes(model.config, engine_config.block_size, kv_dtype, groups)
+        # group, windows only masked); its cache holds as many blocks as the target's.
         config = replace(engine_config, speculative=None, enforce_eager=True,
-                         keep_out_of_window_blocks=True,
-                         kv_cache_memory=target_num_blocks * block_bytes)
-        self.runner = ModelRunner(model, config, [], max_model_len)
+                         keep_out_of_window_blocks=True)
+        plan = kv_cache_plan_of(model, config, num_blocks=target_num_blocks,
+                                max_model_len=max_model_len)
+        self.runner = ModelRunner(model, config, [], plan)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           enable_prefix_caching=False)
         self.mirrors: dict[int, Sequence] = {}

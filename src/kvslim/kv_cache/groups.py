@@ -13,7 +13,7 @@ group's table keeps only the blocks its next query can still see (`first_needed_
 entries before are released (`NULL_BLOCK`), so its pages stop growing with the context.
 
 Plain Python: the engine's block manager, its model runner and the memory planner all size the
-cache from here, so they agree by construction."""
+cache from here (`plan.py`'s `KVCachePlan`), so they agree by construction."""
 from __future__ import annotations
 
 import math
@@ -35,6 +35,12 @@ class KVCacheGroup:
 @dataclass(frozen=True)
 class KVCacheGroups:
     groups: tuple[KVCacheGroup, ...]
+
+    @classmethod
+    def of_windows(cls, windows: tuple[int | None, ...]) -> "KVCacheGroups":
+        """Groups known by their windows alone (their layers unnamed): enough to size a cache,
+        which reads only the windows (the planner's `kv_capacity`)."""
+        return cls(tuple(KVCacheGroup((), w) for w in windows))
 
     @property
     def group_size(self) -> int:
@@ -94,20 +100,6 @@ def blocks_held(num_tokens: int, window: int | None, block_size: int) -> int:
     last = (num_tokens - 1) // block_size
     first = min(first_needed_block(num_tokens, window, block_size), last)
     return last - first + 1
-
-
-def layer_bytes_per_token(config: ModelConfig, kv_cache_dtype) -> list[int]:
-    """Each layer's share of `kv_cache_bytes_per_token` (elements and scales are linear in a
-    layer's KV heads, so the shares are exact)."""
-    heads = config.kv_heads_per_layer
-    total = config.kv_cache_bytes_per_token(kv_cache_dtype)
-    return [total * h // sum(heads) for h in heads]
-
-
-def page_bytes_per_token(config: ModelConfig, groups: KVCacheGroups, kv_cache_dtype) -> int:
-    """Bytes one token slot of a page takes: one layer at each position of a group."""
-    per_layer = layer_bytes_per_token(config, kv_cache_dtype)
-    return sum(per_layer[layer] for layer in groups.groups[0].layers)
 
 
 def step_blocks(num_tokens: int, window: int | None, block_size: int, chunk: int) -> int:

@@ -1,0 +1,110 @@
+"""`KVCachePlan`: the paged KV cache's size, computed once from the model's config and the
+engine's options: its dtype, its KV-cache groups and their windows, the bytes of one block id
+(a page: K and V of `block_size` tokens in one group's layers), the blocks the budget holds,
+the longest sequence one request may have (max_model_len) and how many sequences of a context
+fit at once.
+
+Everything that sizes the cache reads it: the CLI's checks before any weights load (from
+config.json), the model runner (which allocates exactly `num_blocks` such pages), the draft
+model's own cache, each tensor-parallel rank (on its shard's shapes) and `kvslim memory`
+(plan/memory.py: every layout it prices goes through `size_kv_cache`). Plain Python, as the
+groups' arithmetic (`groups.py`) it builds on."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvslim.errors import KvslimError
+from kvslim.kv_cache.groups import KVCacheGroups, blocks_held, kv_cache_groups, longest_sequence
+from kvslim.models.config import ModelConfig
+
+DEFAULT_BLOCK_SIZE = 16    # tokens per block: the engine's default and the planner's
+
+# The planner's names (`kvslim memory --kv-dtype`, plan/memory.py) for the engine's quantized
+# KV-cache dtypes (`--kv-cache-dtype`, attention/kv_cache.py's QUANTIZED_KV_DTYPES): the caches
+# stored with a float16 scale per token and KV head.
+ENGINE_KV_DTYPES = {"int8": "int8", "fp8": "fp8_e4m3"}
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    kv_dtype: Any                       # the engine's torch dtype; the planner's name ("fp16")
+    groups: KVCacheGroups               # one block table per group; windows release blocks
+    block_size: int
+    bytes_per_block: int                # one block id (page): one group's layers, scales included
+    num_blocks: int                     # whole blocks the budget holds
+    # The engine's: the model's context capped by what the cache holds for one sequence (None
+    # in the planner, which prices contexts instead).
+    max_model_len: int | None = None
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return self.groups.windows
+
+    @property
+    def max_tokens(self) -> int:
+        """Token slots of one group: what a model with one group holds in all."""
+        return self.num_blocks * self.block_size // len(self.groups.groups)
+
+    def blocks_per_sequence(self, context: int) -> int:
+        """Blocks a sequence of `context` tokens holds between steps, over every group."""
+        return sum(blocks_held(context, w, self.block_size) for w in self.windows)
+
+    def max_sequences(self, context: int) -> int:
+        """Sequences of `context` tokens that fit at once."""
+        return self.num_blocks // self.blocks_per_sequence(context)
+
+    def longest_sequence(self, chunk: int, limit: int) -> int:
+        """The longest sequence (at most `limit` tokens) that fits during any step computing up
+        to `chunk` tokens (`groups.longest_sequence`)."""
+        return longest_sequence(self.num_blocks, self.windows, self.block_size, chunk, limit)
+
+
+def size_kv_cache(groups: KVCacheGroups, block_size: int, bytes_per_token: int, budget: int,
+                  kv_dtype: Any = None) -> KVCachePlan:
+    """Whole blocks of `budget` bytes. `bytes_per_token`: one token in every layer, scales
+    included; a page holds one group's share of it for `block_size` tokens (the shares are
+    equal: position j of every group has the same KV heads, `kv_cache_groups`). No minimum here:
+    the planner shows a budget that holds no block."""
+    bytes_per_block = block_size * bytes_per_token // len(groups.groups)
+    return KVCachePlan(kv_dtype, groups, block_size, bytes_per_block,
+                       max(0, budget) // bytes_per_block)
+
+
+def plan_kv_cache(config: ModelConfig, kv_dtype, options, num_blocks: int | None = None,
+                  max_model_len: int | None = None) -> KVCachePlan:
+    """The engine's plan for a model of `config` (a tensor-parallel rank's shapes: its share of
+    the KV heads) with its cache stored in `kv_dtype` (a torch dtype, "auto" resolved).
+    `options`: the engine's options (an EngineConfig; kv_cache_memory, block_size,
+    max_num_batched_tokens, max_model_len, keep_out_of_window_blocks are read). `num_blocks`
+    and `max_model_len`, when given, size a cache to match another one (the draft model's, the
+    other ranks') instead of the budget. KvslimError when one block does not fit in
+    kv_cache_memory, or max_model_len asks for more than the cache holds."""
+    groups = kv_cache_groups(config, not options.keep_out_of_window_blocks)
+    plan = size_kv_cache(groups, options.block_size, config.kv_cache_bytes_per_token(kv_dtype),
+                         options.kv_cache_memory, kv_dtype)
+    if num_blocks is not None:
+        plan = replace(plan, num_blocks=num_blocks)
+    elif plan.num_blocks < 1:
+        raise KvslimError(
+            f"kv_cache_memory={options.kv_cache_memory} bytes is too small for one block of "
+            f"{options.block_size} tokens ({plan.bytes_per_block} bytes for this model)")
+    if max_model_len is None:
+        max_model_len = _max_model_len(plan, config, options)
+    return replace(plan, max_model_len=max_model_len)
+
+
+def _max_model_len(plan: KVCachePlan, config: ModelConfig, options) -> int:
+    """The model's context, capped by what the KV cache can hold for one sequence (a user who
+    asks for more than the cache holds gets an error instead)."""
+    positions = config.max_position_embeddings
+    capacity = plan.longest_sequence(options.max_num_batched_tokens,
+                                     max(positions, options.max_model_len or 0))
+    if options.max_model_len is not None:
+        if capacity and options.max_model_len > capacity:
+            raise KvslimError(
+                f"max_model_len={options.max_model_len} needs more KV cache than "
+                f"kv_cache_memory={options.kv_cache_memory} bytes holds ({capacity} "
+                f"tokens); raise kv_cache_memory or lower max_model_len")
+        return options.max_model_len
+    return max(1, min(positions, capacity))
