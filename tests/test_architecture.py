@@ -68,11 +68,18 @@ def role(path: Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
-def kvslim_imports(path: Path) -> set[str]:
-    """Every kvslim module the file imports, at the top or inside a function."""
+def kvslim_imports(path: Path, runtime_only: bool = False) -> set[str]:
+    """Every kvslim module the file imports, at the top or inside a function (runtime_only:
+    leaving out the imports under `if TYPE_CHECKING:`, which name types and never run)."""
     rel = path.relative_to(SRC)
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and ast.unparse(node.test).endswith("TYPE_CHECKING")
+                   for child in node.body for n in ast.walk(child)} if runtime_only else set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -103,6 +110,54 @@ def import_edges() -> list[tuple[str, str, str, str]]:
 def test_every_role_is_in_the_table():
     roles = {role(p) for p in source_files()}
     assert roles <= set(ALLOWED) | ANYTHING, sorted(roles - set(ALLOWED) - ANYTHING)
+
+
+def module_name(path: Path) -> str:
+    parts = ["kvslim", *path.relative_to(SRC).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of the graph (a list of nodes, the first repeated at its end), or None."""
+    state: dict[str, int] = {}                    # 1: on the current path, 2: done
+    for root in sorted(graph):
+        path, stack = [], [(root, iter(sorted(graph[root])))] if root not in state else []
+        if stack:
+            state[root] = 1
+            path.append(root)
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                state[node] = 2
+                path.pop()
+                stack.pop()
+            elif state.get(child) == 1:
+                return path[path.index(child):] + [child]
+            elif child not in state:
+                state[child] = 1
+                path.append(child)
+                stack.append((child, iter(sorted(graph.get(child, ())))))
+    return None
+
+
+def test_the_table_has_no_circles():
+    assert find_circle({src: set(dsts) for src, dsts in ALLOWED.items()}) is None
+
+
+def test_no_module_imports_itself_through_others():
+    """No circle of modules, lazy imports included: two files that import each other are one
+    role cut in the wrong place (an import names the deepest kvslim module it reaches)."""
+    modules = {module_name(p): p for p in source_files()}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for module in kvslim_imports(path, runtime_only=True):
+            while module not in modules:
+                module = module.rpartition(".")[0]
+            deps.add(module)
+        graph[name] = deps - {name}
+    assert find_circle(graph) is None, " -> ".join(find_circle(graph))
 
 
 def test_imports_follow_the_layering():

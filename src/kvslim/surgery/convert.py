@@ -20,8 +20,9 @@ from kvslim.errors import KvslimError
 from kvslim.models.config import ModelConfig
 from kvslim.formats.loader import load_model
 from kvslim.formats.writer import save_model
+from kvslim.surgery.pooling import POOLING_METHODS, pool_heads
 
-METHODS = ("mean", "first", "random", "align")
+METHODS = POOLING_METHODS + ("align",)
 
 
 def check_target(config: ModelConfig, kv_heads: int, layer: int | None = None) -> None:
@@ -60,23 +61,6 @@ def layer_targets(config: ModelConfig, kv_heads) -> list[int]:
     for i, k in enumerate(targets):
         check_target(config, k, i)
     return targets
-
-
-def pool_heads(weight: torch.Tensor, num_heads: int, kv_heads: int, method: str,
-               generator: torch.Generator | None = None) -> torch.Tensor:
-    """weight [num_heads * d, ...] (rows of a k/v projection or its bias) -> [kv_heads * d, ...]."""
-    per = num_heads // kv_heads
-    heads = weight.reshape(kv_heads, per, -1, *weight.shape[1:])   # [K, per, d, ...]
-    if method == "mean":
-        pooled = heads.mean(dim=1)
-    elif method == "first":
-        pooled = heads[:, 0]
-    elif method == "random":
-        std = weight.float().std().item() if weight.dim() > 1 else 0.0
-        pooled = torch.randn(heads[:, 0].shape, generator=generator) * std
-    else:
-        raise KvslimError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
-    return pooled.reshape(-1, *weight.shape[1:]).to(weight.dtype)
 
 
 def convert_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, kv_heads,

@@ -19,6 +19,7 @@ from kvslim.models.llama import LlamaForCausalLM
 from kvslim.surgery.align import _ATTN_NAMES, merge_layer
 from kvslim.surgery.calibrate import attention_inputs
 from kvslim.surgery.kv_budget import candidate_heads
+from kvslim.surgery.pooling import pool_heads
 from kvslim.tokenizer.tokenizer import Tokenizer
 from kvslim.train.data import eval_windows, tokenize_file
 from kvslim.train.distill import soft_kl
@@ -75,7 +76,6 @@ def _merge(weights, method, x, config, src_kv: int, kv_heads: int) -> dict[str, 
     if method == "align":
         return merge_layer(weights, x, config.num_attention_heads, src_kv, kv_heads,
                            config.head_dim)
-    from kvslim.surgery.convert import pool_heads
     out = dict(weights)
     for name in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
         if name in weights:
