@@ -1,6 +1,7 @@
 """Gemma 3 (text): the Llama decoder's pieces arranged Gemma's way.
 
-- embeddings scaled by sqrt(hidden_size), tied LM head;
+- embeddings scaled by sqrt(hidden_size), tied LM head (a GGUF file's quantized import keeps
+  the table in its blocks for both, as Llama's does);
 - RMSNorm with a (1 + w) weight (`GemmaRMSNorm`), around both sublayers: input and
   post-attention norms, pre- and post-feed-forward norms;
 - q and k heads normalised before RoPE, logits scaled by query_pre_attn_scalar ** -0.5;
@@ -27,14 +28,14 @@ from torch import nn
 
 from kvslim.errors import ConfigError
 
-from kvslim.layers.linear import Linear
 from kvslim.layers.mlp import SwiGLUMLP
 from kvslim.layers.norm import GemmaRMSNorm
 from kvslim.layers.rope import RotaryEmbedding
 from kvslim.layers.self_attention import Attention
 from kvslim.models.base import QK_NORM_TENSORS, Family, GGUFLayout, write_attention_bias
 from kvslim.models.hf_fields import rope_from_hf
-from kvslim.models.llama import LLAMA_LAYER_TENSORS, LlamaForCausalLM
+from kvslim.models.llama import LLAMA_LAYER_TENSORS, LlamaForCausalLM, make_lm_head
+from kvslim.quantization.gguf_embedding import BlockQuantEmbedding
 
 if TYPE_CHECKING:
     from kvslim.models.config import ModelConfig
@@ -67,9 +68,11 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        if config.quantization is not None and config.quantization.embedding:
-            raise NotImplementedError("quantized Gemma 3 embeddings")   # caught by the loader
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        quant = config.quantization
+        # The quantized import's token table stays in its GGUF blocks (Q8_0 in the 270M file)
+        self.embed_tokens = (BlockQuantEmbedding(config.vocab_size, config.hidden_size)
+                             if quant is not None and quant.embedding
+                             else nn.Embedding(config.vocab_size, config.hidden_size))
         self.embed_scale = config.hidden_size ** 0.5
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i)
                                     for i in range(config.num_hidden_layers))
@@ -80,7 +83,8 @@ class Gemma3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
                 long_rope: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        # transformers scales by the square root rounded to the embeddings' dtype
+        # transformers scales by the square root rounded to the embeddings' dtype (a block table
+        # gives its rows in float32, as the float import's table is)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         rope = {"global": self.rotary.cos_sin(positions, x.dtype, long_rope),
                 "local": self.local_rotary.cos_sin(positions, x.dtype)}
@@ -94,9 +98,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         self.config = config
         self.model = Gemma3Model(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = make_lm_head(config, self.model.embed_tokens)
 
 
 # ---- config.json ---------------------------------------------------------------------------
@@ -166,5 +168,5 @@ def gguf_fields(key, optional, head_dim: int) -> dict[str, Any]:
 FAMILY = Family("gemma3_text", "Gemma3ForCausalLM", "Gemma 3", Gemma3ForCausalLM,
                 hf_fields=hf_fields, write_hf=write_hf, norms_per_layer=4, scale_folding=False,
                 gguf=GGUFLayout("gemma3", LAYER_TENSORS, norms_plus_one=True,
-                                sliding_window=True, exports=False, float_only=True,
+                                sliding_window=True, exports=False,
                                 fields=gguf_fields))

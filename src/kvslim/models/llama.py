@@ -84,7 +84,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = _lm_head(config, self.model.embed_tokens)
+        self.lm_head = make_lm_head(config, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attn=None, padding_mask: torch.Tensor | None = None,
@@ -168,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         return prepare_linears_for_inference(self)
 
 
-def _lm_head(config: ModelConfig, embed_tokens: nn.Module) -> nn.Module:
+def make_lm_head(config: ModelConfig, embed_tokens: nn.Module) -> nn.Module:
     """Tied to the embeddings (the same tensor, or the same blocks), else its own weight."""
     quant = config.quantization
     if config.tie_word_embeddings and isinstance(embed_tokens, BlockQuantEmbedding):

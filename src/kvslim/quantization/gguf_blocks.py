@@ -1,9 +1,9 @@
-"""Linear layers holding llama.cpp's block-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) in
-one decoded form, so a GGUF file's linear layers load without re-quantizing
+"""Linear layers holding llama.cpp's block-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)
+in one decoded form, so a GGUF file's linear layers load without re-quantizing
 (docs/quantization-formats.md, formats/gguf/blocks.py for the decoding; config.json's
 `quantization_config` quant_method "gguf" names the file, `gguf_spec`):
 
-    qvalues uint8 [out, in]        the integer of each weight (0..15, 0..63 or 0..255)
+    qvalues uint8 [out, in]        the integer of each weight (0..15, 0..31, 0..63 or 0..255)
     scales        [out, in / 16]   s of each group of 16 inputs
     mins          [out, in / 16]   m of each group
     qtype   int32 [shards]         each shard's GGML type id (`TYPE_IDS`)
@@ -15,7 +15,7 @@ Q4_K_M file stores attn_v as Q6_K beside Q4_K q and k).
 
 `prepare_for_inference` packs each run of 4-bit shards (Q4_0, Q4_1, Q4_K: 32 inputs share s and
 m) for `int4_linear` with scale s and offset m (`pack_int4_offsets`), and each run of 8-bit shards
-(Q8_0, Q6_K) for `int8_group_linear` (int8_group_kernel.py); a layer whose shards are
+(Q5_0, Q8_0, Q6_K) for `int8_group_linear` (int8_group_kernel.py); a layer whose shards are
 all one width runs one kernel."""
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ NATIVE_INT4_ROWS = 16
 BLOCK_LEAVES = ("qvalues", "scales", "mins", "qtype", "bias")
 # The types kept in blocks (formats/gguf/blocks.py decodes them): GGML type ids
 # (gguf.GGMLQuantizationType) and the integer width their q values need.
-TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q6_K": 8}
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q8_0": 8, "Q6_K": 8}
 # q - ZERO is the signed 8-bit value of the 8-bit types (w = s * (q - ZERO)).
-ZERO = {"Q8_0": 128, "Q6_K": 32}
+ZERO = {"Q5_0": 16, "Q8_0": 128, "Q6_K": 32}
 # The kernels' view, by the `qtype` id a shard stores: 4-bit types, 8-bit ones with their zero.
 FOUR_BIT_TYPES = tuple(TYPE_IDS[kind] for kind, bits in BITS.items() if bits == 4)
 EIGHT_BIT_ZEROS = {TYPE_IDS[kind]: zero for kind, zero in ZERO.items()}

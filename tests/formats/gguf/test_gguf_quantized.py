@@ -1,5 +1,5 @@
-"""GGUF files whose linear layers are Q4_0, Q4_1, Q8_0, Q4_K or Q6_K (mixed within a file and within
-a fused layer) import with those layers kept quantized: the loaded blocks decode to exactly what
+"""GGUF files whose linear layers are Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K (mixed within a file and
+within a fused layer) import with those layers kept quantized: the loaded blocks decode to exactly what
 gguf.quants.dequantize gives (Q/K rows unpermuted), the model's logits equal the float import's,
 and the kernels chosen by prepare_for_inference stay within their bfloat16 bound; greedy decoding
 through the engine does not depend on the batch or on prefix-cache hits."""
@@ -33,7 +33,7 @@ SHARDS = {"q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj"
 # A Q4_K_M-like mix: q/k/v of three types in one fused layer, gate/up of two, a Q8_0 tied table.
 MIXED = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_1, "attn_v": Q.Q6_K, "attn_output": Q.Q8_0,
          "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_0, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0}
-FILES = {"Q4_0": {"qtype": Q.Q4_0}, "Q4_1": {"qtype": Q.Q4_1},
+FILES = {"Q4_0": {"qtype": Q.Q4_0}, "Q4_1": {"qtype": Q.Q4_1}, "Q5_0": {"qtype": Q.Q5_0},
          "mixed": {"types": MIXED, "hidden": 256, "ffn": 256, "tied": True}}
 
 
@@ -124,12 +124,12 @@ def _greedy(eng, prompts, params):
 
 
 def test_other_linear_types_import_as_float_with_a_note(tmp_path, capsys):
-    write_tiny_gguf(tmp_path / "q5.gguf", qtype=Q.Q4_1, types={"ffn_down": Q.Q5_0})
+    write_tiny_gguf(tmp_path / "q5.gguf", qtype=Q.Q4_1, types={"ffn_down": Q.Q5_1})
     out = import_gguf(tmp_path / "q5.gguf", tmp_path / "q5", show_progress=False,
                       keep_quantized=True)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     assert list(out.glob("*.safetensors"))
-    assert "'blk.0.ffn_down.weight' is Q5_0, which kvslim does not keep quantized; importing " \
+    assert "'blk.0.ffn_down.weight' is Q5_1, which kvslim does not keep quantized; importing " \
         "every weight as float32" in capsys.readouterr().err
     write_tiny_gguf(tmp_path / "f32.gguf")                   # a float file: no note
     import_gguf(tmp_path / "f32.gguf", tmp_path / "f32", show_progress=False, keep_quantized=True)

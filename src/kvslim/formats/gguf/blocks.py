@@ -6,6 +6,8 @@ float32 scale s and offset m, with w = q * s + m computed in float32, bit for bi
     type  block (inputs, bytes)          llama.cpp            q      s        m
     Q4_0  32, fp16 d + 16 nibbles        d * (q - 8)          0..15  d        -8 d
     Q4_1  32, fp16 d, m + 16 nibbles     d * q + m            0..15  d        m
+    Q5_0  32, fp16 d, 4 bytes of high bits + 16 nibbles
+                                         d * (q - 16)         0..31  d        -16 d
     Q8_0  32, fp16 d + 32 int8           d * q                q+128  d        -128 d
     Q4_K  256, fp16 d, dmin, 12 bytes of 6-bit (sc, mn) for 8 sub-blocks of 32, 128 nibbles
                                          d*sc * q - dmin*mn   0..15  d*sc     -(dmin*mn)
@@ -15,7 +17,7 @@ float32 scale s and offset m, with w = q * s + m computed in float32, bit for bi
 Why exact: d is fp16 (11 significant bits) and sc/mn at most 8 bits, so d*sc and dmin*mn are
 exact in float32; q * s then needs at most 24 significant bits (Q8_0: 11 + 8, Q6_K: 18 + 6),
 so it is exact too, and q * s + m is either the reference's own expression or, where the
-reference subtracts the offset inside the product (Q4_0, Q8_0, Q6_K), its exact value.
+reference subtracts the offset inside the product (Q4_0, Q5_0, Q8_0, Q6_K), its exact value.
 
 Every type is stored at groups of 16 (Q6_K's sub-block); the others repeat each scale and
 offset over their group of 32. `BITS` says which kernel form a type takes."""
@@ -30,7 +32,7 @@ import torch
 from kvslim.quantization.gguf_blocks import BITS, GROUP, TYPE_IDS, ZERO  # noqa: F401
 
 QK_K = 256
-BLOCK_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": QK_K, "Q6_K": QK_K}
+BLOCK_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q8_0": 32, "Q4_K": QK_K, "Q6_K": QK_K}
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -50,6 +52,13 @@ def _q4_0(raw):
 
 def _q4_1(raw):
     return _nibbles(raw[..., 4:]), _f16(raw[..., 0:2]), _f16(raw[..., 2:4])
+
+
+def _q5_0(raw):
+    """Value j's fifth bit is bit j of the 4 bytes after d (little endian), above its nibble."""
+    d = _f16(raw[..., 0:2])
+    high = np.unpackbits(raw[..., 2:6], axis=-1, bitorder="little")
+    return _nibbles(raw[..., 6:]) | (high << 4), d, -16 * d
 
 
 def _q8_0(raw):
@@ -88,8 +97,8 @@ def _q6_k(raw):
     return q, s, -32 * s
 
 
-_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
-_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
+_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
+_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
 
 
 def decode_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> dict[str, torch.Tensor]:
