@@ -100,11 +100,10 @@ def _register_kernels(kinds) -> None:
 
 
 def _setup(args):
-    from kvslim.formats.registry import resolve_model
+    from kvslim.formats.registry import engine_model_dir
     if args.threads:
         torch.set_num_threads(args.threads)
-    return resolve_model(getattr(args, "model", None),
-                         quantized=getattr(args, "dtype", "float32") == "auto")
+    return engine_model_dir(getattr(args, "model", None), getattr(args, "dtype", "float32"))
 
 
 def _emit(args, result, fmt) -> int:

@@ -84,19 +84,23 @@ def engine_options_from_args(args) -> dict:
 
 
 def llm_from_args(args):
-    """Check every flag first (a mistake costs a second, not a model load), then load."""
+    """Check every flag first (a mistake costs a second, not a model load), then load. The
+    model name goes to LLM as typed: which import of a GGUF model runs at --dtype is LLM's
+    rule (`engine_model_dir`); resolving it here first (an import happens once, cached) names
+    the directory before the load."""
     import sys
 
     import torch
 
     from kvslim.engine.llm import LLM
-    from kvslim.formats.registry import resolve_model
+    from kvslim.formats.registry import engine_model_dir
     check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = resolve_model(args.model, quantized=args.dtype == "auto")
+    options = engine_options_from_args(args)
+    model_dir = engine_model_dir(args.model, options["dtype"])
     print(f"kvslim: loading {model_dir} ...", file=sys.stderr, flush=True)
-    return LLM(str(model_dir), **engine_options_from_args(args))
+    return LLM(args.model, **options)
 
 
 def check_args(args) -> None:

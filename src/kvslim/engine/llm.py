@@ -17,15 +17,20 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **options):
-        """`options`: EngineConfig's fields (engine/config.py), e.g. kv_cache_memory="2GiB";
+        """`model`: an HF-format directory (taken as is), a .gguf file, "gemma3-270m", or
+        nothing for the embedded default model. A GGUF model runs what `kvslim generate` runs:
+        with dtype="auto" (the default) its quantized blocks, the precision the file ships
+        in; dtype="float32" (any explicit dtype) its float32 import
+        (formats/registry.py's `engine_model_dir`).
+        `options`: EngineConfig's fields (engine/config.py), e.g. kv_cache_memory="2GiB";
         an unknown one is an error that names the close matches.
         tensor_parallel_size > 1 starts that many ranks (`engine/parallel_executor.py`):
         call `shutdown` (or use the LLM as a context manager) to stop them; they also stop at
         interpreter exit. Under torchrun, LLM() on ranks > 0 never returns (SystemExit(0)
         once rank 0 shuts down)."""
-        from kvslim.formats.registry import resolve_model
+        from kvslim.formats.registry import engine_model_dir
         config = EngineConfig.from_options(**options)
-        self.model_dir = resolve_model(model)
+        self.model_dir = engine_model_dir(model, config.dtype)
         self.engine = LLMEngine(self.model_dir, config)
         self.tokenizer = self.engine.tokenizer
 

