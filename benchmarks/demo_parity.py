@@ -1,9 +1,12 @@
 """Greedy answers of `kvslim demo`'s sixteen conversations from two imports of one model (by
-default the embedded model's quantized import and its float32 import): which answers are the
-same, and for each that is not, the first differing position and the float model's top-1 vs
-top-2 logit margin there (how close to a tie the float model itself was).
+default the embedded model's quantized import, what `LLM()` runs, and its float32 import, what
+`LLM(dtype="float32")` runs): which answers are the same, and for each that is not, the first
+differing position and the float model's top-1 vs top-2 logit margin there (how close to a tie
+the float model itself was). A base model without a chat template (Gemma 3 270M) gets the
+questions as plain prompts, as `kvslim demo` gives them.
 
-    python benchmarks/demo_parity.py [--quantized DIR --float DIR] [--max-tokens 96] [--json]
+    python benchmarks/demo_parity.py [--model gemma3-270m | --quantized DIR --float DIR]
+        [--max-tokens 96] [--json]
 """
 from __future__ import annotations
 
@@ -12,17 +15,20 @@ import json
 
 import torch
 
-from kvslim.demo import demo_conversations
+from kvslim.demo import as_plain_prompt, demo_conversations
 from kvslim.engine.llm import LLM
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.formats.loader import load_model
-from kvslim.formats.registry import default_model_dir
+from kvslim.formats.registry import engine_model_dir
 
 
 def answers(model_dir: str, convs, max_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
     llm = LLM(model_dir, dtype="float32", device="cpu", kv_cache_memory="256MiB")
-    outs = llm.chat(convs, SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                    use_tqdm=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    if llm.tokenizer.chat_template:
+        outs = llm.chat(convs, params, use_tqdm=False)
+    else:
+        outs = llm.generate([as_plain_prompt(c) for c in convs], params, use_tqdm=False)
     return [o.prompt_token_ids for o in outs], [o.outputs[0].token_ids for o in outs]
 
 
@@ -57,8 +63,9 @@ def compare(quantized: str, dense: str, max_tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quantized", default=None, help="default: the embedded model's quantized "
-                                                      "import")
+    ap.add_argument("--model", default=None, help="a model name or .gguf whose two imports to "
+                                                  "compare (default: the embedded model)")
+    ap.add_argument("--quantized", default=None, help="default: the model's quantized import")
     ap.add_argument("--float", dest="dense", default=None, help="default: its float32 import")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None)
@@ -66,8 +73,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    quantized = args.quantized or str(default_model_dir(quantized=True))
-    dense = args.dense or str(default_model_dir())
+    quantized = args.quantized or str(engine_model_dir(args.model, "auto"))
+    dense = args.dense or str(engine_model_dir(args.model, "float32"))
     result = compare(quantized, dense, args.max_tokens)
     if args.json:
         print(json.dumps(result, indent=2))

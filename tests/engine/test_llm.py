@@ -1,9 +1,14 @@
-"""The offline API: generate (order, per-prompt params), chat, stream, stats, bad input."""
+"""The offline API: which import of a model it runs, generate (order, per-prompt params), chat,
+stream, stats, bad input."""
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from engine_helpers import GREEDY
+from gguf_files import write_tiny_gguf
 from kvslim import LLM, SamplingParams
 from kvslim.errors import InvalidRequestError
+from kvslim.formats import registry
+from kvslim.models.config import ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +56,33 @@ def test_a_bad_prompt_adds_nothing(llm):
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         llm.generate(["a", "b", "c"], [SamplingParams()] * 2, use_tqdm=False)
+
+
+@pytest.fixture
+def tiny_q4_1(tmp_path, monkeypatch):
+    """A tiny Q4_1 GGUF, also standing in for the embedded models' files, in a KVSLIM_HOME of
+    its own."""
+    monkeypatch.setenv("KVSLIM_HOME", str(tmp_path / "home"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, qtype=Q.Q4_1)
+    monkeypatch.setattr(registry, "default_model_gguf", lambda: path)
+    monkeypatch.setattr(registry, "gemma3_gguf", lambda: path)
+    return path
+
+
+@pytest.mark.parametrize("name", [None, "default", "gemma3-270m", "path"])
+def test_a_gguf_model_runs_quantized_unless_a_float_dtype_is_asked(tiny_q4_1, name):
+    """What `kvslim generate` runs: the file's blocks at dtype "auto", its float32 import at
+    an explicit dtype."""
+    model = str(tiny_q4_1) if name == "path" else name
+    with LLM(model, device="cpu", kv_cache_memory="1MiB") as llm:
+        assert ModelConfig.from_dir(llm.model_dir).quantization.method == "gguf"
+    with LLM(model, dtype="float32", device="cpu", kv_cache_memory="1MiB") as llm:
+        assert ModelConfig.from_dir(llm.model_dir).quantization is None
+    assert tiny_q4_1.parent / "home" / "models" in llm.model_dir.parents     # an import
+
+
+def test_a_directory_is_taken_as_is(hf_checkpoints):
+    path = hf_checkpoints["gqa"]
+    with LLM(str(path), device="cpu", kv_cache_memory="1MiB") as llm:
+        assert llm.model_dir == path
