@@ -8,8 +8,8 @@ from gguf import GGMLQuantizationType as Q
 
 from kvslim.formats.gguf.blocks import BLOCK_SIZES, GROUP, TYPE_IDS, decode_blocks
 
-BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_raw(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -32,7 +32,7 @@ def test_decoding_is_bit_exact(kind):
     w = b["qvalues"].float().view(rows, -1, GROUP) * b["scales"][..., None] + b["mins"][..., None]
     ref = torch.from_numpy(gguf.quants.dequantize(raw, getattr(Q, kind)).reshape(rows, cols))
     assert torch.equal(w.view(rows, cols), ref)
-    assert int(b["qvalues"].max()) <= {"Q8_0": 255, "Q6_K": 63}.get(kind, 15)
+    assert int(b["qvalues"].max()) <= {"Q8_0": 255, "Q6_K": 63, "Q5_0": 31}.get(kind, 15)
 
 
 def test_the_layers_read_the_same_type_ids():
