@@ -81,3 +81,11 @@ def gemma3_dir(gemma3_gguf) -> Path:
     """Its float32 import, the directory `--model gemma3-270m` resolves to (about 40 s)."""
     from kvslim.formats.registry import gemma3_dir
     return gemma3_dir(show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3_quantized_dir(gemma3_gguf) -> Path:
+    """Its quantized import (the file's blocks), what `LLM("gemma3-270m")` and `kvslim generate
+    --model gemma3-270m` run (about 15 s)."""
+    from kvslim.formats.registry import gemma3_dir
+    return gemma3_dir(show_progress=False, quantized=True)
