@@ -12,8 +12,8 @@ def register(sub) -> None:
                         f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (llama with experts: Mixtral)")
     p.add_argument("out", metavar="OUT_DIR", help="output model directory")
     p.add_argument("--dtype", default="auto", choices=("auto", "quantized", "float32"),
-                   help="auto (default): a file whose linear layers are all Q4_0, Q4_1, Q8_0, "
-                        "Q4_K or Q6_K (any mix) keeps them quantized (the .gguf goes into "
+                   help="auto (default): a file whose linear layers are all Q4_0, Q4_1, Q5_0, "
+                        "Q8_0, Q4_K or Q6_K (any mix) keeps them quantized (the .gguf goes into "
                         "OUT_DIR), else float32 with a note; quantized: the same, but a linear "
                         "of another type is an error; float32: every tensor dequantized to "
                         "float32 safetensors")

@@ -1,5 +1,6 @@
-"""The kernel for group-wise int8 weights (GGUF Q8_0: groups of 32 with a scale each; Q6_K:
-6-bit values as int8 q - 32 with a scale per group of 16): w[o, i] = q[o, i] * s[o, i // group].
+"""The kernel for group-wise int8 weights (GGUF Q8_0: groups of 32 with a scale each; Q5_0:
+5-bit values as int8 q - 16, the same groups; Q6_K: 6-bit values as int8 q - 32 with a scale per
+group of 16): w[o, i] = q[o, i] * s[o, i // group].
 
 Candidates measured with `kvslim bench kernels --shapes qkv,down,lm_head --groups 32 --batches
 1,8 --rounds 2 --no-compile --no-torchao --threads 1` (AMD EPYC with AVX-512 VNNI and
