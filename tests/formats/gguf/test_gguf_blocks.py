@@ -9,7 +9,8 @@ from gguf import GGMLQuantizationType as Q
 from kvslim.formats.gguf.blocks import BLOCK_SIZES, GROUP, TYPE_IDS, decode_blocks
 
 BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2),
+              "Q6_K": (208,)}
 
 
 def random_raw(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:

@@ -1,8 +1,8 @@
 """GGUF files whose linear layers are Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K (mixed within a file and
-within a fused layer) import with those layers kept quantized: the loaded blocks decode to exactly what
-gguf.quants.dequantize gives (Q/K rows unpermuted), the model's logits equal the float import's,
-and the kernels chosen by prepare_for_inference stay within their bfloat16 bound; greedy decoding
-through the engine does not depend on the batch or on prefix-cache hits."""
+within a fused layer) import with those layers kept quantized: the loaded blocks decode to exactly
+what gguf.quants.dequantize gives (Q/K rows unpermuted), the model's logits equal the float
+import's, and the kernels chosen by prepare_for_inference stay within their bfloat16 bound; greedy
+decoding through the engine does not depend on the batch or on prefix-cache hits."""
 import json
 
 import pytest

@@ -43,11 +43,12 @@ _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, show_progress: bool = True,
                 keep_quantized: bool = False, require_quantized: bool = False) -> Path:
     """keep_quantized: when every decoder linear is of a type kvslim keeps quantized (Q4_0, Q4_1,
-    Q5_0, Q8_0, Q4_K, Q6_K, any mix: `TYPE_IDS`), write config.json and the tokenizer beside the GGUF file itself
-    (hard-linked, else copied) instead of float weights; the loader then reads those linears,
-    and the token embeddings and LM head when they are of such a type too, as blocks
-    (formats/gguf/weights.py). A linear of another type makes it a float32 import, with a note on
-    stderr, or, with require_quantized, an error naming the tensor and its type."""
+    Q5_0, Q8_0, Q4_K, Q6_K, any mix: `TYPE_IDS`), write config.json and the tokenizer beside
+    the GGUF file itself (hard-linked, else copied) instead of float weights; the loader then
+    reads those linears, and the token embeddings and LM head when they are of such a type too,
+    as blocks (formats/gguf/weights.py). A linear of another type makes it a float32 import,
+    with a note on stderr, or, with require_quantized, an error naming the tensor and its
+    type."""
     gguf = GGUFFile.open(gguf_path)
     config = config_from_gguf(gguf)
     tok_files = tokenizer_files(gguf)

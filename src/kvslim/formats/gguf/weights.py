@@ -1,8 +1,8 @@
 """Read a model's weights straight from a GGUF file (config.json `quantization_config`
 {"quant_method": "gguf", "file": ...}, written by `import_gguf`): linear weights of the types
-kvslim keeps (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) as their decoded blocks (qvalues, scales, mins, qtype;
-formats/gguf/blocks.py, quantization/gguf_blocks.py), the token embeddings and LM head the same
-way when the config says so, every other tensor dequantized to float32; all under HF names and
+kvslim keeps (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) as their decoded blocks (qvalues, scales, mins,
+qtype; formats/gguf/blocks.py, quantization/gguf_blocks.py), the token embeddings and LM head the
+same way when the config says so, every other tensor dequantized to float32; all under HF names and
 with llama.cpp's Q/K row order undone. Reordering Q/K rows moves whole rows of blocks, so it is
 exact on the blocks."""
 from __future__ import annotations
