@@ -50,7 +50,7 @@ class ModelRunner:
         self.block_size = kv_plan.block_size
         self.layer_windows = list(mc.layer_sliding_windows)   # fixed: not rebuilt per step
         # LongRoPE: each token's sequence says which factors rotate it (Sequence.long_rope)
-        self.long_rope = longrope_original_context(mc.rope_scaling) is not None
+        self.has_long_rope = longrope_original_context(mc.rope_scaling) is not None
         self.kv_groups = kv_plan.groups
         self.layer_group = self.kv_groups.group_of_layer()
         self.kv_dtype = kv_plan.kv_dtype
@@ -206,7 +206,7 @@ class ModelRunner:
             positions += range(entry.start, entry.start + entry.num_tokens)
             token_rows += [row] * entry.num_tokens
         rows_of_inputs = [tokens, positions, token_rows]
-        if self.long_rope:
+        if self.has_long_rope:
             rows_of_inputs.append([int(e.seq.long_rope) for e in entries
                                    for _ in range(e.num_tokens)])
         input_ids, pos, rows_t, *long_rope = host_tensor(rows_of_inputs, torch.long, self.device)
