@@ -84,7 +84,14 @@ class EngineConfig:
     enable_chunked_prefill: bool = option(
         True, "prefill long prompts in chunks within max_num_batched_tokens", flag=None)
     seed: int = option(0, "for requests that sample without their own seed", flag=None)
-    enforce_eager: bool = option(False, "on CUDA, run decode steps without CUDA graphs")
+    enforce_eager: bool = option(False, "run decode steps eagerly: without CUDA graphs on CUDA, "
+                                        "never compiled on the CPU")
+    # Off by default: the first start compiles for minutes on a small CPU (engine/cpu_compile.py,
+    # docs/benchmarks.md), which a one-shot `generate` would pay for a modest speed-up.
+    compile_decode: bool = option(
+        False, "on the CPU, run decode steps as one compiled program (torch.compile, Inductor "
+               "C++): compiled at start-up (minutes the first time, cached on disk for the next "
+               "start), then faster steps", flag="--compile")
     # "auto" picks per device in attention/backends.py; a quantized KV cache always gathers.
     attention_backend: str = option(
         "auto", "paged attention: gather (copies each context out, the reference), flex "

@@ -10,13 +10,23 @@ buffers the step's inputs are copied into. All of them are recorded at start-up 
 no capture, and no compilation behind one, ever happens while serving; a step larger than every
 prepared shape runs eagerly. Padding rows are harmless: they write their K/V into a scratch block
 the block manager never hands out, attend to one cached position and their outputs are dropped.
-Without `use_graphs` (CPU) the same padded static-buffer path runs eagerly, each shape once at
-start-up too, which is how the tests check it."""
+On the CPU the same padded static-buffer path runs as one compiled program (`compiled`,
+cpu_compile.py), or eagerly, each shape once at start-up too, which is how the tests check the
+CUDA path's logic."""
 from __future__ import annotations
 
+import sys
+
 import torch
+from tqdm import tqdm
 
 from kvslim.attention import PagedStepLayout, build_paged_attention
+from kvslim.engine import cpu_compile
+from kvslim.engine.cpu_compile import CompiledStep, first_line, note, use_compile_cache
+
+
+# The sizes of _model_step's inputs that vary between padded shapes: the batch and the width.
+DYNAMIC_DIMS = ((0,), (0,), (1,), (1, 2), (0,))
 
 
 def capture_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -42,9 +52,10 @@ class DecodeGraphs:
     def __init__(self, model, kv_caches, scratch_slot: int, max_num_seqs: int,
                  max_blocks_per_seq: int, layer_windows: list[int | None],
                  layer_group: list[int] | None = None, use_graphs: bool = False,
-                 backend: str = "gather"):
+                 backend: str = "gather", compiled: bool = False):
         """layer_group: each layer's KV-cache group; every group has its own slot mapping and
         block tables (static buffers [groups, ...]). backend: the resolved attention backend.
+        compiled: run the step as a compiled program (CPU; not with use_graphs).
         Call `prepare` before the first step."""
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         layer_group = layer_group or [0] * len(layer_windows)
@@ -63,11 +74,21 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((num_groups, n), scratch_slot, dtype=torch.long,
                                        device=dev)
         self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(num_groups, n, max_blocks_per_seq, dtype=torch.long,
+        # One column more than the widest table: a slice as wide as its buffer is a shape the
+        # compiler specializes on (a program of its own).
+        self.block_tables = torch.zeros(num_groups, n, max_blocks_per_seq + 1, dtype=torch.long,
                                         device=dev)
         # Prepared shapes: their graph and its output buffer, or None on the eager path.
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor] | None] = {}
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.compiled = None
+        if compiled:
+            reason = cpu_compile.missing_compiler()
+            if reason is None:
+                use_compile_cache()
+                self.compiled = CompiledStep(self._model_step, DYNAMIC_DIMS)
+            else:
+                note(f"{reason}: decode steps run eagerly")
 
     def shape_for(self, num_seqs: int, num_blocks: int) -> tuple[int, int] | None:
         """The padded (batch, table width) a step runs at, or None when it is too large."""
@@ -78,15 +99,40 @@ class DecodeGraphs:
     @torch.inference_mode()
     def prepare(self) -> None:
         """Record every padded shape, largest batch first (later, smaller graphs reuse its
-        memory pool); on the eager path, run each once. Every row is padding meanwhile."""
-        for batch in reversed(self.batch_sizes):
-            for width in self.widths:
+        memory pool); compiled or eager, run each once. Every row is padding meanwhile."""
+        shapes = [(b, w) for b in reversed(self.batch_sizes) for w in self.widths]
+        if self.compiled is not None:
+            self._compile(shapes)
+        for batch, width in shapes:
+            self._pad(0, batch)
+            if self.use_graphs:
+                self.graphs[(batch, width)] = self._capture(batch, width)
+            else:
+                self._forward(batch, width)
+                self.graphs[(batch, width)] = None
+        if self.compiled is not None:
+            self.compiled.freeze()          # from here on nothing compiles
+
+    def _compile(self, shapes: list[tuple[int, int]]) -> None:
+        """Build the programs that cover `shapes` (one row, and from two rows up), with a
+        progress bar; a compiler failure leaves the eager path, with a note."""
+        firsts = [shapes[0]] + [(1, w) for b, w in shapes if b == 1][:1]
+        bar = tqdm(firsts, desc="compiling the decode step (cached for the next start)",
+                   unit="program", file=sys.stderr)
+        try:
+            for batch, width in bar:
                 self._pad(0, batch)
-                if self.use_graphs:
-                    self.graphs[(batch, width)] = self._capture(batch, width)
-                else:
-                    self._forward(batch, width)
-                    self.graphs[(batch, width)] = None
+                self._forward(batch, width)
+        except Exception as e:          # a missing or failing compiler: never a crash
+            note(f"decode step not compiled ({first_line(e)}): decode steps run eagerly")
+            self.compiled = None
+        finally:
+            bar.close()
+
+    @property
+    def compilations(self) -> int:
+        """Programs the compiled step has built (0 when it runs eagerly)."""
+        return 0 if self.compiled is None else self.compiled.compilations
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             layouts: list[PagedStepLayout]) -> torch.Tensor | None:
@@ -126,14 +172,21 @@ class DecodeGraphs:
         self.context_lens[n:batch] = 1
 
     def _forward(self, batch: int, width: int) -> torch.Tensor:
+        """The decoder over the static buffers' first `batch` rows and `width` table columns."""
+        step = self.compiled or self._model_step
+        return step(self.input_ids[:batch], self.positions[:batch], self.slot_mapping[:, :batch],
+                    self.block_tables[:, :batch, :width], self.context_lens[:batch])
+
+    def _model_step(self, input_ids, positions, slot_mapping, block_tables, context_lens):
+        """What is compiled: every input a tensor, so that the batch and the table width are
+        the only sizes a compiled program leaves open (cpu_compile.py)."""
         layouts = [PagedStepLayout(
-            slot_mapping=self.slot_mapping[g, :batch], num_decode_tokens=batch,
-            decode_block_tables=self.block_tables[g, :batch, :width],
-            decode_context_lens=self.context_lens[:batch])
-            for g in range(self.slot_mapping.shape[0])]
+            slot_mapping=slot_mapping[g], num_decode_tokens=input_ids.shape[0],
+            decode_block_tables=block_tables[g], decode_context_lens=context_lens)
+            for g in range(slot_mapping.shape[0])]
         attn = build_paged_attention(self.backend, self.kv_caches, layouts, self.layer_windows,
                                      self.layer_group, graph_safe=True)
-        return self.model(self.input_ids[:batch], self.positions[:batch], attn=attn)
+        return self.model(input_ids, positions, attn=attn)
 
     def _capture(self, batch: int, width: int):
         stream = torch.cuda.Stream()

@@ -59,14 +59,16 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.device, is_quantized(self.kv_dtype), self.block_size)
         # Not with tensor parallelism: the graphs would capture the ranks' collectives too.
-        use_graphs = (self.device.type == "cuda" and not config.enforce_eager
-                      and config.tensor_parallel_size == 1)
-        self._allocate_cache(reserved_blocks=int(use_graphs))
+        single = not config.enforce_eager and config.tensor_parallel_size == 1
+        use_graphs = self.device.type == "cuda" and single
+        compiled = self.device.type == "cpu" and single and config.compile_decode
+        self._allocate_cache(reserved_blocks=int(use_graphs or compiled))
         max_blocks_per_seq = -(-kv_plan.max_model_len // self.block_size)
         self.block_tables = BlockTables(config.max_num_seqs, max_blocks_per_seq, self.device,
                                         len(self.kv_groups.groups))
         self.sampler = Sampler(mc.vocab_size, self.device, eos_token_ids, config.seed)
-        self.decode_graphs = self._decode_graphs(use_graphs=True) if use_graphs else None
+        self.decode_graphs = (self._decode_graphs(use_graphs, compiled)
+                              if use_graphs or compiled else None)
 
     def _allocate_cache(self, reserved_blocks: int) -> None:
         """One K/V tensor per position in a KV-cache group, [K/V, blocks, block_size, kv_heads,
@@ -98,13 +100,14 @@ class ModelRunner:
         tensors = self.kv_cache + (self.kv_scales or [])
         return sum(t[:, 0, 0].numel() * t.element_size() for t in tensors)
 
-    def _decode_graphs(self, use_graphs: bool) -> DecodeGraphs:
-        """Every padded decode shape prepared now (captured, with CUDA graphs), before the
-        first step. Padding rows write into the reserved block after the last one in use."""
+    def _decode_graphs(self, use_graphs: bool, compiled: bool = False) -> DecodeGraphs:
+        """Every padded decode shape prepared now (captured, with CUDA graphs; compiled, on
+        the CPU), before the first step. Padding rows write into the reserved block after the
+        last one in use."""
         graphs = DecodeGraphs(self.model, self.kv_caches, self.num_blocks * self.block_size,
                               self.config.max_num_seqs, self.block_tables.max_blocks,
                               self.layer_windows, self.layer_group, use_graphs,
-                              self.attention_backend)
+                              self.attention_backend, compiled)
         graphs.prepare()
         return graphs
 

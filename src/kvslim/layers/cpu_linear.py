@@ -50,10 +50,30 @@ class PackedCpuKernel:
         if rows.shape[0] == 1 and self.weight_in_out is not None:
             out = (torch.mm(rows, self.weight_in_out) if self.bias is None
                    else torch.addmm(self.bias, rows, self.weight_in_out))
+        elif torch.compiler.is_compiling():
+            out = onednn_linear(rows, self.packed_weight, self.bias, self.out_features)
         else:
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias,
-                                                     "none", [], "")
+            out = _linear_pointwise(rows, self.packed_weight, self.bias)
         return out.view(*lead, self.out_features)
+
+
+def _linear_pointwise(rows: torch.Tensor, packed_weight: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
+
+
+# Inside a compiled decode step (engine/cpu_compile.py) the packed kernel is an opaque call:
+# Inductor lowers mkldnn's op only for weights it packed itself. Eager calls skip the wrapper,
+# whose dispatch would cost more than the small kernels of a decode step.
+@torch.library.custom_op("kvslim::onednn_linear", mutates_args=())
+def onednn_linear(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    return _linear_pointwise(rows, packed_weight, bias)
+
+
+@onednn_linear.register_fake
+def _(rows, packed_weight, bias, out_features):
+    return rows.new_empty(rows.shape[0], out_features)
 
 
 def _physical_memory() -> int:

@@ -7,9 +7,9 @@ tokens gathered into one matrix (one GEMM per expert and projection), and the re
 back in place — never a loop over tokens. Every expert stays resident, as in the checkpoint.
 
 Which experts were chosen, and by which tokens, is read back to the host (`unique`, `where`):
-a CUDA graph cannot record that. While one is being captured (the engine's decode graphs), every
-expert runs on every token instead, weighted by its routing weight, zero where it was not
-chosen (`_all_experts`): no host read, the same sum (adding a zero changes nothing), at E / k
+a CUDA graph cannot record that, nor can a compiled CPU decode step (engine/cpu_compile.py)
+leave those sizes open. While one is being captured or compiled, every expert runs on every
+token instead, weighted by its routing weight, zero where it was not chosen (`_all_experts`): no host read, the same sum (adding a zero changes nothing), at E / k
 times the arithmetic on the few tokens of a decode step, whose cost is reading the experts'
 weights, which a batch of decodes mostly touches anyway."""
 from __future__ import annotations
@@ -39,7 +39,8 @@ class SparseMoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if torch.compiler.is_compiling() or (x.is_cuda
+                                              and torch.cuda.is_current_stream_capturing()):
             return self._all_experts(x, weights, chosen).reshape(shape)
         return self._chosen_experts(x, weights, chosen).reshape(shape)
 

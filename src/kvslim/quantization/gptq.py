@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from kvslim.errors import ConfigError
 from kvslim.quantization.base import QuantLinear, QuantSpec
-from kvslim.quantization.kernels import Int4Weight, int4_linear, int8_linear, pack_int4
+from kvslim.quantization.kernels import (Int4Weight, int4_linear, int8_kernel_scales, int8_linear,
+                                         pack_int4)
 from kvslim.quantization.registry import register
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
@@ -112,7 +113,8 @@ class GPTQLinear(QuantLinear):
         per_channel = self._int8_per_channel() if self.spec.bits == 8 else None
         if per_channel is not None:
             weight, scales = per_channel
-            self.kernel = partial(int8_linear, qweight=weight, scales=scales, bias=self.bias)
+            self.kernel = partial(int8_linear, qweight=weight, scales=int8_kernel_scales(scales),
+                                  bias=self.bias)
             return
         packed = self._int4_packed() if self.spec.bits == 4 else None
         if packed is not None:

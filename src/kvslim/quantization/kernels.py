@@ -113,13 +113,23 @@ def pack_int8(weight_fp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return qweight.contiguous(), scales
 
 
+def int8_kernel_scales(scales: torch.Tensor) -> torch.Tensor:
+    """The form int8_linear wants its scales in, converted once: bfloat16 where the native op
+    runs them (CPU), else as they are (the fallback multiplies in the activations' dtype)."""
+    if scales.device.type == "cpu" and _native("_weight_int8pack_mm"):
+        return scales.to(torch.bfloat16)
+    return scales
+
+
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ (qweight * scales)^T + bias -> [..., out], in x's dtype."""
     rows = _rows(x, qweight.shape[1])
     if _on_cpu_float(rows) and _native("_weight_int8pack_mm"):
-        out = _native_bf16(torch.ops.aten._weight_int8pack_mm, rows, qweight,
-                           scales.to(torch.bfloat16))
+        # Scales given in bfloat16 (int8_kernel_scales) are used as they are: a conversion
+        # inside a compiled step is one the compiler cannot lower into the op's call.
+        native_scales = scales if scales.dtype == torch.bfloat16 else scales.to(torch.bfloat16)
+        out = _native_bf16(torch.ops.aten._weight_int8pack_mm, rows, qweight, native_scales)
     else:
         out = _chunked_mm(rows, qweight.shape[0],
                           lambda a, b, dtype: qweight[a:b].to(dtype)).mul_(scales.to(rows.dtype))
@@ -139,7 +149,9 @@ class Int4Weight:
     scales: torch.Tensor               # float32 [out, in // group]
     zeros_x_scales: torch.Tensor       # zero * scale, float32 [out, in // group]
     native: torch.Tensor | None = None
-    native_scales_zeros: torch.Tensor | None = None   # [in // group, out, 2], the op's form
+    # [in // group, out, 2] in bfloat16, the op's form, converted once: a conversion inside a
+    # compiled step is one the compiler cannot lower into the op's call.
+    native_scales_zeros: torch.Tensor | None = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0,
                    stop: int | None = None) -> torch.Tensor:
@@ -167,7 +179,8 @@ def pack_int4(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         packed.native = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         # The op dequantizes (q - 8) * scale + z, so z = (8 - zero) * scale.
         packed.native_scales_zeros = torch.stack(
-            (scales, (8 - zeros) * scales), dim=-1).transpose(0, 1).contiguous()
+            (scales, (8 - zeros) * scales), dim=-1
+        ).transpose(0, 1).to(torch.bfloat16).contiguous()
     return packed
 
 
@@ -181,7 +194,8 @@ def pack_int4_offsets(values: torch.Tensor, scales: torch.Tensor, offsets: torch
     packed.zeros_x_scales = -offsets
     if packed.native is not None:
         packed.native_scales_zeros = torch.stack(
-            (packed.scales, 8 * packed.scales + offsets), dim=-1).transpose(0, 1).contiguous()
+            (packed.scales, 8 * packed.scales + offsets), dim=-1
+        ).transpose(0, 1).to(torch.bfloat16).contiguous()
     return packed
 
 
@@ -191,7 +205,7 @@ def int4_linear(x: torch.Tensor, packed: Int4Weight,
     if (packed.native is not None and _on_cpu_float(rows)
             and _native("_weight_int4pack_mm_for_cpu")):
         out = _native_bf16(torch.ops.aten._weight_int4pack_mm_for_cpu, rows, packed.native,
-                           packed.group_size, packed.native_scales_zeros.to(torch.bfloat16))
+                           packed.group_size, packed.native_scales_zeros)
     else:
         out = _chunked_mm(rows, packed.out_features,
                           lambda a, b, dtype: packed.dequantize(dtype, a, b))

@@ -1,0 +1,132 @@
+"""The compiled CPU decode step against the eager one (engine/cpu_compile.py): is it faster at
+every batch, are its greedy tokens the eager path's, and how long does a start take, the first
+time (nothing cached) and the second (Inductor's caches on disk)?
+
+Start-up is timed in child processes, each a fresh interpreter with one KVSLIM_HOME: the first
+compiles into an empty cache, the second finds what the first wrote; both then answer one request
+(the time to that answer is what `kvslim serve` would show). Decode speed is measured in one
+process holding both engines, taking turns in every round: decode time is a batch's generate
+time with --output-len tokens minus its time with one token (the prefill), medians over rounds.
+
+    python benchmarks/compiled_decode.py                     # the default model (Q4_1 blocks)
+    python benchmarks/compiled_decode.py --batches 1,8 --rounds 1 --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from tqdm import tqdm
+
+
+def startup_child(model: str | None) -> None:
+    """Build a compiled engine and answer one request; prints seconds as JSON."""
+    start = time.perf_counter()
+    from kvslim import LLM, SamplingParams
+    llm = LLM(model, compile_decode=True, max_num_seqs=64)
+    ready = time.perf_counter()
+    llm.generate(["What is the capital of France?"], SamplingParams(max_tokens=8, temperature=0),
+                 use_tqdm=False)
+    print(json.dumps({"engine_ready_s": ready - start,
+                      "first_answer_s": time.perf_counter() - start,
+                      "programs": llm.engine.runner.decode_graphs.compilations}))
+
+
+def startups(model: str | None) -> list[dict]:
+    """Cold then warm start in fresh interpreters sharing one new KVSLIM_HOME (the model's
+    import is done by a first, uncompiled start so that it is not timed)."""
+    home = tempfile.mkdtemp(prefix="kvslim-compile-bench-")
+    env = dict(os.environ, KVSLIM_HOME=home)
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    argv = [sys.executable, __file__, "--startup-child"] + (["--model", model] if model else [])
+    subprocess.run([sys.executable, "-c", f"from kvslim import LLM; LLM({model!r})"], env=env,
+                   check=True, capture_output=True)
+    rows = []
+    for which in ("first start (empty cache)", "second start (cache on disk)"):
+        done = subprocess.run(argv, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"start-up child failed:\n{done.stderr[-2000:]}")
+        rows.append({"start": which, **json.loads(done.stdout.strip().splitlines()[-1])})
+    return rows
+
+
+def decode_time(llm, prompts, output_len: int) -> tuple[float, list[list[int]]]:
+    from kvslim import SamplingParams
+    def timed(n):
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
+    prefill, _ = timed(1)
+    total, tokens = timed(output_len)
+    return total - prefill, tokens
+
+
+def speeds(opts) -> list[dict]:
+    from kvslim import LLM
+    engines = {"eager": LLM(opts.model, max_num_seqs=max(opts.batches)),
+               "compiled": LLM(opts.model, max_num_seqs=max(opts.batches), compile_decode=True)}
+    times = {(e, b): [] for e in engines for b in opts.batches}
+    same = {}
+    g = torch.Generator().manual_seed(0)
+    steps = [(r, b) for r in range(opts.rounds) for b in opts.batches]
+    for _, batch in tqdm(steps, desc="eager vs compiled", unit="round"):
+        prompts = [torch.randint(100, 20000, (opts.input_len,), generator=g).tolist()
+                   for _ in range(batch)]
+        tokens = {}
+        for name, llm in engines.items():
+            seconds, tokens[name] = decode_time(llm, prompts, opts.output_len)
+            times[(name, batch)].append(seconds)
+        same[batch] = same.get(batch, True) and tokens["eager"] == tokens["compiled"]
+    rows = []
+    for batch in opts.batches:
+        tok_s = {e: batch * (opts.output_len - 1) / statistics.median(times[(e, batch)])
+                 for e in engines}
+        rows.append({"batch": batch, "eager_tok_s": tok_s["eager"],
+                     "compiled_tok_s": tok_s["compiled"],
+                     "speedup": tok_s["compiled"] / tok_s["eager"],
+                     "greedy_identical": same[batch]})
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = ["| start | engine ready s | first answer s | programs |", "|---|---|---|---|"]
+    lines += [f"| {r['start']} | {r['engine_ready_s']:.1f} | {r['first_answer_s']:.1f} | "
+              f"{r['programs']} |" for r in result["startup"]]
+    lines += ["", "| batch | eager tok/s | compiled tok/s | compiled is | greedy identical |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['eager_tok_s']:.1f} | {r['compiled_tok_s']:.1f} | "
+              f"{r['speedup']:.2f}x | {'yes' if r['greedy_identical'] else 'NO'} |"
+              for r in result["decode"]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: the embedded model")
+    p.add_argument("--batches", default="1,2,8,32,64")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--no-startup", action="store_true", help="skip the start-up timing")
+    p.add_argument("--startup-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true")
+    opts = p.parse_args()
+    if opts.startup_child:
+        return startup_child(opts.model)
+    opts.batches = [int(b) for b in opts.batches.split(",")]
+    result = {"machine": {"threads": torch.get_num_threads(), "torch": torch.__version__},
+              "startup": [] if opts.no_startup else startups(opts.model),
+              "decode": speeds(opts)}
+    print(json.dumps(result, indent=2) if opts.json else markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The compiled CPU decode step (engine/cpu_compile.py): greedy tokens identical to the eager
+path for every layer type and both KV-cache dtypes, batched and alone, under preemption and with
+prefix-cache hits; every program built at start-up and none while serving; and the ways it falls
+back to the eager path (no C++ compiler, a failing build, a cache folder it cannot write).
+
+The layer-type matrix traces with the "aot_eager" backend (the same graph, guards and custom
+ops as Inductor's, run by eager kernels: seconds instead of minutes of C++ builds); the shipped
+path's kernels (GGUF blocks) also run through Inductor itself."""
+import os
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from checkpoints import VOCAB
+from engine_helpers import GREEDY, engine, prompts_of, run, tokens
+from kvslim.engine import cpu_compile
+from kvslim.engine.sampling_params import SamplingParams
+from kvslim.quantization import QuantSpec
+from kvslim.quantization.w8a8 import W8A8_SPEC
+from kvslim.surgery.quantize.model import quantize_model
+
+PARAMS = [SamplingParams(max_tokens=n, **GREEDY) for n in (20, 14, 12, 16, 9, 18)]
+
+
+def workload(vocab: int) -> list[list[int]]:
+    """Lengths that cross blocks, one token, and three prompts that share a 24-token prefix
+    (token ids 3..vocab)."""
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(3, vocab, (24,), generator=g).tolist()
+    return ([torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 1, 30)]
+            + [shared + torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3, 9, 1)])
+
+
+def check_compiled_matches_eager(path, vocab: int = VOCAB, blocks: int = 8,
+                                 prefix_hits: bool = True, **options) -> None:
+    """One compiled engine, its cache tight (`blocks` blocks of 8): the batch preempts, the
+    prompts sharing a prefix run alone afterwards hit the prefix cache, batch-1 decodes; tokens
+    are the eager engine's, alone."""
+    prompts = workload(vocab)
+    eager = engine(path, **options)
+    alone = [tokens(run(eager, [p], [sp]))[0] for p, sp in zip(prompts, PARAMS)]
+    per_block = eager.runner.bytes_per_block // 2                 # a block of 8 tokens
+    compiled = engine(path, compile_decode=True, kv_cache_memory=blocks * per_block, block_size=8,
+                      max_num_seqs=8, **options)
+    graphs = compiled.runner.decode_graphs
+    built = graphs.compilations
+    assert graphs.compiled is not None and built > 0          # it did compile, at start-up
+    assert tokens(run(compiled, prompts, PARAMS)) == alone    # batched
+    assert compiled.kv_cache_stats().num_preemptions > 0
+    one_by_one = [run(compiled, [p], [sp])[0] for p, sp in zip(prompts[3:], PARAMS[3:])]
+    assert tokens(one_by_one) == alone[3:]
+    assert all(o.metrics.num_cached_tokens >= 16 for o in one_by_one) == prefix_hits
+    assert graphs.compilations == built                       # nothing compiled while serving
+    assert len({tuple(t) for t in alone}) > 1
+
+
+@pytest.fixture
+def traced_only(monkeypatch):
+    monkeypatch.setattr(cpu_compile, "BACKEND", "aot_eager")
+
+
+@pytest.fixture(scope="module")
+def quantized(hf_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("compiled-q")
+    specs = {"gptq-4bit": ("rtn", QuantSpec(4, 32, sym=False, checkpoint_format="gptq_v2")),
+             "int8": ("rtn", QuantSpec(8, -1, sym=True)), "w8a8": ("w8a8", W8A8_SPEC)}
+    return {name: quantize_model(hf_checkpoints["gqa"], root / name, method, spec,
+                                 show_progress=False)
+            for name, (method, spec) in specs.items()}
+
+
+@pytest.fixture(scope="module")
+def gguf_blocks(tmp_path_factory):
+    """A tiny GGUF kept in blocks: Q4_1 and Q8_0 linears, a Q8_0 tied table."""
+    from gguf_files import write_tiny_gguf
+    from kvslim.formats.gguf.importer import import_gguf
+    root = tmp_path_factory.mktemp("compiled-gguf")
+    types = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q4_1,
+             "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0}
+    write_tiny_gguf(root / "m.gguf", types=types, hidden=256, ffn=256, tied=True)
+    return str(import_gguf(root / "m.gguf", root / "kept", show_progress=False,
+                           keep_quantized=True))
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mixtral", "gemma3"])
+def test_traced_float_moe_and_window_layers_match_eager(hf_checkpoints, variant, traced_only):
+    # Gemma 3's global layers keep every block: its tight cache is larger; its window layers
+    # release theirs, so a finished prompt leaves no prefix to hit
+    gemma3 = variant == "gemma3"
+    check_compiled_matches_eager(hf_checkpoints[variant], blocks=20 if gemma3 else 8,
+                                 prefix_hits=not gemma3)
+
+
+@pytest.mark.parametrize("kind", ["gptq-4bit", "int8", "w8a8"])
+def test_traced_quantized_linears_match_eager(quantized, kind, traced_only):
+    # the W8A8 model with the int8 KV cache: the other KV-cache dtype's gather and scales
+    check_compiled_matches_eager(quantized[kind],
+                                 **({"kv_cache_dtype": "int8"} if kind == "w8a8" else {}))
+
+
+def test_traced_gguf_blocks_match_eager(gguf_blocks, traced_only):
+    check_compiled_matches_eager(gguf_blocks, vocab=260, blocks=6)
+
+
+def test_inductor_programs_match_eager_and_reuse_the_disk_cache(gguf_blocks, tmp_path,
+                                                                 monkeypatch):
+    """Inductor itself, on the shipped path's kernels: torch's int4 op (Q4_1 blocks) and
+    oneDNN's packed float kernel (Q8_0 rows), a custom op in the program; a second engine
+    finds the programs in the compile cache."""
+    from torch._dynamo.utils import counters
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("KVSLIM_HOME", str(tmp_path))
+    check_compiled_matches_eager(gguf_blocks, vocab=260, blocks=6)
+    folder = tmp_path / "compile" / cpu_compile.cache_folder_name()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder) and any(folder.iterdir())
+
+    def hits():
+        return (counters["inductor"]["fxgraph_cache_hit"]
+                + counters["aot_autograd"]["autograd_cache_hit"])
+    before = hits()
+    again = engine(gguf_blocks, compile_decode=True, max_num_seqs=8)
+    assert hits() > before
+    assert again.runner.decode_graphs.compiled is not None
+
+
+def test_no_compiler_runs_eagerly_with_a_note(hf_checkpoints, monkeypatch, capsys):
+    monkeypatch.setattr(cpu_compile, "missing_compiler",
+                        lambda: "no C++ compiler found (g++, c++)")
+    eng = engine(hf_checkpoints["gqa"], compile_decode=True)
+    assert eng.runner.decode_graphs.compiled is None
+    assert "no C++ compiler found (g++, c++): decode steps run eagerly" in capsys.readouterr().err
+    want = tokens(run(engine(hf_checkpoints["gqa"]), workload(VOCAB), PARAMS))
+    assert tokens(run(eng, workload(VOCAB), PARAMS)) == want
+
+
+def test_a_failing_build_runs_eagerly_with_a_note(hf_checkpoints, monkeypatch, capsys):
+    def broken(gm, example_inputs):
+        raise RuntimeError("g++: fatal error: killed")
+    monkeypatch.setattr(cpu_compile, "BACKEND", broken)
+    eng = engine(hf_checkpoints["gqa"], compile_decode=True)
+    assert eng.runner.decode_graphs.compiled is None
+    err = capsys.readouterr().err
+    assert "decode step not compiled" in err and "g++: fatal error: killed" in err
+    want = tokens(run(engine(hf_checkpoints["gqa"]), workload(VOCAB), PARAMS))
+    assert tokens(run(eng, workload(VOCAB), PARAMS)) == want
+
+
+def test_enforce_eager_and_tensor_parallel_never_compile(hf_checkpoints):
+    assert engine(hf_checkpoints["gqa"], compile_decode=True,
+                  enforce_eager=True).runner.decode_graphs is None
+
+
+def test_unwritable_cache_folder_compiles_into_a_fresh_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    blocker = tmp_path / "home"
+    blocker.write_text("a file where the folder should be")
+    monkeypatch.setenv("KVSLIM_HOME", str(blocker))
+    folder = cpu_compile.use_compile_cache()
+    assert folder.is_dir() and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+    err = capsys.readouterr().err
+    assert f"compile cache {blocker / 'compile'} is not writable" in err and str(folder) in err
+
+
+def test_cache_of_another_version_is_not_used(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("KVSLIM_HOME", str(tmp_path))
+    (tmp_path / "compile" / "torch-2.0.0-kvslim-0.0.1").mkdir(parents=True)
+    folder = cpu_compile.use_compile_cache()
+    assert folder == tmp_path / "compile" / cpu_compile.cache_folder_name()
+    assert ("compile cache of another torch/kvslim version (torch-2.0.0-kvslim-0.0.1) not "
+            "used: compiling afresh") in capsys.readouterr().err
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    (folder / "entry").write_text("")
+    cpu_compile.use_compile_cache()                 # its own cache now: nothing to say
+    assert capsys.readouterr().err == ""
+
+
+def test_a_user_chosen_cache_folder_stands(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert cpu_compile.use_compile_cache() is None
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
