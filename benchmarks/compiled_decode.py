@@ -39,10 +39,9 @@ def startup_child(model: str | None) -> None:
                       "programs": llm.engine.runner.decode_graphs.compilations}))
 
 
-def startups(model: str | None) -> list[dict]:
-    """Cold then warm start in fresh interpreters sharing one new KVSLIM_HOME (the model's
-    import is done by a first, uncompiled start so that it is not timed)."""
-    home = tempfile.mkdtemp(prefix="kvslim-compile-bench-")
+def startups(model: str | None, home: str) -> list[dict]:
+    """Cold then warm start in fresh interpreters sharing the new KVSLIM_HOME `home` (the
+    model's import is done by a first, uncompiled start so that it is not timed)."""
     env = dict(os.environ, KVSLIM_HOME=home)
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     argv = [sys.executable, __file__, "--startup-child"] + (["--model", model] if model else [])
@@ -122,9 +121,11 @@ def main() -> None:
     if opts.startup_child:
         return startup_child(opts.model)
     opts.batches = [int(b) for b in opts.batches.split(",")]
+    home = tempfile.mkdtemp(prefix="kvslim-compile-bench-")
+    startup = [] if opts.no_startup else startups(opts.model, home)
+    os.environ["KVSLIM_HOME"] = home            # the decode runs find the programs compiled
     result = {"machine": {"threads": torch.get_num_threads(), "torch": torch.__version__},
-              "startup": [] if opts.no_startup else startups(opts.model),
-              "decode": speeds(opts)}
+              "startup": startup, "decode": speeds(opts)}
     print(json.dumps(result, indent=2) if opts.json else markdown(result))
 
 

@@ -39,6 +39,7 @@ class ProfileResult:
     model: str
     input_len: int
     threads: int
+    compiled: bool = False
     profiles: list[DecodeProfile] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -81,9 +82,11 @@ def _timed_steps(engine, steps: int) -> float:
 
 
 def profile_decode(model_dir, batches: tuple[int, ...] = (1, 8), input_len: int = 128,
-                   steps: int = 16) -> ProfileResult:
-    llm = kvslim_llm(model_dir, "1GiB", max_num_seqs=max(batches))
-    result = ProfileResult(str(model_dir), input_len, torch.get_num_threads())
+                   steps: int = 16, compile_decode: bool = False) -> ProfileResult:
+    """compile_decode: profile the compiled CPU decode step (its fused loops count as
+    other_ops: the program's own profiler event holds them)."""
+    llm = kvslim_llm(model_dir, "1GiB", max_num_seqs=max(batches), compile_decode=compile_decode)
+    result = ProfileResult(str(model_dir), input_len, torch.get_num_threads(), compile_decode)
     prompts = Workload(max(batches), input_len, 1, seed=2).prompts(
         llm.engine.model_config.vocab_size, special_ids(llm.tokenizer))
     for b in batches:
@@ -105,8 +108,8 @@ def profile_decode(model_dir, batches: tuple[int, ...] = (1, 8), input_len: int 
 
 
 def format_profile(r: ProfileResult) -> str:
-    lines = [f"decode step profile: {r.input_len}-token prompts, {r.threads} threads, "
-             f"model {r.model}",
+    lines = [f"decode step profile{' (compiled)' if r.compiled else ''}: {r.input_len}-token "
+             f"prompts, {r.threads} threads, model {r.model}",
              f"{'batch':>5} {'step ms':>8} {'profiled':>9} " +
              " ".join(f"{c:>12}" for c in CATEGORIES)]
     for p in r.profiles:

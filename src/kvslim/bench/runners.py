@@ -25,7 +25,8 @@ def kvslim_llm(model_dir, kv_cache_memory="1GiB", max_num_seqs: int = 256,
                max_num_batched_tokens: int = 2048, dtype: str = "float32",
                kv_cache_dtype: str = "auto", speculative: dict | None = None,
                **parallel) -> LLM:
-    """`parallel`: LLM's tensor-parallel options (tensor_parallel_size, ...)."""
+    """`parallel`: LLM's tensor-parallel options (tensor_parallel_size, ...), and
+    compile_decode."""
     return LLM(str(model_dir), dtype=dtype, device="cpu", kv_cache_memory=kv_cache_memory,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype,

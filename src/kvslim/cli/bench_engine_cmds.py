@@ -59,7 +59,7 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--steps", type=int, default=16, help="decode steps profiled per batch")
-    add_engine_flags(p, "dtype", dtype=IMPORT_DTYPE)
+    add_engine_flags(p, "dtype", "compile_decode", dtype=IMPORT_DTYPE)
     _common(p)
     p.set_defaults(func=run_profile_cmd)
 
@@ -154,8 +154,8 @@ def run_profile_cmd(args) -> int:
     batches = tuple(int(b) for b in args.batches.split(","))
     if args.steps < 1 or min(batches) < 1:
         raise KvslimError("--steps and every --batches entry must be at least 1")
-    return _emit(args, profile_decode(model, batches, args.input_len, args.steps),
-                 format_profile)
+    return _emit(args, profile_decode(model, batches, args.input_len, args.steps,
+                                      compile_decode=args.compile_decode), format_profile)
 
 
 def run_capacity_cmd(args) -> int:

@@ -67,7 +67,10 @@ def use_compile_cache() -> Path | None:
     with TORCHINDUCTOR_CACHE_DIR); None when the user's choice stands. A folder that cannot be
     written is replaced by a fresh temporary one, with a note; caches of other versions are
     left alone and not read."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    # torch writes its default into the environment when Inductor is imported: not a choice
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
         return None
     root = kvslim_home() / "compile"
     folder = root / cache_folder_name()
