@@ -78,7 +78,7 @@ def test_medians_best_setting_and_ratios_from_the_same_run():
     assert d["ratios"]["decode"] == {"kvslim-q4_1/llamacpp-q4_0": round(100 / 250, 2)}
     assert d["ratios"]["offline"] == {"kvslim-q4_1/llamacpp-q4_0": round(95 / 120, 2)}
     assert set(d) == {"command", "started", "seconds", "threads", "machine", "bandwidth",
-                      "plan", "engines", "ratios"}
+                      "plan", "engines", "ratios", "serving"}
     assert d["plan"]["offline"]["num_prompts"] == 4 and d["plan"]["rounds"] == 3
     json.dumps(d)
 

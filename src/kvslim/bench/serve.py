@@ -173,6 +173,8 @@ async def _request(client: httpx.AsyncClient, model: str, prompt, config: ServeB
                         result.itl.append(now - last)
                     last = now
         result.latency = time.perf_counter() - start
+        if result.ttft and not result.output_tokens:     # a server that sends no usage
+            result.output_tokens = len(result.itl) + 1   # (llama-server): a token a chunk
         if not result.success:
             result.error = "the stream ended without output or [DONE]"
     except (httpx.HTTPError, ValueError) as e:

@@ -35,6 +35,13 @@ def register_peers(kinds) -> None:
                         "the vLLM engines are skipped")
     p.add_argument("--vllm-eager", action="store_true",
                    help="vLLM without its torch.compile (starts faster, runs slower)")
+    p.add_argument("--serve", action="store_true",
+                   help="after the rounds, a serving run against kvslim serve, llama-server and "
+                        "vllm serve (those of --engines: kvslim-q4_1, llamacpp-q4_0, vllm-bf16)")
+    p.add_argument("--serve-prompts", type=int, default=64, help="serving: requests")
+    p.add_argument("--request-rate", type=float, default=2.0,
+                   help="serving: requests per second, Poisson arrivals")
+    p.add_argument("--server-slots", type=int, default=16, help="llama-server's parallel slots")
     p.add_argument("--out", default="runs/peers",
                    help="directory for peers.json, peers.md and peers.png")
     add_threads_arg(p, help="threads of every engine (default: torch's)")
@@ -65,6 +72,8 @@ def run_peers_cmd(args) -> int:
     bandwidth = memory_bandwidth()
     result = run_peers(catalog.build(names, opts), catalog.prompts(plan), plan,
                        machine_info().to_dict(), vars(bandwidth), threads)
+    if args.serve:
+        result.plan["serving"], result.serving = _serving(args, names, opts)
     result.command = "kvslim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     d = result.to_dict()
     out = Path(args.out)
@@ -75,3 +84,12 @@ def run_peers_cmd(args) -> int:
     print(json.dumps(d, indent=2) if args.json else markdown(d)
           + f"\nwrote {out}/peers.json, peers.md, peers.png")
     return 0
+
+
+def _serving(args, names, opts) -> tuple[dict, list[dict]]:
+    from dataclasses import asdict
+
+    from kvslim.bench.peers.serving import ServingPlan, build_servers, run_serving
+    plan = ServingPlan(args.serve_prompts, args.request_rate, args.input_len, args.decode_len)
+    servers = build_servers(names, opts, args.server_slots, args.input_len + args.decode_len + 16)
+    return asdict(plan), run_serving(servers, plan, show_progress=not args.json)

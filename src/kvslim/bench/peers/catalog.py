@@ -76,13 +76,17 @@ def f32_gguf() -> Path:
     return exported_gguf(float_dir(), "f32")
 
 
+def work_dir(opts: PeerOptions) -> Path:
+    return Path(opts.work_dir or kvslim_home() / "peers")
+
+
 def build(names: list[str], opts: PeerOptions) -> list:
     """The engines named, not started (starting loads models and makes files)."""
     from kvslim.bench.llamacpp_tools import LlamaCppTools
     from kvslim.bench.peers.llamacpp import LlamaCppEngine
     from kvslim.bench.peers.local import HFEngine, KvslimEngine
     from kvslim.bench.peers.vllm_peer import VllmEngine
-    work = Path(opts.work_dir or kvslim_home() / "peers")
+    work = work_dir(opts)
     tools = LlamaCppTools(Path(opts.llamacpp_bin), opts.threads)
     dirs = {"q4_1": shipped_dir, "f32": float_dir, "bf16": float_dir,
             "w8a8": lambda: w8a8_dir(work)}

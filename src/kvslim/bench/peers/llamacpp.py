@@ -15,6 +15,14 @@ KINDS = ("q4_0", "q4_1", "q8_0", "f32")
 PARALLEL = (4, 16, 64)
 
 
+def gguf_file(tools: LlamaCppTools, kind: str, f32: Path, work_dir: Path) -> Path:
+    """llama.cpp's file of `kind`: the float32 export itself, or llama-quantize's of it."""
+    if kind == "f32":
+        return f32
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return tools.quantize(f32, work_dir / f"{f32.stem}-{kind}.gguf", kind)
+
+
 class LlamaCppEngine:
     def __init__(self, kind: str, label: str, tools: LlamaCppTools,
                  f32_gguf: Callable[[], Path], work_dir: Path, parallel=PARALLEL):
@@ -26,13 +34,7 @@ class LlamaCppEngine:
         missing = self.tools.missing()
         if missing:
             raise Unavailable(missing)
-        f32 = self._f32()
-        if self.kind == "f32":
-            self.gguf = f32
-        else:
-            self._work.mkdir(parents=True, exist_ok=True)
-            self.gguf = self.tools.quantize(f32, self._work / f"{f32.stem}-{self.kind}.gguf",
-                                            self.kind)
+        self.gguf = gguf_file(self.tools, self.kind, self._f32(), self._work)
 
     def decode(self, prompt: list[int], output_len: int) -> float:
         return 1 / self.tools.decode_tokens_per_s(self.gguf, len(prompt), output_len, repeats=1)

@@ -36,7 +36,27 @@ def markdown(d: dict) -> str:
     if ratios:
         lines += ["", "| kvslim / peer (same run) | batch-1 decode | offline |", "|---|---|---|"]
         lines += ratios
-    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+    return "\n".join(lines + serving_table(d)
+                     + ([""] + notes if notes else [])) + "\n"
+
+
+def serving_table(d: dict) -> list[str]:
+    entries, plan = d.get("serving") or [], d["plan"].get("serving")
+    if not entries:
+        return []
+    lines = ["", f"Serving, one server at a time: {plan['num_prompts']} requests arriving at "
+                 f"{plan['request_rate']}/s (Poisson), {plan['input_len']} tokens in, "
+                 f"{plan['output_len']} out, streamed.", "", "| server | TTFT p50 / p99 ms | TPOT p50 / p99 ms | output tok/s | completed |",
+             "|---|---|---|---|---|"]
+    for e in entries:
+        if e["status"] != "ran":
+            lines.append(f"| {e['label']} | skipped: {e['reason']} | | | |")
+            continue
+        lines.append(f"| {e['label']} | {e['ttft_ms']['p50']:.0f} / {e['ttft_ms']['p99']:.0f} | "
+                     f"{e['tpot_ms']['p50']:.1f} / {e['tpot_ms']['p99']:.1f} | "
+                     f"{e['output_tokens_per_s']:.1f} | {e['completed']} of "
+                     f"{e['completed'] + e['failed']} |")
+    return lines
 
 
 def _ratio_rows(ratios: dict) -> list[str]:

@@ -72,6 +72,7 @@ class PeersResult:
     started: str = ""
     seconds: float = 0.0
     command: str = ""
+    serving: list[dict] = field(default_factory=list)   # serving.py's entries, when run
 
     def ratios(self, metric: str) -> dict[str, float]:
         """Each kvslim engine's number over each other engine's, both from this run."""
@@ -85,7 +86,8 @@ class PeersResult:
                 "threads": self.threads, "machine": self.machine, "bandwidth": self.bandwidth,
                 "plan": self.plan, "engines": [e.to_dict() for e in self.engines],
                 "ratios": {"decode": self.ratios("decode_tokens_per_s"),
-                           "offline": self.ratios("offline_tokens_per_s")}}
+                           "offline": self.ratios("offline_tokens_per_s")},
+                "serving": self.serving}
 
 
 def plan_dict(plan: PeersPlan) -> dict:
@@ -101,7 +103,7 @@ def start_all(engines: list, show_progress: bool) -> tuple[list, list[EngineRuns
         try:
             engine.start()
         except Exception as e:                       # any failure to start is a reason
-            runs.append(EngineRuns(engine.name, engine.label, _reason(e)))
+            runs.append(EngineRuns(engine.name, engine.label, reason_of(e)))
             continue
         started.append(engine)
         runs.append(EngineRuns(engine.name, engine.label))
@@ -129,7 +131,7 @@ def run_rounds(engines: list, runs: list[EngineRuns], prompts: dict[str, list[li
                                 prompts["offline"], plan.offline.output_len).items():
                             record.offline_runs.setdefault(setting, []).append(value)
                 except Exception as e:
-                    record.reason = f"failed in round {round_ + 1} ({part}): {_reason(e)}"
+                    record.reason = f"failed in round {round_ + 1} ({part}): {reason_of(e)}"
                     live.remove(engine)
                     _close(engine)
                 bar.update(1)
@@ -145,7 +147,7 @@ def _close(engine) -> None:
         pass
 
 
-def _reason(e: Exception) -> str:
+def reason_of(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return (text[0] if isinstance(e, Unavailable) and text
             else f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": "))
