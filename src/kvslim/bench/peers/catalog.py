@@ -64,10 +64,14 @@ def shipped_dir() -> Path:
 def w8a8_dir(work_dir: Path) -> Path:
     """`kvslim quantize --method w8a8` of the float32 import (no calibration), made once."""
     out = work_dir / f"{float_dir().name}-w8a8"
-    if not (out / "config.json").is_file():
+    if not out.is_dir():                             # written beside, renamed when whole
+        import shutil
+
         from kvslim.quantization.w8a8 import W8A8_SPEC
         from kvslim.surgery.quantize.model import quantize_model
-        quantize_model(float_dir(), out, "w8a8", W8A8_SPEC, show_progress=False)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        quantize_model(float_dir(), tmp, "w8a8", W8A8_SPEC, show_progress=False).rename(out)
     return out
 
 

@@ -46,7 +46,8 @@ def serving_table(d: dict) -> list[str]:
         return []
     lines = ["", f"Serving, one server at a time: {plan['num_prompts']} requests arriving at "
                  f"{plan['request_rate']}/s (Poisson), {plan['input_len']} tokens in, "
-                 f"{plan['output_len']} out, streamed.", "", "| server | TTFT p50 / p99 ms | TPOT p50 / p99 ms | output tok/s | completed |",
+                 f"{plan['output_len']} out, streamed.", "",
+             "| server | TTFT p50 / p99 ms | TPOT p50 / p99 ms | output tok/s | completed |",
              "|---|---|---|---|---|"]
     for e in entries:
         if e["status"] != "ran":

@@ -104,6 +104,7 @@ def start_all(engines: list, show_progress: bool) -> tuple[list, list[EngineRuns
             engine.start()
         except Exception as e:                       # any failure to start is a reason
             runs.append(EngineRuns(engine.name, engine.label, reason_of(e)))
+            _close(engine)                           # what it started before failing
             continue
         started.append(engine)
         runs.append(EngineRuns(engine.name, engine.label))

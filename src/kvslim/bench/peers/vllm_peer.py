@@ -23,7 +23,9 @@ def worker_env(threads: int) -> dict[str, str]:
     may use, a KV cache of 2 GiB, the engine in the worker's own process."""
     cpus = sorted(os.sched_getaffinity(0))[:threads]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)), VLLM_CPU_KVCACHE_SPACE="2",
+    contiguous = cpus == list(range(cpus[0], cpus[0] + len(cpus)))
+    bind = f"{cpus[0]}-{cpus[-1]}" if contiguous else ",".join(map(str, cpus))
+    env.update(VLLM_CPU_OMP_THREADS_BIND=bind, VLLM_CPU_KVCACHE_SPACE="2",
                VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads))
     return env
 
