@@ -1,7 +1,7 @@
-"""Run by the python of vLLM's own venv (never imported there with kvslim): loads one model with
-`vllm.LLM` and answers the requests of `vllm_peer.py`, one JSON object a line on stdin, each reply a
-line on stdout after REPLY (vLLM's own logs may share stdout). Imports nothing from kvslim, so
-that it runs beside vLLM's torch.
+"""Run by the python of vLLM's own venv (never imported there with kvslim): loads one model
+with `vllm.LLM` and answers the requests of `vllm_peer.py`, one JSON object a line on stdin,
+each reply a line on stdout after REPLY (vLLM's own logs go to stderr). Imports nothing from
+kvslim, so that it runs beside vLLM's torch.
 
     python vllm_worker.py '{"model": DIR, "dtype": "bfloat16", "max_model_len": 512, ...}'
 
@@ -16,9 +16,20 @@ import time
 REPLY = "@kvslim-peers "
 
 
+REPLIES = sys.stdout
+
+
 def reply(obj) -> None:
-    sys.stdout.write(REPLY + json.dumps(obj) + "\n")
-    sys.stdout.flush()
+    REPLIES.write(REPLY + json.dumps(obj) + "\n")
+    REPLIES.flush()
+
+
+def logs_to_stderr() -> None:
+    """Keep stdout for the replies and send everything else written to it (vLLM's logs, its
+    C++ warnings) to stderr, which the client keeps as the log."""
+    global REPLIES
+    REPLIES = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
 
 
 def generate(llm, prompts, output_len: int) -> float:
@@ -53,6 +64,7 @@ def main() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     spec = json.loads(sys.argv[1])
+    logs_to_stderr()
     try:
         import vllm
         llm = vllm.LLM(model=spec["model"], dtype=spec["dtype"], skip_tokenizer_init=True,
