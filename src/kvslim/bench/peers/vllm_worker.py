@@ -44,11 +44,15 @@ def generate(llm, prompts, output_len: int) -> float:
 
 
 def serve(llm) -> None:
+    warm = set()
     for line in sys.stdin:
         req = json.loads(line)
         if req["op"] == "quit":
             return
         try:
+            if req["op"] not in warm:            # the first request's own shapes, once
+                warm.add(req["op"])
+                generate(llm, req.get("prompts", [req.get("prompt")])[:2], 2)
             if req["op"] == "decode":
                 first = generate(llm, [req["prompt"]], 1)
                 total = generate(llm, [req["prompt"]], req["output_len"])
