@@ -134,7 +134,10 @@ async def _prompts(client: httpx.AsyncClient, model: str, config: ServeBenchConf
         for text in texts:
             response = await client.post("/tokenize", json={"model": model, "prompt": text})
             response.raise_for_status()
-            ids.append(response.json()["tokens"][:config.input_len])
+            tokens = response.json()["tokens"][:config.input_len]
+            if len(tokens) < config.input_len:   # another /tokenize (llama-server's)
+                raise ValueError("short tokenization")
+            ids.append(tokens)
         return ids
     except (httpx.HTTPError, KeyError, ValueError):
         return [" ".join(t.split()[:config.input_len]) for t in texts]
