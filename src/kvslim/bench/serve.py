@@ -134,7 +134,10 @@ async def _prompts(client: httpx.AsyncClient, model: str, config: ServeBenchConf
         for text in texts:
             response = await client.post("/tokenize", json={"model": model, "prompt": text})
             response.raise_for_status()
-            ids.append(response.json()["tokens"][:config.input_len])
+            tokens = response.json()["tokens"][:config.input_len]
+            if len(tokens) < config.input_len:   # another /tokenize (llama-server's)
+                raise ValueError("short tokenization")
+            ids.append(tokens)
         return ids
     except (httpx.HTTPError, KeyError, ValueError):
         return [" ".join(t.split()[:config.input_len]) for t in texts]
@@ -173,6 +176,8 @@ async def _request(client: httpx.AsyncClient, model: str, prompt, config: ServeB
                         result.itl.append(now - last)
                     last = now
         result.latency = time.perf_counter() - start
+        if result.ttft and not result.output_tokens:     # a server that sends no usage
+            result.output_tokens = len(result.itl) + 1   # (llama-server): a token a chunk
         if not result.success:
             result.error = "the stream ended without output or [DONE]"
     except (httpx.HTTPError, ValueError) as e:

@@ -1,6 +1,6 @@
 """`kvslim bench <kind>`: one sub-command per benchmark — throughput, latency, capacity, report
 (the standard suite that writes docs/benchmarks.md), serve (load against a running server) and
-kernels (linear kernels for quantized weights)."""
+kernels (linear kernels for quantized weights) and peers (every peer at its best in one run)."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,13 @@ import os
 
 
 def register(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, capacity, report, serve, kernels")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, capacity, report, "
+                                         "serve, kernels, peers")
     kinds = bench.add_subparsers(dest="bench_command", metavar="KIND", required=True)
     from kvslim.cli.bench_engine_cmds import register_engine_benchmarks
     register_engine_benchmarks(kinds)
+    from kvslim.cli.bench_peers_cmds import register_peers
+    register_peers(kinds)
     _register_serve(kinds)
 
 

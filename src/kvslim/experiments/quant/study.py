@@ -21,7 +21,7 @@ from kvslim.bench.workload import Workload
 from kvslim.errors import KvslimError
 from kvslim.experiments.quant.arms import (Arm, Ctx, ModelSource, NotAvailable, NotPossible,
                                            cli_build, plan)
-from kvslim.experiments.quant.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
+from kvslim.bench.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
 from kvslim.experiments.quant.measure import measure
 
 RESULTS = "results.json"

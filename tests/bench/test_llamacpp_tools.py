@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from kvslim.errors import KvslimError
-from kvslim.experiments.quant.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
+from kvslim.bench.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_missing_tools_name_what_and_how(tmp_path):
