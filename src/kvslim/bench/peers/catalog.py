@@ -14,6 +14,7 @@ from kvslim.paths import kvslim_home
 # name -> label; the families are the part before the dash.
 ENGINES = {
     "kvslim-q4_1": "kvslim, shipped Q4_1 blocks (what LLM() runs)",
+    "kvslim-q4_1+compile": "kvslim, shipped Q4_1 blocks, compiled decode step (--compile)",
     "kvslim-w8a8": "kvslim W8A8 (compressed-tensors)",
     "kvslim-f32": "kvslim float32",
     "llamacpp-q4_0": "llama.cpp Q4_0",
@@ -98,8 +99,10 @@ def build(names: list[str], opts: PeerOptions) -> list:
     for name in names:
         family, kind = name.split("-", 1)
         if family == "kvslim":
+            kind, _, compiled = kind.partition("+")
             engines.append(KvslimEngine(name, ENGINES[name], dirs[kind],
-                                        max_num_seqs=opts.max_num_seqs))
+                                        max_num_seqs=opts.max_num_seqs,
+                                        compile_decode=compiled == "compile"))
         elif family == "llamacpp":
             engines.append(LlamaCppEngine(kind, ENGINES[name], tools, f32_gguf,
                                           work / "gguf"))
