@@ -5,8 +5,8 @@ time (nothing cached) and the second (Inductor's caches on disk)?
 Start-up is timed in child processes, each a fresh interpreter with one KVSLIM_HOME: the first
 compiles into an empty cache, the second finds what the first wrote; both then answer one request
 (the time to that answer is what `kvslim serve` would show). Decode speed is measured in one
-process holding both engines, taking turns in every round: decode time is a batch's generate
-time with --output-len tokens minus its time with one token (the prefill), medians over rounds.
+process holding both engines, taking turns in every round: a batch's decode rate is its size
+over its requests' mean time per output token, medians over rounds.
 
     python benchmarks/compiled_decode.py                     # the default model (Q4_1 blocks)
     python benchmarks/compiled_decode.py --batches 1,8 --rounds 1 --json
@@ -56,23 +56,23 @@ def startups(model: str | None, home: str) -> list[dict]:
     return rows
 
 
-def decode_time(llm, prompts, output_len: int) -> tuple[float, list[list[int]]]:
+def decode_rate(llm, prompts, output_len: int) -> tuple[float, list[list[int]]]:
+    """Output tokens per second of the batch's decode steps (the batch over its requests'
+    mean time per output token after the first) and the greedy tokens."""
     from kvslim import SamplingParams
-    def timed(n):
-        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
-    prefill, _ = timed(1)
-    total, tokens = timed(output_len)
-    return total - prefill, tokens
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tpot = statistics.mean(o.metrics.time_per_output_token for o in outs)
+    return len(prompts) / tpot, [o.outputs[0].token_ids for o in outs]
 
 
 def speeds(opts) -> list[dict]:
     from kvslim import LLM
-    engines = {"eager": LLM(opts.model, max_num_seqs=max(opts.batches)),
-               "compiled": LLM(opts.model, max_num_seqs=max(opts.batches), compile_decode=True)}
-    times = {(e, b): [] for e in engines for b in opts.batches}
+    # no prefix caching: every round computes its prompts afresh in both engines
+    options = dict(max_num_seqs=max(opts.batches), enable_prefix_caching=False)
+    engines = {"eager": LLM(opts.model, **options),
+               "compiled": LLM(opts.model, compile_decode=True, **options)}
+    rates = {(e, b): [] for e in engines for b in opts.batches}
     same = {}
     g = torch.Generator().manual_seed(0)
     steps = [(r, b) for r in range(opts.rounds) for b in opts.batches]
@@ -81,13 +81,12 @@ def speeds(opts) -> list[dict]:
                    for _ in range(batch)]
         tokens = {}
         for name, llm in engines.items():
-            seconds, tokens[name] = decode_time(llm, prompts, opts.output_len)
-            times[(name, batch)].append(seconds)
+            rate, tokens[name] = decode_rate(llm, prompts, opts.output_len)
+            rates[(name, batch)].append(rate)
         same[batch] = same.get(batch, True) and tokens["eager"] == tokens["compiled"]
     rows = []
     for batch in opts.batches:
-        tok_s = {e: batch * (opts.output_len - 1) / statistics.median(times[(e, batch)])
-                 for e in engines}
+        tok_s = {e: statistics.median(rates[(e, batch)]) for e in engines}
         rows.append({"batch": batch, "eager_tok_s": tok_s["eager"],
                      "compiled_tok_s": tok_s["compiled"],
                      "speedup": tok_s["compiled"] / tok_s["eager"],

@@ -155,7 +155,8 @@ def run_profile_cmd(args) -> int:
     if args.steps < 1 or min(batches) < 1:
         raise KvslimError("--steps and every --batches entry must be at least 1")
     return _emit(args, profile_decode(model, batches, args.input_len, args.steps,
-                                      compile_decode=args.compile_decode), format_profile)
+                                      compile_decode=engine_options_from_args(args)[
+                                          "compile_decode"]), format_profile)
 
 
 def run_capacity_cmd(args) -> int:

@@ -13,7 +13,9 @@ compiles two programs rather than one per shape (a program of SmolLM2-135M's 30 
 minutes to compile on 2 cores). Every padded shape is run once at start-up; afterwards the
 engine never compiles (a shape no program covers runs eagerly). Inductor's caches, keyed by the
 graph, the shapes and the torch version, live under kvslim's home in a folder named by the torch
-and kvslim versions, so a second start loads what the first compiled. Anything that stops the
+and kvslim versions, so a second start reuses what the first built: the C++ builds of the fused
+loops (not yet the whole programs: a second start still traces and lowers them, see
+benchmarks/compiled_decode.py). Anything that stops the
 compiler (no C++ compiler, a failed build) leaves the eager path, with a one-line note."""
 from __future__ import annotations
 
@@ -117,7 +119,9 @@ class CompiledStep:
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
                                             accumulated_recompile_limit=RECOMPILE_LIMIT):
                 return self._compiled(*tensors)
-        with torch.compiler.set_stance("eager_on_recompile"):
+        # Frozen: only the guards that tell the programs apart are checked (the inputs are the
+        # same static buffers and weights every step; checking all of them cost ~4 ms a step).
+        with torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=True):
             return self._compiled(*tensors)
 
     def _backend(self, gm, example_inputs):
