@@ -120,9 +120,11 @@ def main() -> None:
     if opts.startup_child:
         return startup_child(opts.model)
     opts.batches = [int(b) for b in opts.batches.split(",")]
-    home = tempfile.mkdtemp(prefix="kvslim-compile-bench-")
-    startup = [] if opts.no_startup else startups(opts.model, home)
-    os.environ["KVSLIM_HOME"] = home            # the decode runs find the programs compiled
+    startup = []
+    if not opts.no_startup:                     # else: KVSLIM_HOME as it is (its cache too)
+        home = tempfile.mkdtemp(prefix="kvslim-compile-bench-")
+        startup = startups(opts.model, home)
+        os.environ["KVSLIM_HOME"] = home        # the decode runs find the programs compiled
     result = {"machine": {"threads": torch.get_num_threads(), "torch": torch.__version__},
               "startup": startup, "decode": speeds(opts)}
     print(json.dumps(result, indent=2) if opts.json else markdown(result))
