@@ -137,7 +137,7 @@ def test_a_failing_build_runs_eagerly_with_a_note(hf_checkpoints, monkeypatch, c
     assert tokens(run(eng, workload(VOCAB), PARAMS)) == want
 
 
-def test_enforce_eager_and_tensor_parallel_never_compile(hf_checkpoints):
+def test_enforce_eager_never_compiles(hf_checkpoints):
     assert engine(hf_checkpoints["gqa"], compile_decode=True,
                   enforce_eager=True).runner.decode_graphs is None
 

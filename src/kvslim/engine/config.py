@@ -86,8 +86,9 @@ class EngineConfig:
     seed: int = option(0, "for requests that sample without their own seed", flag=None)
     enforce_eager: bool = option(False, "run decode steps eagerly: without CUDA graphs on CUDA, "
                                         "never compiled on the CPU")
-    # Off by default: the first start compiles for minutes on a small CPU (engine/cpu_compile.py,
-    # docs/benchmarks.md), which a one-shot `generate` would pay for a modest speed-up.
+    # Off by default: the first start compiles for minutes on a small CPU, which a one-shot
+    # `generate` would pay for a modest speed-up, and greedy tokens can part from eager's
+    # (engine/cpu_compile.py; README, measured by benchmarks/compiled_decode.py).
     compile_decode: bool = option(
         False, "on the CPU, run decode steps as one compiled program (torch.compile, Inductor "
                "C++): compiled at start-up (minutes the first time, cached on disk for the next "

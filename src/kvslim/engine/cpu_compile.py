@@ -1,11 +1,12 @@
 """The decode step compiled on the CPU: the counterpart of CUDA graphs.
 
-A decode step of a small model on the CPU spends most of its time between the kernels: Python
+A decode step of a small model on the CPU spends much of its time between the kernels: Python
 dispatch of a few hundred small operations (norms, RoPE, residuals, the cache writes, the
-attention gathers) and the dtype round trips around the quantized matmuls. torch.compile with
-Inductor's C++ backend traces the whole decoder of a padded decode batch (decode_graphs.py's
-static buffers) into one program: the elementwise glue fused into C++ loops, the matmuls called
-as the same kernels eager runs, so greedy tokens are the eager path's.
+attention gathers). torch.compile with Inductor's C++ backend traces the whole decoder of a
+padded decode batch (decode_graphs.py's static buffers) into one program: the elementwise glue
+fused into C++ loops, the matmuls called as the same kernels eager runs. The fused reductions
+(norms, softmax) add in another order than eager's, so greedy tokens can part from the eager
+path's where two logits are close (measured on SmolLM2 at batch 8: README).
 
 The step is compiled with dynamic shapes: one program for every padded batch from 2 rows and
 every block-table width, and one for a single row (torch specializes a size of 1), so start-up
@@ -15,8 +16,8 @@ engine never compiles (a shape no program covers runs eagerly). Inductor's cache
 graph, the shapes and the torch version, live under kvslim's home in a folder named by the torch
 and kvslim versions, so a second start reuses what the first built: the C++ builds of the fused
 loops (not yet the whole programs: a second start still traces and lowers them, see
-benchmarks/compiled_decode.py). Anything that stops the
-compiler (no C++ compiler, a failed build) leaves the eager path, with a one-line note."""
+benchmarks/compiled_decode.py). Anything that stops the compiler (no C++ compiler, a failed
+build) leaves the eager path, with a one-line note."""
 from __future__ import annotations
 
 import os
@@ -30,8 +31,6 @@ import torch
 import kvslim
 from kvslim.paths import kvslim_home
 
-# Inductor's options for the step (benchmarks/compiled_decode.py measures the step).
-INDUCTOR_OPTIONS: dict[str, object] = {}
 # What builds the programs: Inductor; "aot_eager" (or any backend, by name or as a function)
 # traces the same graph and runs it with eager kernels (the tests use it to check tracing and
 # guards without minutes of C++ builds).
@@ -99,11 +98,12 @@ class CompiledStep:
     program: a program with every size symbolic takes many times longer to build, and runs
     generic code). A size of 1 is not marked: torch gives one row a program of its own, which
     keeps the eager path's one-row kernels (layers/cpu_linear.py). `compilations` counts the
-    programs built (a cache hit counts too). After `freeze()` a call no program covers runs `fn`
-    eagerly instead of compiling."""
+    backend's calls (a cache hit too; dynamo may call it more than once for one program): what
+    a test compares before and after serving. After `freeze()` a call no program covers runs
+    `fn` eagerly instead of compiling."""
 
     def __init__(self, fn, dynamic_dims: tuple[tuple[int, ...], ...]):
-        self.fn, self.dynamic_dims = fn, dynamic_dims
+        self.dynamic_dims = dynamic_dims
         self.compilations = 0
         self.frozen = False
         self._compiled = torch.compile(fn, backend=self._backend, fullgraph=True)
@@ -130,7 +130,7 @@ class CompiledStep:
             backend = BACKEND if callable(BACKEND) else torch._dynamo.lookup_backend(BACKEND)
             return backend(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
-        return compile_fx(gm, example_inputs, config_patches=INDUCTOR_OPTIONS)
+        return compile_fx(gm, example_inputs)
 
     def freeze(self) -> None:
         self.frozen = True

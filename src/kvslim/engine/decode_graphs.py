@@ -22,7 +22,6 @@ from tqdm import tqdm
 
 from kvslim.attention import PagedStepLayout, build_paged_attention
 from kvslim.engine import cpu_compile
-from kvslim.engine.cpu_compile import CompiledStep, first_line, note, use_compile_cache
 
 
 # The sizes of _model_step's inputs that vary between padded shapes: the batch and the width.
@@ -85,10 +84,10 @@ class DecodeGraphs:
         if compiled:
             reason = cpu_compile.missing_compiler()
             if reason is None:
-                use_compile_cache()
-                self.compiled = CompiledStep(self._model_step, DYNAMIC_DIMS)
+                cpu_compile.use_compile_cache()
+                self.compiled = cpu_compile.CompiledStep(self._model_step, DYNAMIC_DIMS)
             else:
-                note(f"{reason}: decode steps run eagerly")
+                cpu_compile.note(f"{reason}: decode steps run eagerly")
 
     def shape_for(self, num_seqs: int, num_blocks: int) -> tuple[int, int] | None:
         """The padded (batch, table width) a step runs at, or None when it is too large."""
@@ -124,7 +123,8 @@ class DecodeGraphs:
                 self._pad(0, batch)
                 self._forward(batch, width)
         except Exception as e:          # a missing or failing compiler: never a crash
-            note(f"decode step not compiled ({first_line(e)}): decode steps run eagerly")
+            cpu_compile.note(f"decode step not compiled ({cpu_compile.first_line(e)}): "
+                             "decode steps run eagerly")
             self.compiled = None
         finally:
             bar.close()
