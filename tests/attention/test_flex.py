@@ -71,7 +71,7 @@ def random_step(seed: int, heads: int, kvh: int, bs: int, decodes: list[int],
         decode_block_tables=torch.tensor(rows) if nd else None,
         decode_context_lens=torch.tensor(decodes) if nd else None,
         decode_key_start=min(firsts, default=0) * bs,
-        decode_context_lens_host=list(decodes) if nd else None, prefills=chunks)
+        prefills=chunks)
     n = len(slots)
     return Step(torch.randn(2, POOL, bs, kvh, D, generator=g), layout,
                 torch.randn(n, heads, D, generator=g), torch.randn(n, kvh, D, generator=g),

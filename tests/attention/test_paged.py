@@ -1,36 +1,38 @@
-"""PagedAttention: a lone decode (the unmasked fast path) attends exactly like the same sequence
-decoded beside others (the masked, padded path)."""
+"""PagedAttention: a decode's numbers do not depend on the batch around it — a lone decode gives
+to the last bit what the same sequence gives decoded beside longer ones (whose tables widen the
+padded width), and it never sees the stale slots after its context."""
 import torch
 
 from kvslim.attention import KVCacheLayer, PagedAttention, PagedStepLayout, build_paged_metadata
 
-BLOCK, KVH, H, D = 4, 2, 6, 8
+BLOCK, KVH, H, D = 16, 2, 6, 64
 
 
 def _step(kv, tables, lens, q, k, v):
     slots = torch.stack([tables[i, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
                          for i, n in enumerate(lens.tolist())])
     layout = PagedStepLayout(slot_mapping=slots, num_decode_tokens=len(lens),
-                             decode_block_tables=tables, decode_context_lens=lens,
-                             decode_context_lens_host=lens.tolist())
+                             decode_block_tables=tables, decode_context_lens=lens)
     meta = build_paged_metadata(layout, BLOCK)
-    # the lone decode takes the unmasked path, its length read from the host's copy
-    assert meta.single_decode_len == (lens.tolist()[0] if len(lens) == 1 else None)
     return PagedAttention([KVCacheLayer(kv[0], kv[1])], meta).attend(0, q, k, v, D ** -0.5)
 
 
-def test_single_decode_equals_batched_decode():
+def test_a_decode_is_the_same_alone_and_beside_longer_ones():
     g = torch.Generator().manual_seed(0)
-    kv = torch.randn(2, 12, BLOCK, KVH, D, generator=g)        # [K/V, blocks, block, kvh, d]
-    q = torch.randn(2, H, D, generator=g)
-    k, v = torch.randn(2, KVH, D, generator=g), torch.randn(2, KVH, D, generator=g)
-    tables = torch.tensor([[3, 7, 1], [0, 2, 5]])
-    lens = torch.tensor([10, 7])               # sequence 0 ends mid-block: padding to mask
-    batched = _step(kv.clone(), tables, lens, q, k, v)
-    single = _step(kv.clone(), tables[:1], lens[:1], q[:1], k[:1], v[:1])
-    assert single.shape == (1, H, D)
-    torch.testing.assert_close(single, batched[:1], atol=1e-6, rtol=1e-5)
-    # and it must not see the stale slots after its context: changing them changes nothing
+    kv = torch.randn(2, 40, BLOCK, KVH, D, generator=g)        # [K/V, blocks, block, kvh, d]
+    q = torch.randn(3, H, D, generator=g)
+    k, v = torch.randn(3, KVH, D, generator=g), torch.randn(3, KVH, D, generator=g)
+    tables = torch.tensor([[3, 7, 1, 0, 0, 0, 0, 0], [0, 2, 5, 9, 11, 13, 17, 19],
+                           [4, 6, 8, 10, 12, 0, 0, 0]])
+    for n in (1, 7, 16, 37, 48):          # sequence 0's lengths: one key, mid-block, full block
+        lens = torch.tensor([n, 120, 70])
+        batched = _step(kv.clone(), tables, lens, q, k, v)
+        alone = _step(kv.clone(), tables[:1, :-(-n // BLOCK)], lens[:1], q[:1], k[:1], v[:1])
+        assert alone.shape == (1, H, D)
+        assert torch.equal(alone, batched[:1]), n
+    # it must not see the stale slots after its context: changing them changes nothing
     stale = kv.clone()
-    stale[:, 1, 2:] = 1e3                      # positions 8, 9 live in block 1; 10, 11 are stale
-    assert torch.allclose(_step(stale, tables[:1], lens[:1], q[:1], k[:1], v[:1]), single)
+    stale[:, 3, 7:] = 1e3                      # sequence 0's 7 keys: slots 0-6 of block 3
+    lens = torch.tensor([7])
+    assert torch.equal(_step(stale, tables[:1, :1], lens, q[:1], k[:1], v[:1]),
+                       _step(kv.clone(), tables[:1, :1], lens, q[:1], k[:1], v[:1]))

@@ -68,14 +68,14 @@ def resolve_attention_backend(name: str, device: torch.device, kv_quantized: boo
 
 def build_paged_attention(backend: str, kv_caches: list[KVCacheLayer],
                           layouts: PagedStepLayout | list[PagedStepLayout],
-                          layer_windows: list[int | None], layer_group: list[int] | None = None,
-                          graph_safe: bool = False) -> PagedAttention | FlexPagedAttention:
+                          layer_windows: list[int | None], layer_group: list[int] | None = None
+                          ) -> PagedAttention | FlexPagedAttention:
     """The step's attention context (backend: a resolved name), its metadata built once here
-    for every layer. graph_safe: the decode-graph path (fixed shapes)."""
+    for every layer."""
     block_size = kv_caches[0].block_size
     if backend == "flex":
         metas = build_flex_layer_metadata(layouts, block_size, kv_caches[0].num_blocks,
                                           layer_windows, layer_group)
         return FlexPagedAttention(kv_caches, metas)
-    metas = build_layer_metadata(layouts, block_size, layer_windows, layer_group, graph_safe)
+    metas = build_layer_metadata(layouts, block_size, layer_windows, layer_group)
     return PagedAttention(kv_caches, metas)

@@ -37,47 +37,28 @@ class PagedStepLayout:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes]
     decode_key_start: int = 0  # position of the tables' first key (a multiple of block_size)
-    # The same lengths as host ints, where the runner has them (not on the decode-graph path):
-    # decisions about the step read these, never the tensor, so building the metadata does not
-    # wait for the device.
-    decode_context_lens_host: list[int] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class PagedAttentionMetadata:
     layout: PagedStepLayout
-    # Set for a lone decode: it attends to exactly this many keys, without a mask.
-    single_decode_len: int | None
     decode_allowed: torch.Tensor | None        # [num_decodes, 1, max_len] bool, or None
     prefill_allowed: list[torch.Tensor | None]  # per chunk [1, query_len, context_len], or None
 
 
 def build_paged_metadata(layout: PagedStepLayout, block_size: int,
-                         sliding_window: int | None = None, graph_safe: bool = False,
-                         ) -> PagedAttentionMetadata:
-    """graph_safe: the decode path a CUDA graph records (every shape fixed: no lone-decode
-    special case)."""
-    single_decode_len = _single_decode_len(layout, sliding_window, graph_safe)
+                         sliding_window: int | None = None) -> PagedAttentionMetadata:
+    """Every decode, a lone one too, attends over its whole blocks with a mask: a sequence's
+    numbers never depend on the batch's widest table (SDPA over whole blocks gives the same bits
+    for any padding; over exactly its keys, others: tests/attention/test_paged.py)."""
     decode_allowed = None
-    if layout.num_decode_tokens and single_decode_len is None:
+    if layout.num_decode_tokens:
         decode_allowed = _decode_allowed(layout, block_size, sliding_window)
     return PagedAttentionMetadata(
-        layout=layout, single_decode_len=single_decode_len, decode_allowed=decode_allowed,
+        layout=layout, decode_allowed=decode_allowed,
         prefill_allowed=[_prefill_allowed(p, layout.slot_mapping.device, sliding_window)
                          for p in layout.prefills])
-
-
-def _single_decode_len(layout: PagedStepLayout, sliding_window: int | None,
-                       graph_safe: bool) -> int | None:
-    # A lone decode (batch-1 generation) reads exactly its context: no mask, and SDPA's
-    # unmasked path, instead of masking the padding of its last block. Its length comes from
-    # the host's copy: reading the tensor would stop the host until the device catches up.
-    lens = layout.decode_context_lens_host
-    if (layout.num_decode_tokens == 1 and sliding_window is None and not graph_safe
-            and lens is not None):
-        return lens[0]
-    return None
 
 
 def _decode_allowed(layout: PagedStepLayout, block_size: int,
@@ -104,14 +85,14 @@ def _prefill_allowed(chunk: PrefillChunk, device: torch.device,
 
 
 def build_layer_metadata(layouts: PagedStepLayout | list[PagedStepLayout], block_size: int,
-                         layer_windows: list[int | None], layer_group: list[int] | None = None,
-                         graph_safe: bool = False) -> list[PagedAttentionMetadata]:
+                         layer_windows: list[int | None], layer_group: list[int] | None = None
+                         ) -> list[PagedAttentionMetadata]:
     """Per layer, the metadata of its window over its KV-cache group's layout (`layouts[g]`; one
     layout serves every layer when the cache has one group). A model that mixes local and
     global layers builds one per group."""
     return share_per_layer(layouts, layer_windows, layer_group,
                            lambda layout, group, window: build_paged_metadata(
-                               layout, block_size, window, graph_safe))
+                               layout, block_size, window))
 
 
 def share_per_layer(layouts: PagedStepLayout | list[PagedStepLayout],

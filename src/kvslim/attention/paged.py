@@ -51,10 +51,6 @@ class PagedAttention:
         keys, values = cache.gather(meta.layout.decode_block_tables.reshape(-1))
         kvh, d = keys.shape[1], keys.shape[2]
         keys, values = keys.view(nd, -1, kvh, d), values.view(nd, -1, kvh, d)
-        n = meta.single_decode_len
-        if n is not None:
-            return grouped_sdpa(q[:1, None], keys[:, :n], values[:, :n], None, scale,
-                                causal=False)[:, 0]
         mask = masks.get(-1, meta.decode_allowed, q.shape[1] // kvh, q.dtype)
         return grouped_sdpa(q[:, None], keys, values, mask, scale)[:, 0]
 

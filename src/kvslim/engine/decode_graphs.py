@@ -185,7 +185,7 @@ class DecodeGraphs:
             decode_block_tables=block_tables[g], decode_context_lens=context_lens)
             for g in range(slot_mapping.shape[0])]
         attn = build_paged_attention(self.backend, self.kv_caches, layouts, self.layer_windows,
-                                     self.layer_group, graph_safe=True)
+                                     self.layer_group)
         return self.model(input_ids, positions, attn=attn)
 
     def _capture(self, batch: int, width: int):

@@ -232,7 +232,6 @@ class ModelRunner:
             layout.decode_block_tables = table[rows_t[:nd], first:max(starts) // bs + 1]
             layout.decode_key_start = first * bs
             layout.decode_context_lens = pos[:nd] + 1
-            layout.decode_context_lens_host = [start + 1 for start in starts]
         query_start = nd
         for entry, row in zip(entries[nd:], rows[nd:]):
             end = entry.start + entry.num_tokens
