@@ -3,21 +3,22 @@
 A decode step of a small model on the CPU spends much of its time between the kernels: Python
 dispatch of a few hundred small operations (norms, RoPE, residuals, the cache writes, the
 attention gathers). torch.compile with Inductor's C++ backend traces the whole decoder of a
-padded decode batch (decode_graphs.py's static buffers) into one program: the elementwise glue
-fused into C++ loops, the matmuls called as the same kernels eager runs. The fused reductions
-(norms, softmax) add in another order than eager's, so greedy tokens can part from the eager
-path's where two logits are close (measured on SmolLM2 at batch 8: README).
+padded decode batch (decode_graphs.py's static buffers) into one program: the exactly rounded
+glue fused into C++ loops; the matmuls, and every op Inductor would round differently
+(compile_numerics.py), called as the same kernels eager runs, so a compiled step's logits are
+those of the same padded step run eagerly, to the last bit (MoE layers aside: compiled, every
+expert runs on every row).
 
 The step is compiled with dynamic shapes: one program for every padded batch from 2 rows and
 every block-table width, and one for a single row (torch specializes a size of 1), so start-up
 compiles two programs rather than one per shape (a program of SmolLM2-135M's 30 layers takes
 minutes to compile on 2 cores). Every padded shape is run once at start-up; afterwards the
-engine never compiles (a shape no program covers runs eagerly). Inductor's caches, keyed by the
-graph, the shapes and the torch version, live under kvslim's home in a folder named by the torch
-and kvslim versions, so a second start reuses what the first built: the C++ builds of the fused
-loops (not yet the whole programs: a second start still traces and lowers them, see
-benchmarks/compiled_decode.py). Anything that stops the compiler (no C++ compiler, a failed
-build) leaves the eager path, with a one-line note."""
+engine never compiles (a shape no program covers runs eagerly). Inductor's caches (the FX graph
+cache and AOTAutograd's: whole programs, keyed by the graph, the shapes and the torch version)
+live under kvslim's home in a folder named by the torch and kvslim versions and the numerics
+list, so a second start loads the programs the first built (it still traces the model).
+Anything that stops the compiler (no C++ compiler, a failed build) leaves the eager path, with
+a one-line note."""
 from __future__ import annotations
 
 import os
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 import kvslim
+from kvslim.engine import compile_numerics
 from kvslim.paths import kvslim_home
 
 # What builds the programs: Inductor; "aot_eager" (or any backend, by name or as a function)
@@ -60,7 +62,8 @@ def missing_compiler() -> str | None:
 
 
 def cache_folder_name() -> str:
-    return f"torch-{torch.__version__}-kvslim-{kvslim.__version__}"
+    return (f"torch-{torch.__version__}-kvslim-{kvslim.__version__}-"
+            f"{compile_numerics.fingerprint()}")
 
 
 def use_compile_cache() -> Path | None:
@@ -130,7 +133,8 @@ class CompiledStep:
             backend = BACKEND if callable(BACKEND) else torch._dynamo.lookup_backend(BACKEND)
             return backend(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
-        return compile_fx(gm, example_inputs)
+        with compile_numerics.eager_kernels():
+            return compile_fx(gm, example_inputs, config_patches=compile_numerics.CONFIG)
 
     def freeze(self) -> None:
         self.frozen = True
