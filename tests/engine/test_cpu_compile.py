@@ -116,6 +116,21 @@ def test_traced_quantized_linears_match_eager(quantized, kind, traced_only):
                                  **({"kv_cache_dtype": "int8"} if kind == "w8a8" else {}))
 
 
+def test_the_shapes_run_at_start_up_leave_no_shape_to_compile(hf_checkpoints, traced_only):
+    """Start-up runs every batch at the narrowest width and every width at the smallest
+    batches only; unfrozen, every other padded shape runs without a new program."""
+    eng = engine(hf_checkpoints["gqa"], compile_decode=True, max_num_seqs=32, block_size=8)
+    graphs = eng.runner.decode_graphs
+    built = graphs.compilations
+    assert len(graphs.widths) > 2 and len(graphs.batch_sizes) > 3
+    graphs.compiled.frozen = False
+    with torch.inference_mode():
+        for batch, width in graphs.graphs:
+            graphs._pad(0, batch)
+            graphs._forward(batch, width)
+    assert graphs.compilations == built
+
+
 def test_traced_gguf_blocks_match_eager(gguf_blocks, traced_only):
     check_compiled_matches_eager(gguf_blocks, vocab=260, blocks=6)
 

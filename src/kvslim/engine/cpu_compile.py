@@ -12,7 +12,8 @@ expert runs on every row).
 The step is compiled with dynamic shapes: one program for every padded batch from 2 rows and
 every block-table width, and one for a single row (torch specializes a size of 1), so start-up
 compiles two programs rather than one per shape (a program of SmolLM2-135M's 30 layers takes
-minutes to compile on 2 cores). Every padded shape is run once at start-up; afterwards the
+minutes to compile on 2 cores). Enough padded shapes to meet every guard run once at
+start-up (decode_graphs.py); afterwards the
 engine never compiles (a shape no program covers runs eagerly). Inductor's caches (the FX graph
 cache and AOTAutograd's: whole programs, keyed by the graph, the shapes and the torch version)
 live under kvslim's home in a folder named by the torch and kvslim versions and the numerics
