@@ -5,8 +5,9 @@ time (nothing cached) and the second (Inductor's caches on disk)?
 Start-up is timed in child processes, each a fresh interpreter with one KVSLIM_HOME: the first
 compiles into an empty cache, the second finds what the first wrote; both then answer one request
 (the time to that answer is what `kvslim serve` would show). Decode speed is measured in one
-process holding both engines, taking turns in every round: a batch's decode rate is its size
-over its requests' mean time per output token, medians over rounds.
+process holding both engines, taking turns in every round (kvslim.bench.compiled_decode, which
+`kvslim bench report` runs too): a batch's decode rate is its size over its requests' mean time
+per output token, medians over rounds.
 
     python benchmarks/compiled_decode.py                     # the default model (Q4_1 blocks)
     python benchmarks/compiled_decode.py --batches 1,8 --rounds 1 --json
@@ -16,14 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 import torch
-from tqdm import tqdm
+
+from kvslim.bench.compiled_decode import BATCHES, build_engines, compare, decode_table
 
 
 def startup_child(model: str | None) -> None:
@@ -56,60 +57,17 @@ def startups(model: str | None, home: str) -> list[dict]:
     return rows
 
 
-def decode_rate(llm, prompts, output_len: int) -> tuple[float, list[list[int]]]:
-    """Output tokens per second of the batch's decode steps (the batch over its requests'
-    mean time per output token after the first) and the greedy tokens."""
-    from kvslim import SamplingParams
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    tpot = statistics.mean(o.metrics.time_per_output_token for o in outs)
-    return len(prompts) / tpot, [o.outputs[0].token_ids for o in outs]
-
-
-def speeds(opts) -> list[dict]:
-    from kvslim import LLM
-    # no prefix caching: every round computes its prompts afresh in both engines
-    options = dict(max_num_seqs=max(opts.batches), enable_prefix_caching=False)
-    engines = {"eager": LLM(opts.model, **options),
-               "compiled": LLM(opts.model, compile_decode=True, **options)}
-    rates = {(e, b): [] for e in engines for b in opts.batches}
-    same = {}
-    g = torch.Generator().manual_seed(0)
-    steps = [(r, b) for r in range(opts.rounds) for b in opts.batches]
-    for _, batch in tqdm(steps, desc="eager vs compiled", unit="round"):
-        prompts = [torch.randint(100, 20000, (opts.input_len,), generator=g).tolist()
-                   for _ in range(batch)]
-        tokens = {}
-        for name, llm in engines.items():
-            rate, tokens[name] = decode_rate(llm, prompts, opts.output_len)
-            rates[(name, batch)].append(rate)
-        same[batch] = same.get(batch, True) and tokens["eager"] == tokens["compiled"]
-    rows = []
-    for batch in opts.batches:
-        tok_s = {e: statistics.median(rates[(e, batch)]) for e in engines}
-        rows.append({"batch": batch, "eager_tok_s": tok_s["eager"],
-                     "compiled_tok_s": tok_s["compiled"],
-                     "speedup": tok_s["compiled"] / tok_s["eager"],
-                     "greedy_identical": same[batch]})
-    return rows
-
-
 def markdown(result: dict) -> str:
     lines = ["| start | engine ready s | first answer s | programs |", "|---|---|---|---|"]
     lines += [f"| {r['start']} | {r['engine_ready_s']:.1f} | {r['first_answer_s']:.1f} | "
               f"{r['programs']} |" for r in result["startup"]]
-    lines += ["", "| batch | eager tok/s | compiled tok/s | compiled is | greedy identical |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['eager_tok_s']:.1f} | {r['compiled_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {'yes' if r['greedy_identical'] else 'NO'} |"
-              for r in result["decode"]]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", decode_table(result["decode"])])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: the embedded model")
-    p.add_argument("--batches", default="1,2,8,32,64")
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
@@ -125,8 +83,10 @@ def main() -> None:
         home = tempfile.mkdtemp(prefix="kvslim-compile-bench-")
         startup = startups(opts.model, home)
         os.environ["KVSLIM_HOME"] = home        # the decode runs find the programs compiled
+    engines = build_engines(opts.model, max(opts.batches))
     result = {"machine": {"threads": torch.get_num_threads(), "torch": torch.__version__},
-              "startup": startup, "decode": speeds(opts)}
+              "startup": startup, "decode": compare(engines, opts.batches, opts.input_len,
+                                                    opts.output_len, opts.rounds)}
     print(json.dumps(result, indent=2) if opts.json else markdown(result))
 
 

@@ -102,6 +102,7 @@ def test_profile_splits_the_decode_step(hf_checkpoints):
         # the categories partition the profiled step (up to rounding)
         assert abs(sum(p.ms_per_step.values()) - p.profiled_step_ms) < 0.05 + 0.01 * p.steps
         assert p.top_ops and p.step_ms > 0
+        assert p.op_calls >= 10              # every operator call of a step (dozens per layer)
 
 
 def test_profile_cli_json_and_bad_steps(hf_checkpoints):

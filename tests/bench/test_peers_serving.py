@@ -6,7 +6,8 @@ import sys
 import textwrap
 
 from kvslim.bench.peers.catalog import PeerOptions
-from kvslim.bench.peers.serving import Server, ServingPlan, build_servers, run_serving
+from kvslim.bench.peers.serving import (Server, ServingPlan, build_servers, run_serving,
+                                        time_to_first_answer)
 from kvslim.bench.peers.suite import Unavailable
 
 
@@ -71,3 +72,14 @@ def test_the_servers_are_those_of_the_engines_chosen(tmp_path):
     (vllm,) = build_servers(["vllm-bf16"], opts, 4, 64)
     (entry,) = run_serving([vllm], ServingPlan(), show_progress=False)
     assert entry["reason"] == "no vLLM venv given (--vllm-python PATH, its bin/python)"
+
+
+def test_a_start_is_timed_to_the_first_answer_and_a_failed_one_says_why(tmp_path):
+    server = Server("kvslim-q4_1", "kvslim serve",
+                    lambda port: [sys.executable, "-c", FAKE_SERVER, str(port)], tmp_path)
+    row = time_to_first_answer(server, timeout=120)
+    assert row["status"] == "ran" and 0 < row["ready_s"] <= row["first_answer_s"]
+    assert server.proc is None                       # stopped after its answer
+    dead = Server("x", "x", lambda port: [sys.executable, "-c", "exit(4)"], tmp_path)
+    row = time_to_first_answer(dead, timeout=120)
+    assert row["status"] == "skipped" and "exited (4)" in row["reason"]

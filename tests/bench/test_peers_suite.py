@@ -61,6 +61,16 @@ def test_engines_take_turns_round_by_round_on_the_same_prompts():
     assert a.closed and b.closed
 
 
+def test_a_plan_without_offline_runs_batch_1_decode_only():
+    log = []
+    a = Fake("kvslim-f32", [0.01] * 2, [], log)
+    d = run_peers([a], {"decode": [[1] * 5]}, PeersPlan(Workload(1, 5, 3), None, rounds=2),
+                  {}, {}, 1, show_progress=False).to_dict()
+    assert log == [("decode", "kvslim-f32", 5, 3)] * 2
+    assert d["plan"]["offline"] is None and d["engines"][0]["status"] == "ran"
+    assert d["engines"][0]["offline"]["output_tokens_per_s"] is None
+
+
 def test_medians_best_setting_and_ratios_from_the_same_run():
     log = []
     own = Fake("kvslim-q4_1", [0.010, 0.020, 0.008], [{"cb": 90.0}, {"cb": 100.0}, {"cb": 95.0}],

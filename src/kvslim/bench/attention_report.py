@@ -66,8 +66,8 @@ def _gpu_part(gpu: dict | None) -> str:
                 "tokens of gather and flex, eager and with CUDA graphs, against the eager gather "
                 "engine, and measures batch-1 decode (with its fraction of HBM bandwidth), "
                 "offline throughput at batch 64 and HF transformers on SmolLM2-135M (float32) "
-                "and a random-weight 1B Llama (bfloat16); `kvslim bench report --render-only` "
-                "then puts its table here.")
+                "and a random-weight 1B Llama (bfloat16); `kvslim bench report --from-json "
+                "docs/benchmarks.json` then puts its table here.")
     return f"`{gpu['command']}`:\n\n{gpu_table(gpu)}"
 
 

@@ -32,6 +32,7 @@ class DecodeProfile:
     profiled_step_ms: float
     ms_per_step: dict[str, float]          # category -> ms per profiled step
     top_ops: list[tuple[str, float]]       # the costliest operations, ms per step
+    op_calls: float = 0.0                  # operator calls per step (nested ones included)
 
 
 @dataclass
@@ -86,7 +87,13 @@ def profile_decode(model_dir, batches: tuple[int, ...] = (1, 8), input_len: int 
     """compile_decode: profile the compiled CPU decode step (its fused loops count as
     other_ops: the program's own profiler event holds them)."""
     llm = kvslim_llm(model_dir, "1GiB", max_num_seqs=max(batches), compile_decode=compile_decode)
-    result = ProfileResult(str(model_dir), input_len, torch.get_num_threads(), compile_decode)
+    return profile_llm(llm, str(model_dir), batches, input_len, steps, compile_decode)
+
+
+def profile_llm(llm, model: str, batches: tuple[int, ...], input_len: int, steps: int,
+                compiled: bool) -> ProfileResult:
+    """The profile of an engine already built (with no request of its own running)."""
+    result = ProfileResult(model, input_len, torch.get_num_threads(), compiled)
     prompts = Workload(max(batches), input_len, 1, seed=2).prompts(
         llm.engine.model_config.vocab_size, special_ids(llm.tokenizer))
     for b in batches:
@@ -101,7 +108,8 @@ def profile_decode(model_dir, batches: tuple[int, ...] = (1, 8), input_len: int 
         result.profiles.append(DecodeProfile(
             b, steps, round(step_s * 1e3, 2), round(profiled_s * 1e3, 2),
             {k: round(v, 2) for k, v in per_step.items()},
-            [(e.key, round(e.self_cpu_time_total / 1e3 / steps, 2)) for e in top]))
+            [(e.key, round(e.self_cpu_time_total / 1e3 / steps, 2)) for e in top],
+            round(sum(e.count for e in events) / steps, 1)))
         for req_id in list(llm.engine.requests):
             llm.engine.abort_request(req_id)
     return result

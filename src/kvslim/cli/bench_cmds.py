@@ -1,6 +1,6 @@
-"""`kvslim bench <kind>`: one sub-command per benchmark — throughput, latency, capacity, report
-(the standard suite that writes docs/benchmarks.md), serve (load against a running server) and
-kernels (linear kernels for quantized weights) and peers (every peer at its best in one run)."""
+"""`kvslim bench <kind>`: one sub-command per benchmark — throughput, latency, capacity, profile,
+serve (load against a running server), kernels (linear kernels for quantized weights), peers
+(every peer at its best in one run) and report (docs/benchmarks.md, around the peers run)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,8 @@ def register(sub) -> None:
     register_engine_benchmarks(kinds)
     from kvslim.cli.bench_peers_cmds import register_peers
     register_peers(kinds)
+    from kvslim.cli.bench_report_cmds import register_report
+    register_report(kinds)
     _register_serve(kinds)
 
 

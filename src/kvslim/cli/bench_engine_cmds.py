@@ -1,4 +1,4 @@
-"""`kvslim bench throughput | latency | profile | capacity | report | kernels`."""
+"""`kvslim bench throughput | latency | profile | capacity | kernels`."""
 from __future__ import annotations
 
 import json
@@ -73,14 +73,6 @@ def register_engine_benchmarks(kinds) -> None:
     _common(p)
     p.set_defaults(func=run_capacity_cmd)
 
-    p = kinds.add_parser("report", help="the standard suite -> docs/benchmarks.md with plots")
-    p.add_argument("--out", default="docs/benchmarks.md")
-    p.add_argument("--ref-model", default="models/ref-mha")
-    p.add_argument("--quick", action="store_true", help="a much smaller suite (smoke test)")
-    p.add_argument("--render-only", action="store_true",
-                   help="rewrite OUT and its plots from OUT.json without measuring")
-    _common(p)
-    p.set_defaults(func=run_report_cmd)
     _register_kernels(kinds)
 
 
@@ -172,18 +164,6 @@ def run_capacity_cmd(args) -> int:
     result = run_capacity(dirs, args.kv_cache_memory, args.context, args.num_requests,
                           show_progress=not args.json)
     return _emit(args, result, format_capacity)
-
-
-def run_report_cmd(args) -> int:
-    from kvslim.bench.report import render_from_json, run_report
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.render_only:
-        out = render_from_json(args.out)
-    else:
-        out = run_report(args.out, args.ref_model, quick=args.quick)
-    print(f"wrote {out}")
-    return 0
 
 
 def run_kernels_cmd(args) -> int:

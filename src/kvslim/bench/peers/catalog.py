@@ -116,13 +116,16 @@ def build(names: list[str], opts: PeerOptions) -> list:
     return engines
 
 
-def prompts(plan) -> dict[str, list[list[int]]]:
-    """The token ids every engine gets: random ids of the default model's vocabulary, special
-    tokens left out (bench/workload.py)."""
+def prompts(plan, model_dir: Path | None = None) -> dict[str, list[list[int]]]:
+    """The token ids every engine gets: random ids of the vocabulary of `model_dir` (default:
+    the default model), special tokens left out (bench/workload.py)."""
     from kvslim.bench.workload import special_ids
     from kvslim.models.config import ModelConfig
     from kvslim.tokenizer.tokenizer import Tokenizer
-    vocab = ModelConfig.from_dir(float_dir()).vocab_size
-    avoid = special_ids(Tokenizer.from_dir(float_dir()))
-    return {"decode": plan.decode.prompts(vocab, avoid),
-            "offline": plan.offline.prompts(vocab, avoid)}
+    model_dir = model_dir or float_dir()
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    avoid = special_ids(Tokenizer.from_dir(model_dir))
+    out = {"decode": plan.decode.prompts(vocab, avoid)}
+    if plan.offline is not None:
+        out["offline"] = plan.offline.prompts(vocab, avoid)
+    return out

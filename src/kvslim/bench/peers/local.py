@@ -25,6 +25,10 @@ class KvslimEngine:
         self.llm, self._warm = None, set()
 
     def start(self) -> None:
+        """Once: a caller that started the engine early (`kvslim bench report`, to measure more
+        with the same engine) hands it to the rounds started."""
+        if self.llm is not None:
+            return
         from kvslim.bench.runners import kvslim_llm
         self.llm = kvslim_llm(self._model_dir(), self._kv, max_num_seqs=self._seqs,
                               compile_decode=self._compile)

@@ -61,7 +61,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(0.2)                          # fine enough to time a start by
         raise Unavailable(f"{argv[0]} did not answer within {timeout:.0f} s (log: {self.log})")
 
     def stop(self) -> None:
@@ -101,11 +101,39 @@ def run_serving(servers: list[Server], plan: ServingPlan, show_progress: bool) -
     return out
 
 
-def kvslim_server(threads: int, log_dir: Path) -> Server:
+def kvslim_server(threads: int, log_dir: Path, compile_decode: bool = False,
+                  max_num_seqs: int | None = None) -> Server:
+    """`kvslim serve` on the default model (the shipped Q4_1 blocks); compile_decode: with
+    `--compile`, the name of the catalog's compiled engine."""
     def argv(port: int) -> list[str]:
         return [sys.executable, "-m", "kvslim.cli.main", "serve", "--port", str(port),
-                "--threads", str(threads), "--log-level", "warning"]
+                "--threads", str(threads), "--log-level", "warning"] + (
+                    ["--compile"] if compile_decode else []) + (
+                    ["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else [])
+    if compile_decode:
+        return Server("kvslim-q4_1+compile", "kvslim serve --compile, shipped Q4_1 blocks", argv,
+                      log_dir)
     return Server("kvslim-q4_1", "kvslim serve, shipped Q4_1 blocks", argv, log_dir)
+
+
+def time_to_first_answer(server: Server, timeout: float) -> dict:
+    """Launch the server and send it one completion as soon as it listens: seconds from the
+    launch to its listening (`ready_s`) and to the answer (`first_answer_s`)."""
+    start = time.monotonic()
+    try:
+        server.start(timeout)
+        ready = time.monotonic() - start
+        model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        r = httpx.post(f"{server.url}/v1/completions", timeout=timeout, json={
+            "model": model, "prompt": "The capital of France is", "max_tokens": 8,
+            "temperature": 0})
+        r.raise_for_status()
+        return {"status": "ran", "ready_s": round(ready, 2),
+                "first_answer_s": round(time.monotonic() - start, 2)}
+    except Exception as e:                           # reported, never fatal
+        return {"status": "skipped", "reason": reason_of(e)}
+    finally:
+        server.stop()
 
 
 def llama_server(opts, slots: int, context: int) -> Server:

@@ -19,8 +19,12 @@ class Unavailable(Exception):
 @dataclass
 class PeersPlan:
     decode: Workload = field(default_factory=lambda: Workload(1, 128, 64, seed=1))
-    offline: Workload = field(default_factory=lambda: Workload(64, 128, 128))
-    rounds: int = 3
+    offline: Workload | None = field(default_factory=lambda: Workload(64, 128, 128))
+    rounds: int = 3                          # offline None: batch-1 decode only
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return ("decode", "offline") if self.offline is not None else ("decode",)
 
 
 @dataclass
@@ -91,7 +95,8 @@ class PeersResult:
 
 
 def plan_dict(plan: PeersPlan) -> dict:
-    return {"decode": asdict(plan.decode), "offline": asdict(plan.offline),
+    return {"decode": asdict(plan.decode),
+            "offline": asdict(plan.offline) if plan.offline is not None else None,
             "rounds": plan.rounds}
 
 
@@ -117,9 +122,10 @@ def run_rounds(engines: list, runs: list[EngineRuns], prompts: dict[str, list[li
     that fails stops there, its reason kept and its earlier rounds with it."""
     by_name = {r.engine: r for r in runs}
     live = list(engines)
-    bar = tqdm(total=plan.rounds * 2 * len(live), desc="peers", disable=not show_progress)
+    bar = tqdm(total=plan.rounds * len(plan.parts) * len(live), desc="peers",
+               disable=not show_progress)
     for round_ in range(plan.rounds):
-        for part in ("decode", "offline"):
+        for part in plan.parts:
             for engine in list(live):
                 bar.set_postfix_str(f"round {round_ + 1} {part} {engine.name}")
                 record = by_name[engine.name]
