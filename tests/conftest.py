@@ -6,17 +6,44 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-# Tests run with 2 threads (CI has 2 cores); KVSLIM_TEST_THREADS=1 leaves a core for other work.
-torch.set_num_threads(int(os.environ.get("KVSLIM_TEST_THREADS", min(2, os.cpu_count() or 1))))
+# pyproject's addopts run the suite in two pytest-xdist workers (CI has 2 cores): one torch thread
+# each, since tiny models leave Python, not arithmetic, to set the time. Alone (`-n 0`, or
+# `-p no:xdist`) a run takes 2 threads. KVSLIM_TEST_THREADS chooses (1 leaves a core free).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")              # "gw0", "gw1"; None when alone
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(int(os.environ.get("KVSLIM_TEST_THREADS",
+                                         max(1, min(2, os.cpu_count() or 1) // WORKERS))))
 
 from checkpoints import VARIANTS, write_checkpoint  # noqa: E402
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` (pyproject's addopts), except that a test outside a named group goes
+    with its file rather than alone: its file's module-scoped fixtures (engines, imports,
+    servers) are built on one worker, once. A file is small next to the whole run (the largest
+    is about a fifth of it), so two workers still share the work evenly."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class FileOrGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return nodeid.split("::", 1)[0] if scope == nodeid else scope
+
+    return FileOrGroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def kvslim_home(tmp_path_factory) -> Path:
     """Tests (and the CLI processes they start) use their own KVSLIM_HOME: the default model is
-    imported there once per session. KVSLIM_TEST_HOME reuses a fixed one across runs."""
-    home = Path(os.environ.get("KVSLIM_TEST_HOME") or tmp_path_factory.mktemp("kvslim_home"))
+    imported there once per session, so once per worker. KVSLIM_TEST_HOME reuses a fixed one
+    across runs (each worker its own: KVSLIM_TEST_HOME-gw0, ...), so two imports never race."""
+    fixed = os.environ.get("KVSLIM_TEST_HOME")
+    if fixed and WORKER:
+        fixed = f"{fixed}-{WORKER}"
+    home = Path(fixed or tmp_path_factory.mktemp("kvslim_home"))
     os.environ["KVSLIM_HOME"] = str(home)
     return home
 
