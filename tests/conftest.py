@@ -7,8 +7,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 # pyproject's addopts run the suite in two pytest-xdist workers (CI has 2 cores): one torch thread
-# each, since tiny models leave Python, not arithmetic, to set the time. Alone (`-n 0`, or
-# `-p no:xdist`) a run takes 2 threads. KVSLIM_TEST_THREADS chooses (1 leaves a core free).
+# each, since tiny models leave Python, not arithmetic, to set the time. Alone (`-n 0`) a run
+# takes 2 threads. KVSLIM_TEST_THREADS chooses (1 leaves a core free).
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")              # "gw0", "gw1"; None when alone
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(int(os.environ.get("KVSLIM_TEST_THREADS",
