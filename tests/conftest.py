@@ -7,8 +7,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 # pyproject's addopts run the suite in two pytest-xdist workers (CI has 2 cores): one torch thread
-# each, since tiny models leave Python, not arithmetic, to set the time. Alone (`-n 0`, or
-# `-p no:xdist`) a run takes 2 threads. KVSLIM_TEST_THREADS chooses (1 leaves a core free).
+# each, since tiny models leave Python, not arithmetic, to set the time. Alone (`-n 0`) a run
+# takes 2 threads. KVSLIM_TEST_THREADS chooses (1 leaves a core free).
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")              # "gw0", "gw1"; None when alone
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(int(os.environ.get("KVSLIM_TEST_THREADS",
@@ -17,22 +17,27 @@ torch.set_num_threads(int(os.environ.get("KVSLIM_TEST_THREADS",
 from checkpoints import VARIANTS, write_checkpoint  # noqa: E402
 
 
+# Folders whose tests share one session-wide resource that a test of theirs ends: tests/server/'s
+# `kvslim serve` process, which its lifecycle test stops after every other test of the folder.
+ONE_WORKER_FOLDERS = ("tests/server/",)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadgroup` (pyproject's addopts), except that a test outside a named group goes
-    with its file rather than alone: its file's module-scoped fixtures (engines, imports,
-    servers) are built on one worker, once. A file is small next to the whole run (the largest
-    is about a fifth of it), so two workers still share the work evenly."""
-    if config.getvalue("dist") != "loadgroup":
+    """`--dist loadfile` (pyproject's addopts): a file's tests run on one worker, so its
+    module-scoped fixtures (engines, imports, rank processes) are built once; a folder of
+    ONE_WORKER_FOLDERS is one unit. The largest file is about a fifth of the run, so two
+    workers still share the work evenly."""
+    if config.getvalue("dist") != "loadfile":
         return None
-    from xdist.scheduler import LoadGroupScheduling
+    from xdist.scheduler import LoadFileScheduling
 
-    class FileOrGroupScheduling(LoadGroupScheduling):
+    class FileOrFolderScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            scope = super()._split_scope(nodeid)
-            return nodeid.split("::", 1)[0] if scope == nodeid else scope
+            folder = next((f for f in ONE_WORKER_FOLDERS if nodeid.startswith(f)), None)
+            return folder or super()._split_scope(nodeid)
 
-    return FileOrGroupScheduling(config, log)
+    return FileOrFolderScheduling(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)

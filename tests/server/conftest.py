@@ -10,18 +10,13 @@ from live_server import API_KEY, LiveServer
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "stops_server: stops the shared server; runs last")
-    config.addinivalue_line("markers", "xdist_group: tests that pytest-xdist runs on one worker")
 
 
-@pytest.hookimpl(tryfirst=True)                 # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     # Shutting the shared server down is itself a test (SIGTERM drains in-flight work), so it
     # goes after every test that needs the server; the stable sort keeps the others' order.
-    # Under pytest-xdist those tests are one group, on one worker (one server, stopped last).
+    # Under pytest-xdist this folder runs on one worker, in this order (tests/conftest.py).
     items.sort(key=lambda item: item.get_closest_marker("stops_server") is not None)
-    for item in items:
-        if "server" in item.fixturenames:
-            item.add_marker(pytest.mark.xdist_group("shared-server"))
 
 
 @pytest.fixture(scope="session")
