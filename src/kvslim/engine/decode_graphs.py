@@ -11,8 +11,8 @@ no capture, and no compilation behind one, ever happens while serving; a step la
 prepared shape runs eagerly. Padding rows are harmless: they write their K/V into a scratch block
 the block manager never hands out, attend to one cached position and their outputs are dropped.
 On the CPU the same padded static-buffer path runs as one compiled program (`compiled`,
-cpu_compile.py), or eagerly, each shape once at start-up too, which is how the tests check the
-CUDA path's logic."""
+cpu_compile.py; at start-up only the shapes that meet its guards run), or eagerly, each shape
+once at start-up too, which is how the tests check the CUDA path's logic."""
 from __future__ import annotations
 
 import sys
@@ -98,7 +98,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def prepare(self) -> None:
         """Record every padded shape, largest batch first (later, smaller graphs reuse its
-        memory pool); compiled or eager, run each once. Every row is padding meanwhile."""
+        memory pool); eagerly, run each once; compiled, those of `_shapes_to_run`. Every row
+        is padding meanwhile."""
         shapes = [(b, w) for b in reversed(self.batch_sizes) for w in self.widths]
         if self.compiled is not None:
             self._compile(shapes)
