@@ -58,6 +58,9 @@ from kvslim.models.config import ModelConfig
 from kvslim.parallel import rank_layout
 
 STOP_GRACE_S = 10.0                   # for workers to leave after the stop message
+# A killed rank's sockets close before the kernel reports its exit: on a loaded machine the
+# peers' collectives fail a second or more before the parent can reap it.
+REAP_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,7 @@ class TensorParallelExecutor:
             self.group.broadcast(step)
             results = self.runner.execute(out, draft_probs)
         except Exception as e:
-            dead = self._dead_rank(wait_s=1.0)     # a collective failed: was it a dead rank?
+            dead = self._dead_rank(wait_s=REAP_WAIT_S)     # a collective failed: was it a dead rank?
             if dead is not None:
                 raise RuntimeError(dead) from e
             raise
