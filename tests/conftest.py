@@ -50,6 +50,10 @@ def kvslim_home(tmp_path_factory) -> Path:
         fixed = f"{fixed}-{WORKER}"
     home = Path(fixed or tmp_path_factory.mktemp("kvslim_home"))
     os.environ["KVSLIM_HOME"] = str(home)
+    # kvslim's C++ kernels build on first use into the home: once here, so that no test's CLI
+    # or server process pays the build inside its time limits.
+    from kvslim.kernels import extension
+    extension.available()
     return home
 
 

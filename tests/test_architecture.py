@@ -23,18 +23,20 @@ MAX_FUNCTION_LINES = 60
 # (and surgery's conversions); cli, demo and the package's
 # __init__ (the public `from kvslim import LLM, SamplingParams`) use anything.
 BASE = {"errors", "paths", "device"}
-KERNELS = BASE | {"tokenizer", "layers", "attention"}
+KERNELS = BASE | {"tokenizer", "layers", "attention", "kernels"}
 ALLOWED = {
     "errors": set(),
     "paths": {"errors"},
     "device": {"errors"},
     "tokenizer": BASE,
-    "layers": BASE,
-    "attention": BASE,
+    # kvslim's own C++ kernels (built on first use) and their packing, below every layer.
+    "kernels": BASE,
+    "layers": BASE | {"kernels"},
+    "attention": BASE | {"kernels"},
     # Each quantization method's config parser, layer class and kernels; the layers build a
     # method's linears through the `LinearQuantization` interface they declare, so they do not
     # import it.
-    "quantization": BASE | {"layers"},
+    "quantization": BASE | {"layers", "kernels"},
     "models": KERNELS | {"quantization"},
     "formats": KERNELS | {"quantization", "models"},
     # The engine allocates, the CLI checks, the planner prices one KVCachePlan.

@@ -61,11 +61,12 @@ def greedy(path, backend: str, **config) -> list[list[int]]:
     ("gemma3", {"keep_out_of_window_blocks": True}),  # windows as masks over one group
     ("mixtral", {"block_size": 4}),                   # every layer windowed: one window group
 ])
-def test_flex_greedy_equals_gather(hf_checkpoints, monkeypatch, variant, config):
+@pytest.mark.parametrize("backend", ["flex", "kernel"])
+def test_each_backend_greedy_equals_gather(hf_checkpoints, monkeypatch, variant, config, backend):
     path = hf_checkpoints[variant]
     want = greedy(path, "gather", **config)
     steps = record_steps(monkeypatch)
-    assert greedy(path, "flex", **config) == want
+    assert greedy(path, backend, **config) == want
     assert any(d and p for d, p, _ in steps)           # decodes and chunks in one step
     assert any(cached for _, _, cached in steps)       # chunks after a cached prefix
 
@@ -98,7 +99,7 @@ def test_gather_decode_widths_are_few_and_cover_every_table():
     assert capture_widths(512, "gather") == [4, 16, 64, 256, 512]
     assert capture_widths(64, "gather") == [4, 16, 64]
     assert capture_widths(3, "gather") == [3]
-    assert capture_widths(512, "flex") == [512]
+    assert capture_widths(512, "flex") == capture_widths(512, "kernel") == [512]
 
 
 class NoHostReads:
@@ -129,8 +130,8 @@ class NoHostReads:
         return wrapped
 
 
-@pytest.mark.parametrize("backend,padded", [("gather", False), ("flex", False),
-                                            ("gather", True), ("flex", True)])
+@pytest.mark.parametrize("backend,padded", [(b, p) for p in (False, True)
+                                            for b in ("gather", "flex", "kernel")])
 def test_a_step_forward_never_reads_tensors_back(hf_checkpoints, monkeypatch, backend, padded):
     """Inputs, block tables, metadata, attention and the model: host values come from Python
     lists, never from tensors (on CUDA each read would wait for the device)."""
@@ -152,10 +153,19 @@ def test_choosing_a_backend(hf_checkpoints):
     assert resolve_attention_backend("flex", cuda, True, 16) == "gather"   # quantized cache
     with pytest.raises(KvslimError, match="multiple of 16"):
         resolve_attention_backend("flex", cuda, False, 8)
-    with pytest.raises(KvslimError, match="attention_backend must be one of auto, gather, flex"):
+    with pytest.raises(KvslimError, match="attention_backend must be one of auto, gather, flex, "
+                                          "kernel"):
         EngineConfig(attention_backend="paged")
     eng = engine(hf_checkpoints["gqa"], attention_backend="flex", kv_cache_dtype="int8")
     assert eng.runner.attention_backend == "gather"
+    assert resolve_attention_backend("kernel", cpu, True, 16, kernel_usable=True) == "kernel"
+    assert resolve_attention_backend("auto", cuda, False, 16, kernel_usable=True) == "flex"
+    with pytest.raises(KvslimError, match="attention_backend=kernel needs the CPU, a float32"):
+        resolve_attention_backend("kernel", cpu, False, 16, kernel_usable=False)
+    with pytest.raises(KvslimError, match="attention_backend=kernel needs"):
+        engine(hf_checkpoints["gqa"], attention_backend="kernel", kv_cache_dtype="fp8_e4m3")
+    eng = engine(hf_checkpoints["gqa"], attention_backend="kernel", kv_cache_dtype="int8")
+    assert eng.runner.attention_backend == "kernel"
 
 
 def test_cli_flag_reaches_the_engine_config():

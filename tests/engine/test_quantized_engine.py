@@ -7,6 +7,7 @@ from checkpoints import VOCAB
 from engine_helpers import GREEDY, engine, run, tokens
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.formats.loader import load_model
+from kvslim.kernels import extension, tiled_gemm
 from kvslim.quantization import QuantSpec
 from kvslim.quantization.w8a8 import W8A8_SPEC
 from kvslim.surgery.quantize.model import quantize_model
@@ -87,3 +88,19 @@ def test_mixed_gguf_greedy_does_not_depend_on_batch_or_prefix_cache(mixed_gguf):
     cached = tokens(run(cached_engine, batch, PARAMS))         # the shared blocks are hits now
     assert together == alone == small == cached
     assert len({tuple(t) for t in together}) > 1               # not one constant answer
+
+
+@pytest.mark.skipif(extension.disabled() or extension.missing_compiler() is not None,
+                    reason="torch's fallback kernels are not batch-invariant (gguf_blocks.py)")
+def test_mixed_gguf_logprobs_are_bit_identical_batched_and_alone(mixed_gguf):
+    """kvslim's group kernel fixes each row's arithmetic: not only the tokens, every logit of
+    every step is the same whatever else the batch holds."""
+    assert tiled_gemm.available(), extension.load()
+    params = SamplingParams(max_tokens=10, logprobs=0, **GREEDY)
+    g = torch.Generator().manual_seed(5)
+    batch = [torch.randint(3, 260, (n,), generator=g).tolist() for n in (9, 30, 2, 17, 5)]
+    together = run(engine(mixed_gguf, enable_prefix_caching=False), batch, params)
+    eng = engine(mixed_gguf, enable_prefix_caching=False)
+    alone = [run(eng, [p], params)[0] for p in batch]
+    assert [[lp.logprob for lp in o.outputs[0].logprobs] for o in together] == \
+        [[lp.logprob for lp in o.outputs[0].logprobs] for o in alone]

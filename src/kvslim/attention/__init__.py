@@ -9,13 +9,14 @@ else.
   (model dtype) or `QuantizedKVCacheLayer` (int8/fp8). The reference path.
 - `FlexPagedAttention`: the same step in one FlexAttention call per layer, reading K/V in place
   through the block tables (`flex_metadata.py` builds its mask once per step).
-- `backends.py`: which of the two a step uses ("auto", "gather", "flex") and the one builder of
-  the step's context.
+- `backends.py`: which a step uses ("auto", "gather", "flex", or "kernel": `PagedAttention`
+  with its decodes through kvslim's C++ kernel, reading the cache in place) and the one
+  builder of the step's context.
 
 All group query heads over KV heads without copying K/V per head (see `grouped.py`; FlexAttention
 with `enable_gqa`)."""
 from kvslim.attention.backends import (ATTENTION_BACKENDS, build_paged_attention,
-                                       resolve_attention_backend)
+                                       decode_kernel_usable, resolve_attention_backend)
 from kvslim.attention.dense import DenseAttention
 from kvslim.attention.flex import FlexPagedAttention
 from kvslim.attention.flex_metadata import FlexAttentionMetadata, build_flex_layer_metadata
@@ -30,5 +31,6 @@ __all__ = ["ATTENTION_BACKENDS", "KV_CACHE_DTYPES", "KV_SCALE_DTYPE", "QUANTIZED
            "FlexAttentionMetadata", "FlexPagedAttention", "KVCacheLayer",
            "QuantizedKVCacheLayer", "PagedAttention", "PagedAttentionMetadata", "PagedStepLayout",
            "PrefillChunk", "build_flex_layer_metadata", "build_layer_metadata",
-           "build_paged_attention", "build_paged_metadata", "resolve_attention_backend",
+           "build_paged_attention", "build_paged_metadata", "decode_kernel_usable",
+           "resolve_attention_backend",
            "resolve_kv_cache_dtype"]

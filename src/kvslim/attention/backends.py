@@ -5,6 +5,9 @@
   chunks one by one).
 - "flex" (`flex.py`): one FlexAttention call per layer over the whole pool, reading K/V in place
   through the block tables, decodes and prefill chunks together.
+- "kernel" (the CPU): `paged.py` with its decodes through kvslim's own C++ kernel
+  (kernels/paged_attention.py), which reads each KV head's blocks in place once for its group
+  of query heads; prefill chunks gather. float32 models, float32 or int8 caches.
 - "auto": flex on CUDA, and on the CPU what measured faster there (`CPU_DEFAULT`).
 
 The engine resolves the name once (`resolve_attention_backend`) and builds each step's context
@@ -19,8 +22,9 @@ from kvslim.attention.kv_cache import KVCacheLayer
 from kvslim.attention.metadata import PagedStepLayout, build_layer_metadata
 from kvslim.attention.paged import PagedAttention
 from kvslim.errors import KvslimError
+from kvslim.kernels import paged_attention
 
-ATTENTION_BACKENDS = ("auto", "gather", "flex")
+ATTENTION_BACKENDS = ("auto", "gather", "flex", "kernel")
 
 # The CPU default, measured by `python benchmarks/paged_attention_choice.py --out
 # docs/paged_attention_choice.json` (2 shared AMD EPYC cores, torch 2.13 CPU, float32,
@@ -48,22 +52,36 @@ def check_attention_backend(name: str) -> None:
 
 
 def resolve_attention_backend(name: str, device: torch.device, kv_quantized: bool,
-                              block_size: int) -> str:
-    """"gather" or "flex" for a cache on `device`."""
+                              block_size: int, kernel_usable: bool = False) -> str:
+    """"gather", "flex" or "kernel" for a cache on `device`; `kernel_usable`: the decode
+    kernel is built and takes this model's dtype and cache dtype (`decode_kernel_usable`)."""
     check_attention_backend(name)
+    on_cuda = device.type == "cuda"
+    if name == "kernel":
+        if not kernel_usable:
+            raise KvslimError("attention_backend=kernel needs the CPU, a float32 model, a "
+                              "float32 or int8 KV cache and kvslim's C++ kernels (built on "
+                              "first use; KVSLIM_NO_EXTENSION unset)")
+        return name
+    if name == "auto" and not on_cuda:
+        return "kernel" if CPU_DEFAULT == "kernel" and kernel_usable else "gather"
     if kv_quantized:
         # FlexAttention reads the pool's elements as stored; an int8/fp8 cache needs each
         # token's scale on K before the scores and on V before the weighted sum. A score_mod
         # could rescale the scores, but nothing in the kernel rescales V: quantized caches
         # keep the gather path, which dequantizes what it gathers.
         return "gather"
-    on_cuda = device.type == "cuda"
     if name == "auto":
-        name = ("flex" if block_size % 16 == 0 else "gather") if on_cuda else CPU_DEFAULT
+        return "flex" if block_size % 16 == 0 else "gather"
     if name == "flex" and on_cuda and block_size % 16:
         raise KvslimError(f"attention_backend=flex on CUDA needs a block_size that is a "
                           f"multiple of 16 (the kernel's tile), got {block_size}")
     return name
+
+
+def decode_kernel_usable(device: torch.device, dtype: torch.dtype,
+                         kv_dtype: torch.dtype) -> bool:
+    return paged_attention.supports(kv_dtype, dtype, device) and paged_attention.available()
 
 
 def build_paged_attention(backend: str, kv_caches: list[KVCacheLayer],
@@ -78,4 +96,4 @@ def build_paged_attention(backend: str, kv_caches: list[KVCacheLayer],
                                           layer_windows, layer_group)
         return FlexPagedAttention(kv_caches, metas)
     metas = build_layer_metadata(layouts, block_size, layer_windows, layer_group)
-    return PagedAttention(kv_caches, metas)
+    return PagedAttention(kv_caches, metas, decode_kernel=backend == "kernel")

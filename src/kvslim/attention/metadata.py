@@ -45,6 +45,7 @@ class PagedAttentionMetadata:
     layout: PagedStepLayout
     decode_allowed: torch.Tensor | None        # [num_decodes, 1, max_len] bool, or None
     prefill_allowed: list[torch.Tensor | None]  # per chunk [1, query_len, context_len], or None
+    sliding_window: int | None = None          # the layers' window (the decode kernel's)
 
 
 def build_paged_metadata(layout: PagedStepLayout, block_size: int,
@@ -58,7 +59,7 @@ def build_paged_metadata(layout: PagedStepLayout, block_size: int,
     return PagedAttentionMetadata(
         layout=layout, decode_allowed=decode_allowed,
         prefill_allowed=[_prefill_allowed(p, layout.slot_mapping.device, sliding_window)
-                         for p in layout.prefills])
+                         for p in layout.prefills], sliding_window=sliding_window)
 
 
 def _decode_allowed(layout: PagedStepLayout, block_size: int,

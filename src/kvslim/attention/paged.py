@@ -13,14 +13,18 @@ import torch
 from kvslim.attention.grouped import MaskCache, grouped_sdpa
 from kvslim.attention.kv_cache import KVCacheLayer
 from kvslim.attention.metadata import PagedAttentionMetadata
+from kvslim.kernels import paged_attention
 
 
 class PagedAttention:
     def __init__(self, kv_caches: list[KVCacheLayer],
-                 meta: PagedAttentionMetadata | list[PagedAttentionMetadata]):
+                 meta: PagedAttentionMetadata | list[PagedAttentionMetadata],
+                 decode_kernel: bool = False):
         """meta: the step's metadata, or one per layer (`build_layer_metadata`: layers with
-        different sliding windows read different masks over the same layout)."""
+        different sliding windows read different masks over the same layout). decode_kernel:
+        decodes through kvslim's C++ kernel, reading the cache in place (backends.py)."""
         self.kv_caches = kv_caches
+        self.decode_kernel = decode_kernel
         self.layer_metas = meta if isinstance(meta, list) else [meta] * len(kv_caches)
         self.mask_caches = {id(m): MaskCache() for m in self.layer_metas}
 
@@ -33,7 +37,9 @@ class PagedAttention:
         k, v = cache.write(meta.layout.slot_mapping, k, v)
         nd = meta.layout.num_decode_tokens
         decoded = None
-        if nd:
+        if nd and self.decode_kernel:
+            decoded = self._decode_in_place(meta, cache, q[:nd], scale)
+        elif nd:
             decoded = self._attend_decodes(meta, masks, cache, q[:nd], scale)
             if not meta.layout.prefills:          # a pure decode step: no copy into out
                 return decoded
@@ -53,6 +59,15 @@ class PagedAttention:
         keys, values = keys.view(nd, -1, kvh, d), values.view(nd, -1, kvh, d)
         mask = masks.get(-1, meta.decode_allowed, q.shape[1] // kvh, q.dtype)
         return grouped_sdpa(q[:, None], keys, values, mask, scale)[:, 0]
+
+    @staticmethod
+    def _decode_in_place(meta: PagedAttentionMetadata, cache: KVCacheLayer, q: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        layout = meta.layout
+        return paged_attention.paged_decode(
+            q, cache.k_cache, cache.v_cache, getattr(cache, "k_scales", None),
+            getattr(cache, "v_scales", None), layout.decode_block_tables,
+            layout.decode_context_lens, layout.decode_key_start, meta.sliding_window, scale)
 
     @staticmethod
     def _attend_prefills(meta: PagedAttentionMetadata, masks: MaskCache, cache: KVCacheLayer,

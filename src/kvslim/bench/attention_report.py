@@ -72,14 +72,20 @@ def _gpu_part(gpu: dict | None) -> str:
 
 
 def cpu_table(result: dict) -> str:
-    lines = ["| step | pool blocks | gather ms/layer | flex ms/layer | flex / gather |",
-             "|---|---|---|---|---|"]
+    """benchmarks/paged_attention_choice.py's result: ms per layer of each backend, and each
+    against gather (the reference)."""
+    backends = result.get("backends", ["gather", "flex"])
+    others = [b for b in backends if b != "gather"]
+    lines = ["| step | pool blocks | " + " | ".join(f"{b} ms/layer" for b in backends)
+             + "".join(f" | {b} / gather" for b in others) + " |",
+             "|---|---|" + "---|" * (len(backends) + len(others))]
     for r in result["results"]:
         what = (f"decode, batch {r['sequences']}, context {r['context']}" if r["kind"] == "decode"
                 else f"prefill chunk of {r['new_tokens']} after "
                      f"{r['context'] - r['new_tokens']} cached")
-        lines.append(f"| {what} | {r['pool_blocks']} | {r['gather_ms']:.2f} | "
-                     f"{r['flex_ms']:.2f} | {r['flex_over_gather']:.1f}x |")
+        cells = [f"{r[f'{b}_ms']:.2f}" for b in backends]
+        cells += [f"{r[f'{b}_ms'] / r['gather_ms']:.2f}x" for b in others]
+        lines.append(f"| {what} | {r['pool_blocks']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + f"\n\nFaster on the CPU: **{result['choice']}**."
 
 

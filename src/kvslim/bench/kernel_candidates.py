@@ -18,6 +18,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from kvslim.kernels import group_q8, tiled_gemm
+
 Fn = Callable[[torch.Tensor], torch.Tensor]
 ONEDNN_BATCH_HINT = 64           # as kvslim.layers.cpu_linear
 BF16_RTOL = 1e-2
@@ -93,6 +95,10 @@ def fp32_candidates(w: torch.Tensor) -> list[Candidate]:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_BATCH_HINT)
         cands.append(Candidate("fp32.onednn_packed", "fp32", nbytes, lambda x: torch.ops.mkldnn.
                                _linear_pointwise(x, packed, None, "none", [], ""), ref))
+    if tiled_gemm.available():
+        tiled = tiled_gemm.pack_float_weight(w)
+        cands.append(Candidate("fp32.kvslim_tiled", "fp32", nbytes,
+                               lambda x: tiled_gemm.float_linear(x, tiled), ref))
     return cands
 
 
@@ -175,7 +181,7 @@ def int8_group_candidates(w: torch.Tensor, group: int) -> list[Candidate]:
         cands.append(Candidate(f"{fam}.requant_int8pack_bf16", fam, qc.numel() + sc.numel() * 4,
                                lambda x: torch.ops.aten._weight_int8pack_mm(
                                    x.bfloat16(), qc, sc16).float(), ref, rtol=REQUANT_RTOL))
-    return cands
+    return cands + kvslim_group_candidates(fam, nbytes, ref, q.view(out_f, in_f), d, None, 8)
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -211,7 +217,25 @@ def int4_candidates(w: torch.Tensor, group: int, compile_: bool) -> list[Candida
         compiled = torch.compile(unpack_dequant, dynamic=True)
         cands.append(Candidate(f"{fam}.compiled_unpack_dequant", fam, nbytes,
                                lambda x: compiled(x, nib, scales, zs), ref, compile_s=0.0))
+    cands += kvslim_group_candidates(fam, nbytes, ref, q, scales, -zs, 4)
     return cands + int4_large_m_candidates(q, scales, zeros, group, w_deq)
+
+
+def kvslim_group_candidates(fam, nbytes, ref, q, scales, mins, bits) -> list[Candidate]:
+    """kvslim's own group kernels on the same weight, where they build: float32 activations
+    (kernels/tiled_gemm.py), and int8 activations per block of 32 (kernels/group_q8.py, held
+    to its own arithmetic: quantization error is not measured here)."""
+    if not tiled_gemm.available():
+        return []
+    packed = tiled_gemm.pack_group_weight(q, scales, mins, bits)
+    cands = [Candidate(f"{fam}.kvslim_group", fam, nbytes,
+                       lambda x: tiled_gemm.group_linear(x, packed), ref)]
+    if group_q8.available() and group_q8.usable(q.shape[1], scales.shape[1]):
+        q8 = group_q8.pack_q8_weight(q, scales, mins, bits)
+        cands.append(Candidate(f"{fam}.kvslim_q8", fam, nbytes,
+                               lambda x: group_q8.q8_linear(x, q8), lambda x: group_q8.
+                               reference_group_linear_q8(x, q, scales, mins).float()))
+    return cands
 
 
 def int4_large_m_candidates(q, scales, zeros, group, w_deq) -> list[Candidate]:

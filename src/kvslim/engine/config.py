@@ -96,8 +96,10 @@ class EngineConfig:
     # "auto" picks per device in attention/backends.py; a quantized KV cache always gathers.
     attention_backend: str = option(
         "auto", "paged attention: gather (copies each context out, the reference), flex "
-                "(FlexAttention reading the cache in place) or auto (flex on CUDA, gather on the "
-                "CPU, where it measured faster; a quantized KV cache always gathers)",
+                "(FlexAttention reading the cache in place), kernel (the CPU: decodes through "
+                "kvslim's C++ kernel, reading the cache in place; float32 models, float32 or "
+                "int8 caches) or auto (flex on CUDA, on the CPU what measured faster; flex "
+                "never takes a quantized KV cache)",
         choices=ATTENTION_BACKENDS)
     # The mask-only path, for comparison: sliding-window layers release nothing.
     keep_out_of_window_blocks: bool = option(

@@ -23,8 +23,6 @@ a one-line note."""
 from __future__ import annotations
 
 import os
-import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import torch
 
 import kvslim
 from kvslim.engine import compile_numerics
+from kvslim.kernels.extension import missing_compiler, note  # noqa: F401 - the engine's too
 from kvslim.paths import kvslim_home
 
 # What builds the programs: Inductor; "aot_eager" (or any backend, by name or as a function)
@@ -41,10 +40,6 @@ BACKEND = "inductor"
 RECOMPILE_LIMIT = 1024
 
 
-def note(message: str) -> None:
-    print(f"kvslim: {message}", file=sys.stderr)
-
-
 def first_line(error: BaseException) -> str:
     """The root cause of a compiler failure, in one line: torch wraps a backend's exception
     in its own, whose message starts with a header."""
@@ -52,14 +47,6 @@ def first_line(error: BaseException) -> str:
         error = inner
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
-
-
-def missing_compiler() -> str | None:
-    """Why Inductor's C++ backend cannot build here, or None."""
-    compiler = os.environ.get("CXX") or "g++"
-    if shutil.which(compiler) is None and shutil.which("c++") is None:
-        return f"no C++ compiler found ({compiler}, c++)"
-    return None
 
 
 def cache_folder_name() -> str:

@@ -34,11 +34,12 @@ def capture_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 def capture_widths(max_blocks: int, backend: str) -> list[int]:
-    """Block-table widths graphs are recorded at. FlexAttention reads the pool in place at any
-    width (the width only sizes the step's metadata): one width, the largest. The gather path
+    """Block-table widths graphs are recorded at. FlexAttention and the CPU decode kernel read
+    the pool in place at any width (the width only sizes the step's tables): one width, the
+    largest. The gather path
     copies width * block_size keys per decode: widths growing 4x, so a step's tables are padded
     to at most 4x what they need, with few graphs (4 up to 256 blocks, 5 up to 1024)."""
-    if backend == "flex":
+    if backend in ("flex", "kernel"):
         return [max_blocks]
     widths, width = [], 4
     while width < max_blocks:

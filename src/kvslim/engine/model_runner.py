@@ -9,7 +9,8 @@ import torch
 
 from kvslim.attention import (KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, KVCacheLayer, PagedStepLayout,
                               PrefillChunk, QuantizedKVCacheLayer, build_paged_attention,
-                              resolve_attention_backend, resolve_kv_cache_dtype)
+                              decode_kernel_usable, resolve_attention_backend,
+                              resolve_kv_cache_dtype)
 from kvslim.device import host_tensor
 from kvslim.engine.block_table import BlockTables
 from kvslim.engine.config import EngineConfig
@@ -57,7 +58,8 @@ class ModelRunner:
         self.bytes_per_block = kv_plan.bytes_per_block
         self.num_blocks = kv_plan.num_blocks
         self.attention_backend = resolve_attention_backend(
-            config.attention_backend, self.device, is_quantized(self.kv_dtype), self.block_size)
+            config.attention_backend, self.device, is_quantized(self.kv_dtype), self.block_size,
+            decode_kernel_usable(self.device, self.dtype, self.kv_dtype))
         # Not with tensor parallelism: the graphs would capture the ranks' collectives too.
         single = not config.enforce_eager and config.tensor_parallel_size == 1
         use_graphs = self.device.type == "cuda" and single

@@ -14,9 +14,12 @@ layers (q/k/v, gate/up) concatenate their shards' rows, and each shard keeps its
 Q4_K_M file stores attn_v as Q6_K beside Q4_K q and k).
 
 `prepare_for_inference` packs each run of 4-bit shards (Q4_0, Q4_1, Q4_K: 32 inputs share s and
-m) for `int4_linear` with scale s and offset m (`pack_int4_offsets`), and each run of 8-bit shards
-(Q5_0, Q8_0, Q6_K) for `int8_group_linear` (int8_group_kernel.py); a layer whose shards are
-all one width runs one kernel."""
+m) and each run of 8-bit shards (Q5_0, Q8_0, Q6_K: w = (q - zero) * s) for kvslim's own group
+kernel (kernels/tiled_gemm.py: float32 activations, each output's sums in one fixed order, so a
+row's result does not depend on the batch); a layer whose shards are all one width runs one
+kernel. Without the extension (no C++ compiler, KVSLIM_NO_EXTENSION=1) torch's kernels run
+instead: `int4_linear` (bfloat16 activations, `pack_int4_offsets`) and the exact float32
+`int8_group_linear` (int8_group_kernel.py), which are not batch-invariant."""
 from __future__ import annotations
 
 from functools import partial
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kvslim.errors import ConfigError
+from kvslim.kernels import tiled_gemm
 from kvslim.quantization.base import QuantLinear, QuantSpec
 from kvslim.quantization.gptq import _int4_forward
 from kvslim.quantization.int8_group_kernel import int8_group_linear, pack_int8_group
@@ -112,24 +116,34 @@ def block_kernel(qvalues: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
         raise ConfigError(f"GGUF block weights of unsupported type id {unknown[0]}")
     zeros = torch.cat([torch.full((n,), EIGHT_BIT_ZEROS.get(t, 0), dtype=torch.int16)
                        for t, n in zip(qtypes, sizes)])
-    kernels = []
-    for rows, four_bit in _runs(qtypes, sizes):
-        if (rows.stop - rows.start) % NATIVE_INT4_ROWS:
-            # torch's int4 packing needs the outputs in multiples of 16 (a tiny vocabulary's
-            # LM head may not be): dequantized once, exact.
-            dense = dequantize_groups(qvalues[rows], scales[rows], mins[rows])
-            kernels.append(partial(_dense_forward, weight=dense))
-        elif four_bit:
-            weight = pack_int4_offsets(qvalues[rows], scales[rows, ::2].float(),
-                                       mins[rows, ::2].float(), INT4_GROUP)
-            kernels.append(partial(_int4_forward, weight=weight, perm=None))
-        else:
-            values = (qvalues[rows].to(torch.int16) - zeros[rows, None]).to(torch.int8)
-            weight = pack_int8_group(values, scales[rows].float(), GROUP)
-            kernels.append(partial(_int8_group_forward, weight=weight))
+    kernels = [_run_kernel(qvalues[rows], scales[rows], mins[rows], zeros[rows], four_bit)
+               for rows, four_bit in _runs(qtypes, sizes)]
     if len(kernels) == 1:
         return partial(kernels[0], bias=bias)
     return partial(_concat_forward, kernels=kernels, bias=bias)
+
+
+def _run_kernel(qvalues, scales, mins, zeros, four_bit: bool):
+    """4-bit: w = q * s + m over the 32 inputs a 4-bit block's s and m cover, `int4_linear`
+    (kvslim's group kernel inside, where it is built). 8-bit: w = (q - zero) * s, kvslim's
+    group kernel over groups of 16, or of 32 where each pair of groups shares its scale (Q8_0,
+    Q5_0: one scale per 32 bytes), else the exact float32 `int8_group_linear`."""
+    extension = tiled_gemm.available()
+    if not extension and qvalues.shape[0] % NATIVE_INT4_ROWS:
+        # torch's int4 packing needs the outputs in multiples of 16 (a tiny vocabulary's
+        # LM head may not be): dequantized once, exact.
+        return partial(_dense_forward, weight=dequantize_groups(qvalues, scales, mins))
+    if four_bit:
+        weight = pack_int4_offsets(qvalues, scales[:, ::2].float(), mins[:, ::2].float(),
+                                   INT4_GROUP)
+        return partial(_int4_forward, weight=weight, perm=None)
+    values = (qvalues.to(torch.int16) - zeros[:, None]).to(torch.int8)
+    if not extension:
+        return partial(_int8_group_forward, weight=pack_int8_group(values, scales.float(), GROUP))
+    if torch.equal(scales[:, ::2], scales[:, 1::2]):
+        scales = scales[:, ::2]
+    weight = tiled_gemm.pack_group_weight(values, scales, None, 8)
+    return partial(tiled_gemm.group_linear, weight=weight)
 
 
 def _runs(qtypes: list[int], sizes: list[int]) -> list[tuple[slice, bool]]:

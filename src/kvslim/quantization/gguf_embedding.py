@@ -4,9 +4,10 @@ head tied to them.
 The lookup dequantizes only the rows it gathers (exact, formats/gguf/blocks.py), so the table
 stays 1 byte per weight plus its group scales and offsets: for SmolLM2-135M 28 MB + 14 MB
 instead of 113 MB of float32. The tied head multiplies with the whole table through the kernel a
-BlockQuantLinear of the table's type would run: for an 8-bit table (Q8_0) the exact float32 one
-(int8_group_kernel.py says why bfloat16 is not good enough for logits), 113 MB built by
-`prepare_for_inference`; for a 4-bit table the int4 kernel."""
+BlockQuantLinear of the table's type would run: kvslim's group kernel on the table's own bytes
+(float32 activations and sums); without the extension, for an 8-bit table (Q8_0) the exact
+float32 one (int8_group_kernel.py says why bfloat16 is not good enough for logits), 113 MB built
+by `prepare_for_inference`, for a 4-bit table the int4 kernel."""
 from __future__ import annotations
 
 from functools import partial

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvslim.errors import ConfigError
+from kvslim.kernels import tiled_gemm
 from kvslim.quantization.base import QuantLinear, QuantSpec
 from kvslim.quantization.kernels import (Int4Weight, int4_linear, int8_kernel_scales, int8_linear,
                                          pack_int4)
@@ -107,14 +108,19 @@ class GPTQLinear(QuantLinear):
     def prepare_for_inference(self) -> None:
         """Choose the kernel once the weights are loaded (`kvslim bench kernels` measured them;
         see quantization/kernels.py). 8-bit layers with one symmetric group per output channel
-        run `int8_linear`; 4-bit layers whose shards share one group order run `int4_linear`
+        run kvslim's group kernel with one group (kernels/tiled_gemm.py; `int8_linear` without
+        the extension); 4-bit layers whose shards share one group order run `int4_linear`
         (act-order: the inputs are permuted into group order first); anything else is
         dequantized once here, so no call pays for it again."""
         per_channel = self._int8_per_channel() if self.spec.bits == 8 else None
         if per_channel is not None:
             weight, scales = per_channel
-            self.kernel = partial(int8_linear, qweight=weight, scales=int8_kernel_scales(scales),
-                                  bias=self.bias)
+            if weight.device.type == "cpu" and tiled_gemm.available():
+                packed = tiled_gemm.pack_group_weight(weight, scales[:, None], None, 8)
+                self.kernel = partial(tiled_gemm.group_linear, weight=packed, bias=self.bias)
+            else:
+                self.kernel = partial(int8_linear, qweight=weight,
+                                      scales=int8_kernel_scales(scales), bias=self.bias)
             return
         packed = self._int4_packed() if self.spec.bits == 4 else None
         if packed is not None:

@@ -4,7 +4,9 @@ timings of the kernels kvslim ships (not the other candidates it measures):
     fp32   layers/cpu_linear.PackedCpuKernel: a GEMV over the input-major copy at one row,
            oneDNN's packed GEMM from two
     int8   kernels.int8_linear: _weight_int8pack_mm with bfloat16 activations
-    int4   kernels.int4_linear: _weight_int4pack_mm_for_cpu with bfloat16 activations
+    int4   kernels.int4_linear: _weight_int4pack_mm_for_cpu with bfloat16 activations (GPTQ,
+           AWQ); GGUF's 4-bit blocks run kvslim's group kernel (`int4-g<N>.kvslim_group`)
+    int8-g<N>  GGUF's 8-bit blocks: kvslim's group kernel (kernels/tiled_gemm.py)
     w8a8   kernels.w8a8_linear: per-token int8 activations, torch._int_mm
 
 For each shape and M it reports the shipped kernels' µs, which kernel a W8A8 model's layer
@@ -17,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 from kvslim.quantization.kernels import W8A8_MIN_ROWS
 
-INT4_ALTERNATIVES = ("bf16_copy_mm", "w8a8_per_group_int_mm")
+INT4_ALTERNATIVES = ("kvslim_group", "bf16_copy_mm", "w8a8_per_group_int_mm")
 
 
 def shipped_kernel(family: str, rows: int) -> str:
@@ -28,6 +30,8 @@ def shipped_kernel(family: str, rows: int) -> str:
         return "int8.weight_int8pack_mm_bf16"
     if family == "w8a8":
         return "w8a8.int_mm"
+    if family.startswith("int8-g"):
+        return f"{family}.kvslim_group"
     return f"{family}.int4pack_mm_for_cpu_bf16"
 
 

@@ -2,6 +2,12 @@
 W8A8 (dynamic per-token int8 activations), each with a pure-torch fallback (dequantize a chunk
 of rows at a time, then torch.mm) for a device, dtype or torch build without the native op.
 
+Where kvslim's own C++ extension builds (kernels/extension.py), 4-bit weights run its group
+kernel instead (`Int4Weight.group`, kernels/tiled_gemm.py): float32 activations and one fixed
+order of sums per output, so a row's result does not depend on the batch, and faster than the
+native int4 op at every M measured (`kvslim bench kernels`, `int4-g<N>.kvslim_group`). What
+follows measured torch's kernels, which run without the extension.
+
 Measured with `kvslim bench kernels --threads 1` (AMD EPYC with AVX-512 VNNI, torch 2.13 CPU,
 two cores shared with other work, so cells are noisy by ~30% and up to 2x between runs), on
 SmolLM2-135M's shapes, µs per call at M = 1 / 8 / 64 rows. The bf16 rows come from a second run
@@ -52,6 +58,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvslim.kernels import tiled_gemm
+from kvslim.kernels.tiled_gemm import GroupWeight
 
 CHUNK_ROWS = 256              # output rows dequantized at a time by the fallback (stays in cache)
 CUDA_INT_MM_MIN_ROWS = 24     # torch._int_mm on CUDA: more than 16 rows, a multiple of 8
@@ -152,6 +161,7 @@ class Int4Weight:
     # [in // group, out, 2] in bfloat16, the op's form, converted once: a conversion inside a
     # compiled step is one the compiler cannot lower into the op's call.
     native_scales_zeros: torch.Tensor | None = None
+    group: GroupWeight | None = None   # kvslim's group kernel's form, where it is built
 
     def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0,
                    stop: int | None = None) -> torch.Tensor:
@@ -175,7 +185,9 @@ def pack_int4(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     packed = Int4Weight(out_f, in_f, group_size,
                         (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous(),
                         scales, (zeros * scales).contiguous())
-    if _native("_convert_weight_to_int4pack_for_cpu") and values.device.type == "cpu":
+    if values.device.type == "cpu" and tiled_gemm.available():
+        packed.group = tiled_gemm.pack_group_weight(values, scales, -packed.zeros_x_scales, 4)
+    elif _native("_convert_weight_to_int4pack_for_cpu") and values.device.type == "cpu":
         packed.native = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         # The op dequantizes (q - 8) * scale + z, so z = (8 - zero) * scale.
         packed.native_scales_zeros = torch.stack(
@@ -192,6 +204,8 @@ def pack_int4_offsets(values: torch.Tensor, scales: torch.Tensor, offsets: torch
     packed = pack_int4(values, scales, torch.zeros_like(scales), group_size)
     offsets = offsets.float().contiguous()
     packed.zeros_x_scales = -offsets
+    if packed.group is not None:
+        packed.group = tiled_gemm.pack_group_weight(values, packed.scales, offsets, 4)
     if packed.native is not None:
         packed.native_scales_zeros = torch.stack(
             (packed.scales, 8 * packed.scales + offsets), dim=-1
@@ -202,7 +216,9 @@ def pack_int4_offsets(values: torch.Tensor, scales: torch.Tensor, offsets: torch
 def int4_linear(x: torch.Tensor, packed: Int4Weight,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = _rows(x, packed.in_features)
-    if (packed.native is not None and _on_cpu_float(rows)
+    if packed.group is not None and _on_cpu_float(rows):
+        out = tiled_gemm.group_linear(rows, packed.group).to(rows.dtype)
+    elif (packed.native is not None and _on_cpu_float(rows)
             and _native("_weight_int4pack_mm_for_cpu")):
         out = _native_bf16(torch.ops.aten._weight_int4pack_mm_for_cpu, rows, packed.native,
                            packed.group_size, packed.native_scales_zeros)

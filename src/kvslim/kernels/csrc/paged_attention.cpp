@@ -1,0 +1,145 @@
+// Decode attention over the paged KV cache, read in place through the block tables.
+//
+// One work item per (sequence, KV head): each key and value row of that head is read once for
+// the whole group of query heads that share it (GQA). Per query head: the scores of the keys
+// the sequence may see (positions before its length, inside its sliding window), their
+// softmax, and the weighted sum of the values, in float32, every sum in one fixed order
+// (keys in position order, a dot product's lanes in one fixed tree): a sequence's output
+// depends on its own query and cache only, not on the batch, the padding of the tables or the
+// threads.
+//
+// Cache layout: [blocks, block_size, kv_heads, head_dim], float32, or int8 with a float16
+// scale per (slot, kv head) ([blocks, block_size, kv_heads]): an element is int8 * scale, as
+// attention/kv_cache.py dequantizes it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+struct Cache {
+  const float* f32 = nullptr;         // float32 elements, or
+  const int8_t* i8 = nullptr;         // int8 elements with
+  const c10::Half* scales = nullptr;  // their scales
+  int64_t block_stride, slot_stride;  // elements per block, per slot (kv_heads * head_dim)
+  int64_t kv_heads, head_dim;
+
+  // Row `slot` of `block` for kv head `h`, as float32 into out[head_dim].
+  void row(int64_t block, int64_t slot, int64_t h, float* out) const {
+    const int64_t at = block * block_stride + slot * slot_stride + h * head_dim;
+    if (f32 != nullptr) {
+      std::copy(f32 + at, f32 + at + head_dim, out);
+      return;
+    }
+    const float s = (float)scales[(block * block_stride + slot * slot_stride) / head_dim + h];
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = (float)i8[at + d] * s;
+  }
+};
+
+// sum_d a[d] * b[d] in 8 interleaved partial sums combined pairwise: a fixed order that the
+// compiler may vectorize (-ffp-contract=off keeps each product and sum rounded as written).
+float dot(const float* a, const float* b, int64_t n) {
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (int j = 0; j < 8; ++j) part[j] += a[d + j] * b[d + j];
+  for (int j = 0; d < n; ++d, ++j) part[j] += a[d] * b[d];
+  return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+}
+
+Cache cache_of(const at::Tensor& cache, const std::optional<at::Tensor>& scales) {
+  Cache c;
+  c.block_stride = cache.stride(0);
+  c.slot_stride = cache.stride(1);
+  c.kv_heads = cache.size(2);
+  c.head_dim = cache.size(3);
+  if (cache.scalar_type() == at::kFloat) {
+    c.f32 = cache.data_ptr<float>();
+  } else {
+    TORCH_CHECK(cache.scalar_type() == at::kChar && scales.has_value() &&
+                    scales->scalar_type() == at::kHalf && scales->is_contiguous(),
+                "paged_decode: a cache is float32, or int8 with float16 scales");
+    c.i8 = cache.data_ptr<int8_t>();
+    c.scales = scales->data_ptr<c10::Half>();
+  }
+  return c;
+}
+
+}  // namespace
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const std::optional<at::Tensor>& k_scales,
+                        const std::optional<at::Tensor>& v_scales, const at::Tensor& block_tables,
+                        const at::Tensor& context_lens, int64_t key_start, int64_t window,
+                        double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "paged_decode: q must be float32 [B, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "paged_decode: caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
+                  context_lens.numel() == q.size(0),
+              "paged_decode: one block table and one length per query");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor lens = context_lens.to(at::kLong).contiguous();
+  const Cache kc = cache_of(k_cache, k_scales), vc = cache_of(v_cache, v_scales);
+  const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2);
+  const int64_t KVH = kc.kv_heads, G = H / KVH, BS = k_cache.size(1), W = tables.size(1);
+  TORCH_CHECK(D == kc.head_dim && H % KVH == 0, "paged_decode: q's heads do not fit the cache");
+  at::Tensor out = at::zeros_like(qc);
+  const float* qp = qc.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = (float)scale;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, row(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, h = item % KVH;
+      const int64_t hi = std::min(lp[b], key_start + W * BS);
+      const int64_t lo = window > 0 ? std::max(key_start, lp[b] - window) : key_start;
+      const int64_t n = std::max<int64_t>(0, hi - lo);
+      if (n == 0) continue;                     // nothing to see: zeros, as SDPA over no key
+      scores.assign(G * n, 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = lo + j - key_start;
+        kc.row(tp[b * W + pos / BS], pos % BS, h, row.data());
+        for (int64_t g = 0; g < G; ++g)
+          scores[g * n + j] = dot(qp + (b * H + h * G + g) * D, row.data(), D) * sc;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) { s[j] = std::exp(s[j] - m); sum += s[j]; }
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = lo + j - key_start;
+        vc.row(tp[b * W + pos / BS], pos % BS, h, row.data());
+        for (int64_t g = 0; g < G; ++g) {
+          float* o = op + (b * H + h * G + g) * D;
+          const float w = scores[g * n + j];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * row[d];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(kvslim, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scales, Tensor? v_scales, "
+        "Tensor block_tables, Tensor context_lens, int key_start, int window, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("paged_decode", &paged_decode); }

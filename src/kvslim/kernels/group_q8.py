@@ -1,0 +1,117 @@
+"""x @ w^T over group-quantized weights with x quantized to int8 per block of 32 inputs, as
+llama.cpp runs its Q4/Q8 files: `torch.ops.kvslim.group_mm_q8` (csrc/group_q8.cpp says the
+arithmetic and the layout), AVX-512 VNNI integer dot products, batch-invariant by construction
+(each row quantized on its own, integer sums exact, the float steps in one fixed order).
+
+The activations' rounding is llama.cpp's (max |x| / 127 per block of 32), not float32's: this
+kernel is an option measured beside kernels/tiled_gemm.py's float one (`kvslim bench kernels`,
+`.kvslim_q8`), whose outputs are the dequantized weight's to float32 rounding.
+`reference_group_linear_q8` is the same arithmetic in plain torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvslim.kernels import extension
+from kvslim.kernels.tiled_gemm import TILE
+
+QBLOCK = 32
+
+
+@dataclass
+class Q8GroupWeight:
+    qweight: torch.Tensor            # uint8 [tiles, in * 16 * bits / 8], the VNNI layout
+    scales: torch.Tensor             # float32 [tiles, groups, 16]
+    mins: torch.Tensor | None        # float32 [tiles, groups, 16], 4-bit
+    colsum: torch.Tensor | None      # int32 [tiles, in / sub, 16], 8-bit: each block's sum of q
+    bits: int
+    out_features: int
+    in_features: int
+
+    @property
+    def groups(self) -> int:
+        return self.scales.shape[1]
+
+
+def usable(in_features: int, groups: int) -> bool:
+    """The kernel's shapes: whole blocks of 32 inputs, groups of a multiple of 16."""
+    return (in_features % QBLOCK == 0 and in_features % groups == 0
+            and (in_features // groups) % 16 == 0)
+
+
+def _tiles(t: torch.Tensor, tiles: int) -> torch.Tensor:
+    """[out, ...] -> [tiles, 16, ...], the outputs padded with zeros to whole tiles."""
+    padded = t.new_zeros(tiles * TILE, *t.shape[1:])
+    padded[:t.shape[0]] = t
+    return padded.view(tiles, TILE, *t.shape[1:])
+
+
+def pack_q8_weight(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                   bits: int) -> Q8GroupWeight:
+    """q [out, in] (uint8 0..15 for 4-bit, int8 for 8-bit), scales (mins) [out, in / group]."""
+    out, k = q.shape
+    groups = scales.shape[1]
+    if not usable(k, groups):
+        raise ValueError(f"{k} inputs in {groups} groups: the int8-activation kernel needs "
+                         f"blocks of 32 inputs and groups of a multiple of 16")
+    tiles = -(-out // TILE)
+    qt = _tiles(q, tiles)                                            # [tiles, 16, in]
+    if bits == 4:
+        chunks = qt.to(torch.uint8).view(tiles, TILE, k // 8, 2, 4)  # k = 8c + 4h + t
+        packed = chunks[:, :, :, 0] | (chunks[:, :, :, 1] << 4)      # [tiles, 16, c, 4]
+        packed = packed.permute(0, 2, 1, 3)                          # [tiles, c, 16 (j), 4 (t)]
+        colsum = None
+    else:
+        q8 = qt.to(torch.int8)
+        packed = q8.view(tiles, TILE, k // 4, 4).permute(0, 2, 1, 3).view(torch.uint8)
+        sub = min(k // groups, QBLOCK)
+        colsum = q8.to(torch.int32).view(tiles, TILE, k // sub, sub).sum(-1)
+        colsum = colsum.transpose(1, 2).to(torch.int32).contiguous()  # [tiles, blocks, 16]
+    scales_t = _tiles(scales.float(), tiles).transpose(1, 2).contiguous()
+    mins_t = None if mins is None else _tiles(mins.float(), tiles).transpose(1, 2).contiguous()
+    return Q8GroupWeight(packed.reshape(tiles, -1).contiguous(), scales_t, mins_t, colsum, bits,
+                         out, k)
+
+
+def q8_linear(x: torch.Tensor, weight: Q8GroupWeight,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.reshape(-1, weight.in_features).float()
+    xq, dx = torch.ops.kvslim.quantize_blocks(rows)
+    xsum = (torch.ops.kvslim.group_sums(rows, weight.groups) if weight.bits == 4 else None)
+    y = torch.ops.kvslim.group_mm_q8(xq, dx, xsum, weight.qweight, weight.scales, weight.mins,
+                                     weight.colsum, weight.bits, weight.out_features)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
+
+
+def reference_quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = x.float().view(x.shape[0], -1, QBLOCK)
+    dx = blocks.abs().amax(-1) / 127
+    inv = torch.where(dx > 0, 127 / blocks.abs().amax(-1), torch.zeros_like(dx))
+    return torch.round(blocks * inv[..., None]).to(torch.int8).view_as(x), dx
+
+
+def reference_group_linear_q8(x, q, scales, mins) -> torch.Tensor:
+    """The kernel's arithmetic in float64 on its own quantized activations."""
+    xq, dx = reference_quantize_blocks(x)
+    xd = (xq.double().view(x.shape[0], -1, QBLOCK) * dx.double()[..., None]).view(x.shape)
+    groups = scales.shape[1]
+    w = (q.double().view(q.shape[0], groups, -1) * scales.double()[..., None]).view(q.shape)
+    y = xd @ w.T
+    if mins is not None:
+        y = y + x.double().view(x.shape[0], groups, -1).sum(-1) @ mins.double().T
+    return y
+
+
+FAKES = {"quantize_blocks": lambda x: (x.new_empty(x.shape, dtype=torch.int8),
+                                       x.new_empty(x.shape[0], x.shape[1] // QBLOCK)),
+         "group_sums": lambda x, groups: x.new_empty(x.shape[0], groups),
+         "group_mm_q8": lambda xq, dx, xsum, qweight, scales, mins, colsum, bits, n:
+             dx.new_empty(xq.shape[0], n)}
+
+
+def available() -> bool:
+    """Built, and this CPU has AVX-512 VNNI (the kernel's only path)."""
+    return extension.ensure(FAKES) and bool(torch.ops.kvslim.has_vnni())

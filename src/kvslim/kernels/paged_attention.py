@@ -1,0 +1,62 @@
+"""Decode attention reading the paged KV cache in place: `torch.ops.kvslim.paged_decode`
+(csrc/paged_attention.cpp says the arithmetic): each KV head's keys and values read once for its
+group of query heads, float32, a sequence's result independent of the batch and of the tables'
+padding. float32 caches, and int8 ones with their float16 scales; `supports` says which.
+
+`reference_paged_decode` is the same attention in plain torch (float64), which the tests hold
+the kernel to."""
+from __future__ import annotations
+
+import torch
+
+from kvslim.kernels import extension
+
+
+def supports(cache_dtype: torch.dtype, query_dtype: torch.dtype, device: torch.device) -> bool:
+    return (device.type == "cpu" and query_dtype == torch.float32
+            and cache_dtype in (torch.float32, torch.int8))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_scales: torch.Tensor | None, v_scales: torch.Tensor | None,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, key_start: int,
+                 window: int | None, scale: float) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]: each decode over the keys before its length (and inside its
+    window) of the blocks its table lists, from position `key_start` on."""
+    return torch.ops.kvslim.paged_decode(q, k_cache, v_cache, k_scales, v_scales, block_tables,
+                                         context_lens, key_start, window or 0, scale)
+
+
+def reference_paged_decode(q, k_cache, v_cache, k_scales, v_scales, block_tables,
+                           context_lens, key_start, window, scale) -> torch.Tensor:
+    b, h, d = q.shape
+    kvh = k_cache.shape[2]
+    out = torch.zeros(b, h, d, dtype=torch.float64)
+    for i in range(b):
+        keys, values = (_rows(c, s, block_tables[i]) for c, s in ((k_cache, k_scales),
+                                                                  (v_cache, v_scales)))
+        pos = torch.arange(key_start, key_start + keys.shape[0])
+        seen = pos < int(context_lens[i])
+        if window:
+            seen &= pos >= int(context_lens[i]) - window
+        if not seen.any():
+            continue
+        keys, values = keys[seen], values[seen]                  # [n, KVH, D]
+        qi = q[i].double().view(kvh, h // kvh, d)
+        scores = torch.einsum("kgd,nkd->kgn", qi, keys) * scale
+        out[i] = torch.einsum("kgn,nkd->kgd", scores.softmax(-1), values).reshape(h, d)
+    return out
+
+
+def _rows(cache, scales, table):
+    rows = cache[table.long()].double().flatten(0, 1)            # [W * BS, KVH, D]
+    if scales is not None:
+        rows = rows * scales[table.long()].double().flatten(0, 1)[..., None]
+    return rows
+
+
+FAKES = {"paged_decode": lambda q, *args: torch.empty_like(q)}
+
+
+def available() -> bool:
+    return extension.ensure(FAKES)

@@ -1,0 +1,83 @@
+"""The decode kernel reading the paged cache in place: the plain-torch reference within a stated
+bound for float32 and int8 caches, GQA, MQA and MHA, windows and a table that starts past the
+first block; a sequence's bits independent of the batch and of the tables' padding."""
+import pytest
+import torch
+
+from kvslim.kernels import extension, paged_attention
+
+pytestmark = pytest.mark.skipif(extension.missing_compiler() is not None,
+                                reason="no C++ compiler: the extension cannot build here")
+BOUND = 1e-5                       # float32 against float64, relative to the largest output
+BLOCKS, BS = 40, 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert paged_attention.available(), extension.load()
+
+
+def caches(kvh: int, d: int, int8: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (BLOCKS, BS, kvh, d)
+    if not int8:
+        return torch.randn(shape, generator=g), torch.randn(shape, generator=g), None, None
+    k = torch.randint(-127, 128, shape, dtype=torch.int8, generator=g)
+    v = torch.randint(-127, 128, shape, dtype=torch.int8, generator=g)
+    ks = (torch.rand(BLOCKS, BS, kvh, generator=g) * 0.02).half()
+    vs = (torch.rand(BLOCKS, BS, kvh, generator=g) * 0.02).half()
+    return k, v, ks, vs
+
+
+def step(b: int, h: int, d: int, width: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, d, generator=g)
+    tables = torch.stack([torch.randperm(BLOCKS, generator=g)[:width] for _ in range(b)])
+    lens = torch.randint(1, width * BS + 1, (b,), generator=g)
+    return q, tables.to(torch.int32), lens
+
+
+@pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (4, 1, 256), (4, 4, 24)])
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("window,key_start", [(None, 0), (5, 0), (None, 8)])
+def test_the_kernel_matches_its_reference(h, kvh, d, int8, window, key_start):
+    kv = caches(kvh, d, int8)
+    q, tables, lens = step(6, h, d, width=7)
+    lens = lens + key_start
+    got = paged_attention.paged_decode(q, *kv, tables, lens, key_start, window, d ** -0.5)
+    ref = paged_attention.reference_paged_decode(q, *kv, tables, lens, key_start, window,
+                                                 d ** -0.5)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    assert (got.double() - ref).abs().max() / ref.abs().max() < BOUND
+
+
+def test_a_sequence_does_not_depend_on_the_batch_or_the_padding():
+    kv = caches(3, 64, int8=False)
+    q, tables, lens = step(8, 9, 64, width=6)
+    batched = paged_attention.paged_decode(q, *kv, tables, lens, 0, None, 0.125)
+    for i in range(len(q)):
+        wider = torch.cat([tables[i:i + 1], torch.zeros(1, 5, dtype=torch.int32)], dim=1)
+        alone = paged_attention.paged_decode(q[i:i + 1], *kv, wider, lens[i:i + 1], 0, None,
+                                             0.125)
+        assert torch.equal(alone[0], batched[i])
+
+
+def test_a_sequence_with_nothing_to_see_gets_zeros():
+    kv = caches(1, 16, int8=False)
+    q, tables, _ = step(2, 2, 16, width=2)
+    out = paged_attention.paged_decode(q, *kv, tables, torch.tensor([0, 3]), 0, None, 0.25)
+    assert torch.equal(out[0], torch.zeros(2, 16)) and out[1].abs().sum() > 0
+
+
+def test_bad_inputs_are_refused():
+    k, v, _, _ = caches(2, 16, int8=False)
+    q, tables, lens = step(2, 4, 16, width=2)
+    with pytest.raises(RuntimeError, match="q must be float32"):
+        paged_attention.paged_decode(q.double(), k, v, None, None, tables, lens, 0, None, 1.0)
+    with pytest.raises(RuntimeError, match="one block table and one length per query"):
+        paged_attention.paged_decode(q, k, v, None, None, tables[:1], lens, 0, None, 1.0)
+    with pytest.raises(RuntimeError, match="float32, or int8 with float16 scales"):
+        paged_attention.paged_decode(q, k.to(torch.int8), v.to(torch.int8), None, None,
+                                     tables, lens, 0, None, 1.0)
+    assert paged_attention.supports(torch.int8, torch.float32, torch.device("cpu"))
+    assert not paged_attention.supports(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
