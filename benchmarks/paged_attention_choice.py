@@ -1,8 +1,9 @@
 """Which paged-attention backend the CPU should default to, measured: the gather path against
-FlexAttention (eager on the CPU) on the same steps, one model's attention shape.
+FlexAttention (eager on the CPU) and kvslim's C++ decode kernel (`kernel`: decodes read the
+cache in place; prefill chunks gather) on the same steps, one model's attention shape.
 
-    python benchmarks/paged_attention_choice.py [--layers 30] [--repeats 3] [--threads N] \
-        [--json] [--out docs/paged_attention_choice.json]
+    python benchmarks/paged_attention_choice.py [--backends gather,flex,kernel] [--layers 30] \
+        [--repeats 3] [--threads N] [--json] [--out docs/paged_attention_choice.json]
 
 A step is what the engine does for one layer's worth of attention, amortised over `--layers`
 layers: the step's metadata built once (`build_paged_attention`, masks included), then every
@@ -47,8 +48,7 @@ def random_step(kind: str, num_seqs: int, context: int, new: int, args, seed: in
     if kind == "decode":
         layout = PagedStepLayout(slot_mapping=slots, num_decode_tokens=num_seqs,
                                  decode_block_tables=tables,
-                                 decode_context_lens=torch.full((num_seqs,), context),
-                                 decode_context_lens_host=[context] * num_seqs)
+                                 decode_context_lens=torch.full((num_seqs,), context))
     else:
         layout = PagedStepLayout(slot_mapping=slots, prefills=[PrefillChunk(
             query_start=0, query_len=new, context_len=context, block_table=tables[0])])
@@ -78,19 +78,19 @@ def step_ms(backend: str, kv, layout, q, k, v, layers: int, repeats: int) -> flo
 
 
 def measure(args) -> dict:
-    rows = []
+    rows, backends = [], args.backends.split(",")
     for kind, num_seqs, context, new in SHAPES:
         step = random_step(kind, num_seqs, context, new, args)
-        times = {b: step_ms(b, *step, args.layers, args.repeats) for b in ("gather", "flex")}
+        times = {b: step_ms(b, *step, args.layers, args.repeats) for b in backends}
         rows.append(dict(kind=kind, sequences=num_seqs, context=context, new_tokens=new,
-                         pool_blocks=step[0].shape[1], gather_ms=round(times["gather"], 3),
-                         flex_ms=round(times["flex"], 3),
-                         flex_over_gather=round(times["flex"] / times["gather"], 2)))
-        print(f"[choice] {kind} x{num_seqs} @{context}: gather {times['gather']:.2f} ms, "
-              f"flex {times['flex']:.2f} ms", file=sys.stderr, flush=True)
-    totals = {b: sum(r[f"{b}_ms"] for r in rows) for b in ("gather", "flex")}
+                         pool_blocks=step[0].shape[1],
+                         **{f"{b}_ms": round(t, 3) for b, t in times.items()}))
+        print(f"[choice] {kind} x{num_seqs} @{context}: "
+              + ", ".join(f"{b} {t:.2f} ms" for b, t in times.items()), file=sys.stderr,
+              flush=True)
+    totals = {b: sum(r[f"{b}_ms"] for r in rows) for b in backends}
     return dict(command="python benchmarks/paged_attention_choice.py " + " ".join(sys.argv[1:]),
-                machine=machine_info().to_dict(),
+                machine=machine_info().to_dict(), backends=backends,
                 shape=dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                            block_size=args.block_size, layers=args.layers, dtype="float32",
                            pool_factor=args.pool_factor, repeats=args.repeats),
@@ -99,6 +99,7 @@ def measure(args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", default="gather,flex,kernel")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
