@@ -65,9 +65,10 @@ def test_packed_cpu_linears_match(hf_checkpoints, variant):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 9])
 def test_packed_linear_every_row_count(bias, rows, gemv_copy):
-    """One row takes the GEMV path (when the layer keeps that copy), more rows the packed
-    kernel: both compute nn.Linear."""
-    from kvslim.layers.cpu_linear import packed_linear_available
+    """kvslim's tiled kernel where it builds; else one row takes the GEMV path (when the layer
+    keeps that copy), more rows the packed kernel: each computes nn.Linear."""
+    from kvslim.kernels import tiled_gemm
+    from kvslim.layers.cpu_linear import TiledCpuKernel, packed_linear_available
     if not packed_linear_available():
         pytest.skip("oneDNN linear not available in this torch build")
     linear = torch.nn.Linear(40, 24, bias=bias)
@@ -76,7 +77,10 @@ def test_packed_linear_every_row_count(bias, rows, gemv_copy):
         packed = Linear(40, 24, bias=bias)
         packed.load_state_dict(linear.state_dict())
         packed.prepare_for_inference(gemv_copy, release_weight=True)
-        assert (packed.cpu_kernel.weight_in_out is not None) == gemv_copy
+        if tiled_gemm.available():
+            assert isinstance(packed.cpu_kernel, TiledCpuKernel)
+        else:
+            assert (packed.cpu_kernel.weight_in_out is not None) == gemv_copy
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(packed(x[None]), linear(x)[None],
                                    atol=1e-5, rtol=1e-5)

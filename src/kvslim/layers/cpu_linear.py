@@ -12,7 +12,23 @@ packed kernel wins by 20-30%. So each layer keeps both forms, twice the weight m
 the model's weights take at most a quarter of this machine's memory; a larger model keeps the
 packed form only.
 
-Float32 only; on any other device or dtype, or where the op is missing, layers keep F.linear.
+Both switch arithmetic with the number of rows (GEMV at one, oneDNN's blocked GEMM from two), so
+a row's logits depend on how many rows share its step. Where kvslim's own extension builds,
+float32 layers run its tiled GEMM instead (`TiledCpuKernel`, kernels/tiled_gemm.py: each output
+one chain of multiply-adds in input order, at every M), one copy of the weight. Measured on the
+2-core Xeon of docs/benchmarks.md (SmolLM2-135M's shapes, 2 threads, median µs; oneDNN column:
+GEMV at M = 1, packed from 2), tiled / oneDNN:
+
+    M                 1            2            8            64
+    qkv  576->960     17 / 18      20 / 36      46 / 56      276 / 277
+    gate_up ->3072    139 / 122    138 / 179    175 / 224    882 / 777
+    down 1536->576    44 / 34      44 / 69      80 / 102     461 / 439
+    lm_head ->49152   2294 / 2611  2766 / 3963  5372 / 5140  17228 / 14964
+
+within 15% where it loses (M = 64, one row of the MLP), faster at 2-8 rows: batch invariance
+costs nothing a decode step would see.
+
+Float32 only; on any other device or dtype, or where the ops are missing, layers keep F.linear.
 `kvslim.layers.linear.Linear` chooses its kernel with the rules here once its weights are loaded."""
 from __future__ import annotations
 
@@ -21,6 +37,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvslim.kernels import tiled_gemm
 
 BATCH_HINT = 64          # the reorder is tuned for this many rows; any number of rows works
 GEMV_COPY_MAX_SHARE = 0.25   # of physical memory that the weights may take for the second form
@@ -57,6 +75,20 @@ class PackedCpuKernel:
         return out.view(*lead, self.out_features)
 
 
+class TiledCpuKernel:
+    """y = x W^T + b through kvslim's float32 tiled GEMM: the same arithmetic for every row
+    count. Holds the only copy of the weight, in the kernel's tiles."""
+    weight_in_out = None
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.out_features, self.in_features = weight.shape
+        self.tiled = tiled_gemm.pack_float_weight(weight)
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled_gemm.float_linear(x, self.tiled, self.bias)
+
+
 def _linear_pointwise(rows: torch.Tensor, packed_weight: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
@@ -85,10 +117,14 @@ def _physical_memory() -> int:
 
 @torch.no_grad()
 def packed_kernel_usable(model: nn.Module) -> bool:
-    """Whether `model` (float32, on the CPU) can run the packed kernel: the op exists and,
-    checked on a random input, computes the same thing as F.linear."""
+    """Whether `model` (float32, on the CPU) can run a CPU kernel: kvslim's tiled one is
+    built, or oneDNN's op exists and, checked on a random input, computes F.linear."""
     param = next(model.parameters())
-    if param.device.type != "cpu" or param.dtype != torch.float32 or not packed_linear_available():
+    if param.device.type != "cpu" or param.dtype != torch.float32:
+        return False
+    if tiled_gemm.available():
+        return True
+    if not packed_linear_available():
         return False
     weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(3, 64)
     try:

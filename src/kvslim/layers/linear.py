@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvslim.layers.cpu_linear import PackedCpuKernel, gemv_copy_fits, packed_kernel_usable
+from kvslim.kernels import tiled_gemm
+from kvslim.layers.cpu_linear import (PackedCpuKernel, TiledCpuKernel, gemv_copy_fits,
+                                      packed_kernel_usable)
 
 
 class Linear(nn.Module):
@@ -29,7 +31,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.cpu_kernel: PackedCpuKernel | None = None
+        self.cpu_kernel: PackedCpuKernel | TiledCpuKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel is not None:
@@ -43,13 +45,17 @@ class Linear(nn.Module):
 
     @torch.no_grad()
     def prepare_for_inference(self, gemv_copy: bool, release_weight: bool) -> None:
-        """Switch to the packed CPU kernel. The weights must not change afterwards. The weight
+        """Switch to the CPU kernel: kvslim's tiled one where it builds, else oneDNN's packed
+        one (layers/cpu_linear.py). The weights must not change afterwards. The weight
         parameter then shares the GEMV copy's memory (as its transpose), or, without that copy
-        and when no other module shares it, becomes empty: the packed form is the only copy."""
-        self.cpu_kernel = PackedCpuKernel(self.weight, self.bias, gemv_copy)
+        and when no other module shares it, becomes empty: the kernel's form is the only copy."""
+        if tiled_gemm.available():
+            self.cpu_kernel = TiledCpuKernel(self.weight, self.bias)
+        else:
+            self.cpu_kernel = PackedCpuKernel(self.weight, self.bias, gemv_copy)
         if release_weight:
-            self.weight.data = (self.cpu_kernel.weight_in_out.t() if gemv_copy
-                                else self.weight.new_empty(0))
+            in_out = self.cpu_kernel.weight_in_out
+            self.weight.data = in_out.t() if in_out is not None else self.weight.new_empty(0)
 
 
 class ShardedLinear(Linear):
