@@ -26,22 +26,23 @@ from kvslim.kernels import paged_attention
 
 ATTENTION_BACKENDS = ("auto", "gather", "flex", "kernel")
 
-# The CPU default, measured by `python benchmarks/paged_attention_choice.py --out
-# docs/paged_attention_choice.json` (2 shared AMD EPYC cores, torch 2.13 CPU, float32,
-# SmolLM2-135M's attention: 9 query heads over 3 KV heads, head_dim 64, blocks of 16; ms per
-# layer, the step's metadata amortised over 30 layers; the pool exactly the step's blocks,
-# shuffled):
-#   step                                gather    flex (eager)
-#   decode, batch 1, context 256          0.16     26.7
-#   decode, batch 8, context 256          0.46     32.2
-#   decode, batch 32, context 256         2.37     68.9
-#   decode, batch 1, context 1024         0.57     20.4
-#   decode, batch 8, context 1024         2.95     54.9
-#   decode, batch 32, context 1024       16.3     341
-#   prefill 256 after 768 cached          8.89     60.3
+# The CPU default, measured by `python benchmarks/paged_attention_choice.py --threads 2 --json`
+# (docs/paged_attention_choice.json: 2-core Xeon, torch 2.13 CPU, float32, SmolLM2-135M's
+# attention: 9 query heads over 3 KV heads, head_dim 64, blocks of 16; ms per layer, the step's
+# metadata amortised over 30 layers; the pool exactly the step's blocks, shuffled):
+#   step                                gather    flex (eager)   kernel
+#   decode, batch 1, context 256          0.07     12.8            0.06
+#   decode, batch 8, context 256          0.27     18.3            0.25
+#   decode, batch 32, context 256         1.02     49.9            1.06
+#   decode, batch 1, context 1024         0.20     13.1            0.17
+#   decode, batch 8, context 1024         1.06     32.0            1.10
+#   decode, batch 32, context 1024        4.36    208              5.35
+#   prefill 256 after 768 cached          3.65     36.8            3.60
 # Eager FlexAttention scores every pool slot (repeating K/V per query head inside), and each
-# call costs about 18 ms of Python machinery (pytree flattening, vmap over the mask) before any
-# arithmetic: 7-160x slower here. The CPU gathers.
+# call costs milliseconds of Python machinery (pytree flattening, vmap over the mask) before
+# any arithmetic: 10-170x slower here. kvslim's decode kernel (scalar exp, one work item per
+# sequence and KV head) is within 20% of gather either way and loses on the largest step: the
+# CPU gathers; `kernel` stays an option (it reads no copy of the context).
 CPU_DEFAULT = "gather"
 
 
@@ -96,4 +97,6 @@ def build_paged_attention(backend: str, kv_caches: list[KVCacheLayer],
                                           layer_windows, layer_group)
         return FlexPagedAttention(kv_caches, metas)
     metas = build_layer_metadata(layouts, block_size, layer_windows, layer_group)
+    if backend == "kernel" and not paged_attention.available():
+        raise KvslimError("attention_backend=kernel: kvslim's C++ kernels are not built here")
     return PagedAttention(kv_caches, metas, decode_kernel=backend == "kernel")
