@@ -18,9 +18,14 @@ from kvslim.bench.runners import kvslim_llm
 from kvslim.bench.workload import Workload, special_ids
 from kvslim.engine.sampling_params import SamplingParams
 
-GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "mkldnn::_linear_pointwise"}
-ATTENTION_PREFIXES = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
-CACHE_OPS = {"aten::index_select", "aten::_index_put_impl_"}
+# The matrix products: torch's, its weight-only and integer ones, and kvslim's own kernels.
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "mkldnn::_linear_pointwise",
+            "kvslim::onednn_linear", "aten::_weight_int4pack_mm_for_cpu",
+            "aten::_weight_int8pack_mm", "aten::_int_mm", "kvslim::group_mm",
+            "kvslim::tiled_mm", "kvslim::group_mm_q8"}
+ATTENTION_PREFIXES = ("aten::_scaled_dot_product", "aten::scaled_dot_product",
+                      "kvslim::paged_decode")
+CACHE_OPS = {"aten::index_select", "aten::_index_put_impl_", "kvslim::store_slots"}
 CATEGORIES = ("gemm", "attention", "other_ops", "outside_ops")
 
 
