@@ -40,6 +40,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
@@ -258,16 +259,17 @@ class TensorParallelExecutor:
 
     def _dead_rank(self, wait_s: float = 0.0) -> str | None:
         """What ended the first spawned worker that is no longer running, if one is not; a
-        rank that just died may need `wait_s` to be reaped."""
-        if wait_s and self.processes:
-            wait([p.sentinel for p in self.processes], timeout=wait_s)
-        for rank, process in enumerate(self.processes, start=1):
-            if not process.is_alive():
-                code = process.exitcode
-                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else \
-                    f"exited with code {code}"
-                return f"tensor-parallel rank {rank} (pid {process.pid}) {how}"
-        return None
+        rank that just died may need up to `wait_s` to be seen dead (polled: on CI a failed
+        collective once found every worker's sentinel quiet although one had been killed)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, process in enumerate(self.processes, start=1):
+                how = _how_it_ended(process)
+                if how is not None:
+                    return f"tensor-parallel rank {rank} (pid {process.pid}) {how}"
+            if time.monotonic() >= deadline or not self.processes:
+                return None
+            wait([p.sentinel for p in self.processes], timeout=0.05)
 
     def rank_kv_stats(self) -> list[RankKVStats]:
         return list(self._kv_stats)
@@ -296,6 +298,20 @@ class TensorParallelExecutor:
             shutil.rmtree(self.workdir, ignore_errors=True)
         if self.threads_before is not None:
             torch.set_num_threads(self.threads_before)
+
+
+def _how_it_ended(process) -> str | None:
+    """None while `process` runs; else how it ended. Its exit status comes from
+    multiprocessing, or, when something else in this process collected it first (then
+    multiprocessing thinks it runs forever), from its absence in /proc."""
+    if process.is_alive() and (not os.path.isdir("/proc")
+                               or os.path.exists(f"/proc/{process.pid}")):
+        return None
+    code = process.exitcode
+    if code is None:
+        return "is gone (its exit status was collected elsewhere)"
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else \
+        f"exited with code {code}"
 
 
 def _end_processes(processes: list, grace_s: float) -> None:
