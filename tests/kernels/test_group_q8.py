@@ -4,6 +4,7 @@ the kernel matches the float64 reference of its arithmetic within a stated bound
 import pytest
 import torch
 
+from group_weights import weight
 from kvslim.kernels import extension, group_q8
 
 pytestmark = pytest.mark.skipif(extension.missing_compiler() is not None,
@@ -16,17 +17,6 @@ def built():
     if extension.available() and not group_q8.available():
         pytest.skip("this CPU has no AVX-512 VNNI: the kernel has no path here")
     assert group_q8.available(), extension.load()
-
-
-def weight(bits, out, k, group, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    if bits == 4:
-        q = torch.randint(0, 16, (out, k), dtype=torch.uint8, generator=g)
-        mins = torch.randn(out, k // group, generator=g)
-    else:
-        q = torch.randint(-128, 128, (out, k), dtype=torch.int8, generator=g)
-        mins = None
-    return q, torch.rand(out, k // group, generator=g) * 0.1, mins
 
 
 def test_the_block_quantization_is_the_reference_one():

@@ -9,24 +9,13 @@ import sys
 import pytest
 import torch
 
+from group_weights import weight
 from kvslim.kernels import extension, tiled_gemm
 
 pytestmark = pytest.mark.skipif(extension.missing_compiler() is not None,
                                 reason="no C++ compiler: the extension cannot build here")
 # float32 sums of up to a few thousand products against float64: relative to the largest output.
 BOUND = 1e-5
-
-
-def weight(bits: int, out: int, k: int, group: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    if bits == 4:
-        q = torch.randint(0, 16, (out, k), dtype=torch.uint8, generator=g)
-        mins = torch.randn(out, k // group, generator=g)
-    else:
-        q = torch.randint(-128, 128, (out, k), dtype=torch.int8, generator=g)
-        mins = None
-    scales = torch.rand(out, k // group, generator=g) * 0.1
-    return q, scales, mins
 
 
 @pytest.fixture(scope="module", autouse=True)

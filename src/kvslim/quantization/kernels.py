@@ -173,8 +173,9 @@ class Int4Weight:
 
 
 def pack_int4(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              group_size: int) -> Int4Weight:
-    """values [out, in] in 0..15, scales and zeros [out, in // group_size]."""
+              group_size: int, offsets: torch.Tensor | None = None) -> Int4Weight:
+    """values [out, in] in 0..15, scales and zeros [out, in // group_size]; `offsets`: the
+    group kernel's m where w = q * s + m is not (q - zero) * s (pack_int4_offsets)."""
     out_f, in_f = values.shape
     if in_f % group_size or in_f % 2 or scales.shape != (out_f, in_f // group_size):
         raise ValueError(f"{in_f} inputs, groups of {group_size}, scales {tuple(scales.shape)}")
@@ -186,7 +187,8 @@ def pack_int4(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                         (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous(),
                         scales, (zeros * scales).contiguous())
     if values.device.type == "cpu" and tiled_gemm.available():
-        packed.group = tiled_gemm.pack_group_weight(values, scales, -packed.zeros_x_scales, 4)
+        mins = -packed.zeros_x_scales if offsets is None else offsets.float()
+        packed.group = tiled_gemm.pack_group_weight(values, scales, mins, 4)
     elif _native("_convert_weight_to_int4pack_for_cpu") and values.device.type == "cpu":
         packed.native = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         # The op dequantizes (q - 8) * scale + z, so z = (8 - zero) * scale.
@@ -201,11 +203,9 @@ def pack_int4_offsets(values: torch.Tensor, scales: torch.Tensor, offsets: torch
     """The same for w = q * scale + offset (llama.cpp's Q4_1 / Q4_K form): an offset cannot
     always be written as a zero point, -offset / scale, because a block's scale may be 0
     (Q4_K sub-block scales are 6-bit integers) while its offset is not."""
-    packed = pack_int4(values, scales, torch.zeros_like(scales), group_size)
+    packed = pack_int4(values, scales, torch.zeros_like(scales), group_size, offsets)
     offsets = offsets.float().contiguous()
     packed.zeros_x_scales = -offsets
-    if packed.group is not None:
-        packed.group = tiled_gemm.pack_group_weight(values, packed.scales, offsets, 4)
     if packed.native is not None:
         packed.native_scales_zeros = torch.stack(
             (packed.scales, 8 * packed.scales + offsets), dim=-1
