@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from kvslim.errors import KvslimError
+from kvslim.kernels import store_slots as slot_kernel
 
 KV_SCALE_DTYPE = torch.float16
 # The quantized KV dtypes the engine offers, and the largest magnitude each stores.
@@ -37,6 +38,7 @@ class KVCacheLayer:
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.store = slot_writer(k_cache)
 
     @property
     def block_size(self) -> int:
@@ -53,8 +55,8 @@ class KVCacheLayer:
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store the new tokens' k, v [N, KVH, D] at `slots`; returns the K/V attention should
         use for them (what `gather` will give back)."""
-        store_slots(self.k_cache, slots, k)
-        store_slots(self.v_cache, slots, v)
+        self.store(self.k_cache, slots, k)
+        self.store(self.v_cache, slots, v)
         return k, v
 
     def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +81,8 @@ class QuantizedKVCacheLayer(KVCacheLayer):
         for x, cache, scales in ((k, self.k_cache, self.k_scales),
                                  (v, self.v_cache, self.v_scales)):
             q, s = quantize(x, cache.dtype)
-            store_slots(cache, slots, q)
-            store_slots(scales, slots, s)
+            self.store(cache, slots, q)
+            self.store(scales, slots, s)
             fresh.append(dequantize(q, s, self.dtype))
         return fresh[0], fresh[1]
 
@@ -90,6 +92,15 @@ class QuantizedKVCacheLayer(KVCacheLayer):
                                 scales.index_select(0, blocks).view(-1, kvh), self.dtype)
                      for cache, scales in ((self.k_cache, self.k_scales),
                                            (self.v_cache, self.v_scales)))
+
+
+def slot_writer(cache: torch.Tensor):
+    """How a cache on `cache`'s device takes its new tokens: the extension's write on the CPU
+    (one C++ call; `store_slots` costs a Python custom op's dispatch inside a compiled step and
+    an index_put outside), else `store_slots`."""
+    if cache.device.type == "cpu" and slot_kernel.available():
+        return torch.ops.kvslim.write_slots
+    return store_slots
 
 
 def store_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:

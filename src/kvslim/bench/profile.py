@@ -25,7 +25,8 @@ GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "mkldnn::_li
             "kvslim::tiled_mm", "kvslim::group_mm_q8"}
 ATTENTION_PREFIXES = ("aten::_scaled_dot_product", "aten::scaled_dot_product",
                       "kvslim::paged_decode")
-CACHE_OPS = {"aten::index_select", "aten::_index_put_impl_", "kvslim::store_slots"}
+CACHE_OPS = {"aten::index_select", "aten::_index_put_impl_", "kvslim::store_slots",
+             "kvslim::write_slots"}
 CATEGORIES = ("gemm", "attention", "other_ops", "outside_ops")
 
 

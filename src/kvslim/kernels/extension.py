@@ -23,7 +23,7 @@ import torch
 from kvslim.paths import kvslim_home
 
 DISABLE_ENV = "KVSLIM_NO_EXTENSION"
-SOURCES = ("tiled_gemm.cpp", "group_q8.cpp", "paged_attention.cpp")
+SOURCES = ("tiled_gemm.cpp", "group_q8.cpp", "paged_attention.cpp", "store_slots.cpp")
 # -ffp-contract=off: the source says where a multiply and an add fuse; the compiler may not
 # fuse others (the group sums), so every build runs the same arithmetic.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math")

@@ -77,9 +77,7 @@ def pack_q8_weight(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
 def q8_linear(x: torch.Tensor, weight: Q8GroupWeight,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.reshape(-1, weight.in_features).float()
-    xq, dx = torch.ops.kvslim.quantize_blocks(rows)
-    xsum = (torch.ops.kvslim.group_sums(rows, weight.groups) if weight.bits == 4 else None)
-    y = torch.ops.kvslim.group_mm_q8(xq, dx, xsum, weight.qweight, weight.scales, weight.mins,
+    y = torch.ops.kvslim.group_mm_q8(rows, weight.qweight, weight.scales, weight.mins,
                                      weight.colsum, weight.bits, weight.out_features)
     if bias is not None:
         y = y + bias.float()
@@ -107,9 +105,8 @@ def reference_group_linear_q8(x, q, scales, mins) -> torch.Tensor:
 
 FAKES = {"quantize_blocks": lambda x: (x.new_empty(x.shape, dtype=torch.int8),
                                        x.new_empty(x.shape[0], x.shape[1] // QBLOCK)),
-         "group_sums": lambda x, groups: x.new_empty(x.shape[0], groups),
-         "group_mm_q8": lambda xq, dx, xsum, qweight, scales, mins, colsum, bits, n:
-             dx.new_empty(xq.shape[0], n)}
+         "group_mm_q8": lambda x, qweight, scales, mins, colsum, bits, n:
+             x.new_empty(x.shape[0], n)}
 
 
 def available() -> bool:

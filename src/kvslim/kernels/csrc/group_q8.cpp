@@ -36,63 +36,94 @@ constexpr int NT = 16;
 constexpr int64_t QB = 32;          // activation block
 
 #if KVSLIM_VNNI
-constexpr int RMAX = 4;
+constexpr int RMAX = 4;           // rows per call when they are many (one tile at a time)
+constexpr int FEW_ROWS = 2;       // up to this many rows, CT tiles side by side
+constexpr int CT = 4;
 
-template <int R, int BITS>
-void q8_tile(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* w,
-             const float* s, const float* m, const int32_t* colsum, float* y, int64_t K,
-             int64_t N, int64_t groups, int64_t t, int64_t r0) {
+// Rows r0..r0+R of tiles t0..t0+C. C tiles side by side give one row C independent chains of
+// vpdpbusd (one chain is bound by its latency); lo and hi nibbles sum into separate integer
+// accumulators, added before the float step. Integer sums are exact, so neither split changes
+// a bit of any output: the float steps stay one fixed sequence per output.
+template <int R, int C, int BITS>
+void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* w,
+              const float* s, const float* m, const int32_t* colsum, float* y, int64_t K,
+              int64_t N, int64_t groups, int64_t t0, int64_t r0) {
   const int64_t group = K / groups, blocks = K / QB;
   const int64_t sub = std::min<int64_t>(group, QB);       // inputs per integer sum
   const int64_t tile_bytes = K * NT * BITS / 8;
-  const uint8_t* wt = w + t * tile_bytes;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i bias = _mm512_set1_epi8((char)0x80);
   for (int64_t k0 = 0; k0 < K; k0 += sub) {
-    __m512i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    __m512i isum[R][C], isum2[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) isum[r][c] = isum2[r][c] = _mm512_setzero_si512();
     if (BITS == 4) {
-      for (int64_t k = k0; k < k0 + sub; k += 8) {
-        const __m512i v = _mm512_loadu_si512(wt + k * NT / 2);
-        const __m512i lo = _mm512_and_si512(v, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        for (int r = 0; r < R; ++r) {
-          const int32_t* xr = (const int32_t*)(xq + (r0 + r) * K + k);
-          isum[r] = _mm512_dpbusd_epi32(isum[r], lo, _mm512_set1_epi32(xr[0]));
-          isum[r] = _mm512_dpbusd_epi32(isum[r], hi, _mm512_set1_epi32(xr[1]));
+      for (int64_t k = k0; k < k0 + sub; k += 8)
+        for (int c = 0; c < C; ++c) {
+          const __m512i v = _mm512_loadu_si512(w + (t0 + c) * tile_bytes + k * NT / 2);
+          const __m512i lo = _mm512_and_si512(v, low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            const int32_t* xr = (const int32_t*)(xq + (r0 + r) * K + k);
+            isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], lo, _mm512_set1_epi32(xr[0]));
+            isum2[r][c] = _mm512_dpbusd_epi32(isum2[r][c], hi, _mm512_set1_epi32(xr[1]));
+          }
         }
-      }
     } else {
-      const __m512i bias = _mm512_set1_epi8((char)0x80);
-      for (int64_t k = k0; k < k0 + sub; k += 4) {
-        const __m512i v = _mm512_loadu_si512(wt + k * NT);
-        for (int r = 0; r < R; ++r) {
-          const int32_t xr = *(const int32_t*)(xq + (r0 + r) * K + k);
-          const __m512i xu = _mm512_xor_si512(_mm512_set1_epi32(xr), bias);   // xq + 128
-          isum[r] = _mm512_dpbusd_epi32(isum[r], xu, v);
+      for (int64_t k = k0; k < k0 + sub; k += 8)
+        for (int c = 0; c < C; ++c) {
+          const uint8_t* wk = w + (t0 + c) * tile_bytes + k * NT;
+          const __m512i v0 = _mm512_loadu_si512(wk), v1 = _mm512_loadu_si512(wk + 4 * NT);
+          for (int r = 0; r < R; ++r) {
+            const int32_t* xr = (const int32_t*)(xq + (r0 + r) * K + k);
+            const __m512i x0 = _mm512_xor_si512(_mm512_set1_epi32(xr[0]), bias);   // xq + 128
+            const __m512i x1 = _mm512_xor_si512(_mm512_set1_epi32(xr[1]), bias);
+            isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], x0, v0);
+            isum2[r][c] = _mm512_dpbusd_epi32(isum2[r][c], x1, v1);
+          }
         }
-      }
     }
     const int64_t g = k0 / group, b = k0 / QB;
-    const __m512 sv = _mm512_loadu_ps(s + (t * groups + g) * NT);
-    __m512i corr = _mm512_setzero_si512();
-    if (BITS == 8)
-      corr = _mm512_slli_epi32(_mm512_loadu_si512(colsum + (t * (K / sub) + k0 / sub) * NT), 7);
-    for (int r = 0; r < R; ++r) {
-      const __m512i exact = BITS == 8 ? _mm512_sub_epi32(isum[r], corr) : isum[r];
-      const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(dx[(r0 + r) * blocks + b]));
-      acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(exact), acc[r]);
-    }
-    if (BITS == 4 && (k0 + sub) % group == 0) {
-      const __m512 mv = _mm512_loadu_ps(m + (t * groups + g) * NT);
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[(r0 + r) * groups + g]), acc[r]);
+    for (int c = 0; c < C; ++c) {
+      const int64_t t = t0 + c;
+      const __m512 sv = _mm512_loadu_ps(s + (t * groups + g) * NT);
+      __m512i corr = _mm512_setzero_si512();
+      if (BITS == 8)
+        corr = _mm512_slli_epi32(_mm512_loadu_si512(colsum + (t * (K / sub) + k0 / sub) * NT), 7);
+      for (int r = 0; r < R; ++r) {
+        __m512i exact = _mm512_add_epi32(isum[r][c], isum2[r][c]);
+        if (BITS == 8) exact = _mm512_sub_epi32(exact, corr);
+        const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(dx[(r0 + r) * blocks + b]));
+        acc[r][c] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(exact), acc[r][c]);
+      }
+      if (BITS == 4 && (k0 + sub) % group == 0) {
+        const __m512 mv = _mm512_loadu_ps(m + (t * groups + g) * NT);
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[(r0 + r) * groups + g]), acc[r][c]);
+      }
     }
   }
-  const int cols = (int)std::min<int64_t>(NT, N - t * NT);
-  for (int r = 0; r < R; ++r)
-    _mm512_mask_storeu_ps(y + (r0 + r) * N + t * NT, (__mmask16)((1u << cols) - 1), acc[r]);
+  for (int c = 0; c < C; ++c) {
+    const int cols = (int)std::min<int64_t>(NT, N - (t0 + c) * NT);
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(y + (r0 + r) * N + (t0 + c) * NT, (__mmask16)((1u << cols) - 1),
+                            acc[r][c]);
+  }
+}
+
+using Q8Fn = decltype(&q8_block<1, 1, 4>);
+
+template <int BITS>
+Q8Fn q8_kernel(int64_t rows, int64_t tiles) {
+  static const Q8Fn few[FEW_ROWS][CT] = {
+      {q8_block<1, 1, BITS>, q8_block<1, 2, BITS>, q8_block<1, 3, BITS>, q8_block<1, 4, BITS>},
+      {q8_block<2, 1, BITS>, q8_block<2, 2, BITS>, q8_block<2, 3, BITS>, q8_block<2, 4, BITS>}};
+  static const Q8Fn many[RMAX] = {q8_block<1, 1, BITS>, q8_block<2, 1, BITS>,
+                                  q8_block<3, 1, BITS>, q8_block<4, 1, BITS>};
+  return tiles > 1 ? few[rows - 1][tiles - 1] : many[rows - 1];
 }
 #endif
 
@@ -113,33 +144,65 @@ std::tuple<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& x) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < K / QB; ++b) {
         const float* v = xp + r * K + b * QB;
+        int8_t* q = qp + r * K + b * QB;
+#if KVSLIM_VNNI
+        // The same steps in vectors (a libm nearbyint per element cost more than the GEMM's
+        // small calls): max is exact in any order; cvtps rounds to nearest even, as nearbyint.
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 127.f, inv = d > 0.f ? 127.f / amax : 0.f;
+        const __m512 iv = _mm512_set1_ps(inv);
+        _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, iv))));
+        _mm_storeu_si128((__m128i*)(q + 16),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, iv))));
+#else
         float amax = 0.f;
         for (int64_t i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(v[i]));
         const float d = amax / 127.f, inv = d > 0.f ? 127.f / amax : 0.f;
+        for (int64_t i = 0; i < QB; ++i) q[i] = (int8_t)std::nearbyint(v[i] * inv);
+#endif
         dp[r * (K / QB) + b] = d;
-        for (int64_t i = 0; i < QB; ++i)
-          qp[r * K + b * QB + i] = (int8_t)std::nearbyint(v[i] * inv);
       }
   });
   return {xq, dx};
 }
 
-at::Tensor group_mm_q8(const at::Tensor& xq, const at::Tensor& dx,
-                       const std::optional<at::Tensor>& xsum, const at::Tensor& qweight,
-                       const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+// Each row's float sum of x over each group, in order (tiled_gemm.cpp's group_sums, the same
+// sequence): what the 4-bit offsets multiply.
+at::Tensor row_group_sums(const at::Tensor& x, int64_t groups) {
+  const int64_t M = x.size(0), K = x.size(1), group = K / groups;
+  at::Tensor out = at::empty({M, groups}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < group; ++k) sum += xp[r * K + g * group + k];
+      op[r * groups + g] = sum;
+    }
+  return out;
+}
+
+// One call from float x: its blocks quantized, its group sums, then the integer dot products
+// (three dispatches cost a decode step's small GEMMs as much as the weights' reading).
+at::Tensor group_mm_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins,
                        const std::optional<at::Tensor>& colsum, int64_t bits, int64_t n) {
 #if KVSLIM_VNNI
   TORCH_CHECK(bits == 4 || bits == 8, "group_mm_q8: bits must be 4 or 8");
-  TORCH_CHECK(xq.scalar_type() == at::kChar && xq.is_contiguous() && dx.is_contiguous(),
-              "group_mm_q8: xq must be contiguous int8 (quantize_blocks)");
-  const int64_t M = xq.size(0), K = xq.size(1), groups = scales.size(1), tiles = scales.size(0);
+  const int64_t groups = scales.size(1), tiles = scales.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "group_mm_q8: x must be 2-D float32");
+  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % groups == 0 && (K / groups) % 16 == 0 && K % QB == 0,
               "group_mm_q8: groups must be multiples of 16 inputs");
   TORCH_CHECK(qweight.size(0) == tiles && qweight.size(1) == K * NT * bits / 8 &&
                   tiles == (n + NT - 1) / NT, "group_mm_q8: weight shape does not match");
-  TORCH_CHECK((bits == 4) == (mins.has_value() && xsum.has_value()) &&
-                  (bits == 8) == colsum.has_value(),
-              "group_mm_q8: 4-bit weights take mins and x's group sums, 8-bit ones colsum");
+  TORCH_CHECK((bits == 4) == mins.has_value() && (bits == 8) == colsum.has_value(),
+              "group_mm_q8: 4-bit weights take mins, 8-bit ones colsum");
+  const at::Tensor xc = x.contiguous();
+  auto [xq, dx] = quantize_blocks(xc);
+  std::optional<at::Tensor> xsum;
+  if (bits == 4) xsum = row_group_sums(xc, groups);
   at::Tensor y = at::empty({M, n}, dx.options());
   const int8_t* xp = xq.data_ptr<int8_t>();
   const float* dp = dx.data_ptr<float>();
@@ -149,20 +212,20 @@ at::Tensor group_mm_q8(const at::Tensor& xq, const at::Tensor& dx,
   const float* mp = mins ? mins->data_ptr<float>() : nullptr;
   const int32_t* cp = colsum ? colsum->data_ptr<int32_t>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
+  // Few rows: work items of CT tiles, all rows at once; more rows: one tile per item, RMAX
+  // rows per call. Which call computes a row changes nothing in its arithmetic.
+  const bool few = M <= FEW_ROWS;
+  const int64_t per_item = few ? CT : 1, items = (tiles + per_item - 1) / per_item;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t0 = i * per_item, c = std::min<int64_t>(per_item, tiles - t0);
       for (int64_t r = 0; r < M;) {
-        const int64_t R = std::min<int64_t>(RMAX, M - r);
-        auto call = [&](auto fn) { fn(xp, dp, sp, wp, scp, mp, cp, yp, K, n, groups, t, r); };
-        if (bits == 4) {
-          if (R == 4) call(q8_tile<4, 4>); else if (R == 3) call(q8_tile<3, 4>);
-          else if (R == 2) call(q8_tile<2, 4>); else call(q8_tile<1, 4>);
-        } else {
-          if (R == 4) call(q8_tile<4, 8>); else if (R == 3) call(q8_tile<3, 8>);
-          else if (R == 2) call(q8_tile<2, 8>); else call(q8_tile<1, 8>);
-        }
+        const int64_t R = few ? M : std::min<int64_t>(RMAX, M - r);
+        const Q8Fn fn = bits == 4 ? q8_kernel<4>(R, c) : q8_kernel<8>(R, c);
+        fn(xp, dp, sp, wp, scp, mp, cp, yp, K, n, groups, t0, r);
         r += R;
       }
+    }
   });
   return y;
 #else
@@ -180,8 +243,8 @@ bool has_vnni() {
 
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("quantize_blocks(Tensor x) -> (Tensor, Tensor)");
-  m.def("group_mm_q8(Tensor xq, Tensor dx, Tensor? xsum, Tensor qweight, Tensor scales, "
-        "Tensor? mins, Tensor? colsum, int bits, int n) -> Tensor");
+  m.def("group_mm_q8(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? colsum, "
+        "int bits, int n) -> Tensor");
   m.def("has_vnni() -> bool", &has_vnni);
 }
 

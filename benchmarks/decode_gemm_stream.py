@@ -1,0 +1,114 @@
+"""A decode step's GEMMs as the model runs them: every layer's weight read once per step, from
+memory, not from cache (`kvslim bench kernels` times one weight over and over, which a 32 MB
+L3 keeps whole). Random group weights in SmolLM2-135M's shapes (30 layers of qkv, o, gate_up,
+down; 4-bit, groups of 32, with offsets, as its Q4_1 file) and its tied LM head (8-bit,
+groups of 16, as Q8_0 is stored), run by kvslim's two group kernels: float32 activations
+(`group`, kernels/tiled_gemm.py, the engine's) and int8 activations per 32-block
+(`q8`, kernels/group_q8.py, llama.cpp's arithmetic), and per M the read rate against the
+machine's measured bandwidth.
+
+    python benchmarks/decode_gemm_stream.py [--batches 1,8,32] [--rounds 6] [--threads N]
+        [--json]
+
+Each cell is the best of `--rounds` interleaved rounds (a shared machine's noise only slows a
+round down)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from kvslim.bench.machine import machine_info, memory_bandwidth
+from kvslim.kernels import group_q8, tiled_gemm
+
+LAYERS = 30
+SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
+HEAD = (576, 49152)
+
+
+def random_weight(bits: int, out: int, k: int, group: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        q = torch.randint(0, 16, (out, k), dtype=torch.uint8, generator=g)
+        mins = torch.randn(out, k // group, generator=g) * 0.01
+    else:
+        q = torch.randint(-128, 128, (out, k), dtype=torch.int8, generator=g)
+        mins = None
+    return q, torch.rand(out, k // group, generator=g) * 0.01, mins
+
+
+def build(kernels: list[str]):
+    """{kernel: (layer weights, head weight)} and the bytes one step reads."""
+    pack = {"group": tiled_gemm.pack_group_weight, "q8": group_q8.pack_q8_weight}
+    raw = [random_weight(4, n, k, 32, seed=i * 4 + j)
+           for i in range(LAYERS) for j, (k, n) in enumerate(SHAPES.values())]
+    head = random_weight(8, HEAD[1], HEAD[0], 16, seed=-1)
+    built = {name: ([pack[name](*w, 4) for w in raw], pack[name](*head, 8)) for name in kernels}
+    first = built[kernels[0]]
+    layer_bytes = sum(tiled_gemm.pack_group_weight(*w, 4).nbytes() for w in raw[:4]) * LAYERS
+    return built, layer_bytes, first[1].qweight.nbytes + first[1].scales.nbytes
+
+
+def step_time(run, layers, head, m: int) -> tuple[float, float]:
+    xs = {k: torch.randn(m, k) for k in (576, 1536)}
+    t = time.perf_counter()
+    for w in layers:
+        run(xs[w.in_features], w)
+    mid = time.perf_counter()
+    run(xs[576], head)
+    return mid - t, time.perf_counter() - mid
+
+
+def measure(batches, rounds: int, kernels: list[str]) -> dict:
+    built, layer_bytes, head_bytes = build(kernels)
+    run = {"group": tiled_gemm.group_linear, "q8": group_q8.q8_linear}
+    best = {}
+    for _ in range(rounds):
+        for m in batches:
+            for name in kernels:
+                layers, head = built[name]
+                step_time(run[name], layers, head, m)                 # page in, warm up
+                lt, ht = step_time(run[name], layers, head, m)
+                old = best.get((name, m), (float("inf"), float("inf")))
+                best[(name, m)] = (min(old[0], lt), min(old[1], ht))
+    rows = [{"kernel": name, "m": m, "layers_ms": lt * 1e3, "head_ms": ht * 1e3,
+             "layers_gb_s": layer_bytes / lt / 1e9, "head_gb_s": head_bytes / ht / 1e9}
+            for (name, m), (lt, ht) in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
+    return {"layer_mb": layer_bytes / 1e6, "head_mb": head_bytes / 1e6, "rows": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not tiled_gemm.available():
+        print("kvslim's kernels are not built here (KVSLIM_NO_EXTENSION or no compiler)",
+              file=sys.stderr)
+        return 1
+    kernels = ["group"] + (["q8"] if group_q8.available() else [])
+    result = measure([int(b) for b in args.batches.split(",")], args.rounds, kernels)
+    result["machine"] = machine_info().to_dict()
+    result["read_gb_s"] = memory_bandwidth().read_gb_s
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"one step reads {result['layer_mb']:.1f} MB of layers and {result['head_mb']:.1f} MB "
+          f"of LM head; memory read {result['read_gb_s']:.1f} GB/s, "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'kernel':7} {'M':>3} {'layers ms':>10} {'GB/s':>6} {'head ms':>8} {'GB/s':>6}")
+    for r in result["rows"]:
+        print(f"{r['kernel']:7} {r['m']:>3} {r['layers_ms']:>10.2f} {r['layers_gb_s']:>6.1f} "
+              f"{r['head_ms']:>8.2f} {r['head_gb_s']:>6.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
