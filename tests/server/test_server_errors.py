@@ -48,6 +48,12 @@ CASES = {
                                 "logit_bias"),
     "logit_bias_outside_vocab": (COMPLETIONS, {"prompt": "a", "logit_bias": {"999999": 1}}, 400,
                                  "logit_bias"),
+    # JSON escapes half of a UTF-16 pair alone: no character, no tokenizer takes it
+    "prompt_lone_surrogate": (COMPLETIONS, b'{"prompt": "Hi \\ud800 there", "max_tokens": 2}', 400,
+                              "prompt"),
+    "message_lone_surrogate": (CHAT, b'{"messages": [{"role": "user", "content": "\\udc00"}]}',
+                               400, "messages"),
+    "stop_lone_surrogate": (COMPLETIONS, b'{"prompt": "a", "stop": ["\\ud83d"]}', 400, "stop"),
     "malformed_json": (COMPLETIONS, b'{"prompt": "a", "max_tokens": ', 400, None),
     "body_not_an_object": (COMPLETIONS, b'[1, 2]', 400, None),
     "unknown_model": (COMPLETIONS, {"model": "gpt-4", "prompt": "a"}, 404, "model"),
@@ -96,6 +102,8 @@ def test_bad_request_gets_openai_error_then_server_serves(http, reference, name)
     assert error["type"] == "invalid_request_error"
     if name.startswith("unknown_model"):
         assert error["code"] == "model_not_found"
+    if name.endswith("surrogate"):
+        assert "lone UTF-16 surrogate" in error["message"], error
     assert_still_serving(http, reference)
 
 

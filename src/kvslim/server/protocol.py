@@ -23,6 +23,30 @@ class _Request(BaseModel):
     # Unknown fields (user, service_tier, ...) are ignored, as most OpenAI-compatible servers do.
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    @field_validator("*")
+    @classmethod
+    def _whole_characters(cls, value):
+        """JSON may escape half of a UTF-16 pair alone ("\\ud800"), which is no character:
+        no tokenizer takes it, so the field that holds it is a 400."""
+        if _lone_surrogate(value):
+            raise ValueError("holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                             "escape), which is not valid Unicode text")
+        return value
+
+
+def _lone_surrogate(value) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_lone_surrogate(v) for v in value)
+    return False
+
 
 def _unsupported(message: str):
     """A validator for a field we accept only at its default; field validators (not model

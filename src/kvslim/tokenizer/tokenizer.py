@@ -81,7 +81,15 @@ class Tokenizer:
 
     # ---- text <-> ids --------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            # tokenizers' error for text that is not valid Unicode ("TextEncodeInput must be
+            # ..."); the usual cause is a lone UTF-16 surrogate, such as JSON's "\\ud800".
+            if isinstance(text, str) and not _is_unicode(text):
+                raise KvslimError("the text holds a lone UTF-16 surrogate (an unpaired "
+                                  "\\ud800-\\udfff), which is not valid Unicode") from None
+            raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -110,6 +118,14 @@ class Tokenizer:
         # The template already writes BOS etc., so no special tokens are added again.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt),
                            add_special_tokens=False)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def validate_messages(messages: Any) -> None:
