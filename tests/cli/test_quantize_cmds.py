@@ -84,7 +84,7 @@ def test_int8_is_one_symmetric_scale_per_output_channel(hf_checkpoints, tmp_path
     model = load_model(tmp_path / "q8", dtype=torch.float32)
     model.prepare_for_inference()
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    kernel = "group_linear" if tiled_gemm.available() else "int8_linear"   # kvslim's, or torch's
+    kernel = "group_forward" if tiled_gemm.available() else "int8_linear"  # kvslim's, or torch's
     assert layers and all(m.kernel.func.__name__ == kernel for m in layers)
 
 

@@ -7,7 +7,7 @@ from checkpoints import VOCAB
 from engine_helpers import GREEDY, engine, run, tokens
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.formats.loader import load_model
-from kvslim.kernels import extension, tiled_gemm
+from kvslim.kernels import extension, group_q8, tiled_gemm
 from kvslim.quantization import QuantSpec
 from kvslim.quantization.w8a8 import W8A8_SPEC
 from kvslim.surgery.quantize.model import quantize_model
@@ -92,15 +92,54 @@ def test_mixed_gguf_greedy_does_not_depend_on_batch_or_prefix_cache(mixed_gguf):
 
 @pytest.mark.skipif(extension.disabled() or extension.missing_compiler() is not None,
                     reason="torch's fallback kernels are not batch-invariant (gguf_blocks.py)")
-def test_mixed_gguf_logprobs_are_bit_identical_batched_and_alone(mixed_gguf):
-    """kvslim's group kernel fixes each row's arithmetic: not only the tokens, every logit of
-    every step is the same whatever else the batch holds."""
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_mixed_gguf_logprobs_are_bit_identical_batched_and_alone(mixed_gguf, activations):
+    """kvslim's group kernels fix each row's arithmetic: not only the tokens, every logit of
+    every step is the same whatever else the batch holds (float32 activations or int8 ones)."""
     assert tiled_gemm.available(), extension.load()
+    if activations == "int8" and not group_q8.available():
+        pytest.skip("this CPU has no AVX-512 VNNI: int8 activations fall back to float32")
     params = SamplingParams(max_tokens=10, logprobs=0, **GREEDY)
     g = torch.Generator().manual_seed(5)
     batch = [torch.randint(3, 260, (n,), generator=g).tolist() for n in (9, 30, 2, 17, 5)]
-    together = run(engine(mixed_gguf, enable_prefix_caching=False), batch, params)
-    eng = engine(mixed_gguf, enable_prefix_caching=False)
+    options = dict(enable_prefix_caching=False, linear_activations=activations)
+    together = run(engine(mixed_gguf, **options), batch, params)
+    eng = engine(mixed_gguf, **options)
     alone = [run(eng, [p], params)[0] for p in batch]
     assert [[lp.logprob for lp in o.outputs[0].logprobs] for o in together] == \
         [[lp.logprob for lp in o.outputs[0].logprobs] for o in alone]
+
+
+def _group_weights(model) -> list:
+    """Every group-kernel weight the model's layers hold (4-bit ones inside Int4Weight)."""
+    found = []
+    for module in model.modules():
+        for kernel in getattr(getattr(module, "kernel", None), "keywords", {}).values():
+            weight = getattr(kernel, "group", kernel)
+            if isinstance(weight, (tiled_gemm.GroupWeight, group_q8.Q8GroupWeight)):
+                found.append(weight)
+    return found
+
+
+@pytest.mark.skipif(extension.disabled() or extension.missing_compiler() is not None,
+                    reason="the int8-activation kernel is part of kvslim's extension")
+def test_int8_activations_run_the_int8_kernel_close_to_float32(mixed_gguf):
+    """linear_activations="int8" packs every group layer for the VNNI kernel (4- and 8-bit),
+    and its prompt logprobs stay near float32 activations' (llama.cpp's rounding of x; its
+    effect on a real model's perplexity: benchmarks/model_ppl.py --linear-activations)."""
+    if not group_q8.available():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY)
+    prompt = torch.randint(3, 260, (24,), generator=torch.Generator().manual_seed(6)).tolist()
+    out = {}
+    for activations in ("float32", "int8"):
+        eng = engine(mixed_gguf, enable_prefix_caching=False, linear_activations=activations)
+        kinds = {type(w) for w in _group_weights(eng.model)}
+        assert kinds == {group_q8.Q8GroupWeight if activations == "int8"
+                         else tiled_gemm.GroupWeight}, kinds
+        out[activations] = [lp.logprob
+                            for lp in run(eng, [prompt], params)[0].prompt_logprobs[1:]]
+    # the random model's logprobs are tens of nats: the rounding of x moves them by percents
+    ref = torch.tensor(out["float32"])
+    rel = (torch.tensor(out["int8"]) - ref).abs() / ref.abs()
+    assert 0 < rel.max() < 0.05, rel

@@ -48,7 +48,7 @@ def test_prepared_kernel_computes_the_dequantized_weight(bits, group, act_order,
     ref = F.linear(x, module.dequantized_weight().float(), module.bias)
     module.prepare_for_inference()
     ours = tiled_gemm.available()            # kvslim's kernels: float32 activations
-    per_channel = "group_linear" if ours else "int8_linear"
+    per_channel = "group_forward" if ours else "int8_linear"
     kernel = {4: "_int4_forward", 8: per_channel if group == -1 else "_dense_forward"}[bits]
     assert module.kernel.func.__name__ == kernel
     got = module(x)

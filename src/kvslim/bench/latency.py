@@ -76,8 +76,8 @@ def run_latency(model_dir, input_len: int = 128, output_len: int = 64,
                 batches: tuple[int, ...] = (1, 8), compare: list[str] = (),
                 show_progress: bool = True, repeats: int = 3,
                 kv_cache_dtype: str = "auto", bandwidth: Bandwidth | None = None,
-                speculative: dict | None = None, parallel: dict | None = None
-                ) -> LatencyResult:
+                speculative: dict | None = None, parallel: dict | None = None,
+                linear_activations: str = "float32") -> LatencyResult:
     """Each engine and batch measured `repeats` times, the engines taking turns within every
     round, so that a slow spell of a shared machine does not fall on one engine only; the
     tables show medians. `bandwidth`: the machine's, measured once by a caller that runs this
@@ -85,7 +85,8 @@ def run_latency(model_dir, input_len: int = 128, output_len: int = 64,
     parallel = parallel or {}
     ranks = parallel.get("tensor_parallel_size", 1)
     llm = kvslim_llm(model_dir, "1GiB", max_num_seqs=max(batches), kv_cache_dtype=kv_cache_dtype,
-                     speculative=speculative, **parallel)
+                     speculative=speculative, linear_activations=linear_activations,
+                     **parallel)
     try:
         return _measure_all(llm, model_dir, input_len, output_len, batches, compare,
                             show_progress, repeats, bandwidth, ranks)

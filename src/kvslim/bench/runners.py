@@ -24,13 +24,13 @@ def parse_compare(value: str | None) -> list[str]:
 def kvslim_llm(model_dir, kv_cache_memory="1GiB", max_num_seqs: int = 256,
                max_num_batched_tokens: int = 2048, dtype: str = "float32",
                kv_cache_dtype: str = "auto", speculative: dict | None = None,
-               **parallel) -> LLM:
+               linear_activations: str = "float32", **parallel) -> LLM:
     """`parallel`: LLM's tensor-parallel options (tensor_parallel_size, ...), and
     compile_decode."""
     return LLM(str(model_dir), dtype=dtype, device="cpu", kv_cache_memory=kv_cache_memory,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype,
-               speculative=speculative, **parallel)
+               speculative=speculative, linear_activations=linear_activations, **parallel)
 
 
 def exported_gguf(model_dir: Path, dtype: str = "f32") -> Path:

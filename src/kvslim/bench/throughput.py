@@ -56,13 +56,15 @@ def _entry(engine, label, seconds, w: Workload) -> EngineThroughput:
 def run_throughput(model_dir, w: Workload, compare: list[str], hf_batch_size: int = 8,
                    kv_cache_memory: str = "2GiB", show_progress: bool = True,
                    kv_cache_dtype: str = "auto", speculative: dict | None = None,
-                   parallel: dict | None = None) -> ThroughputResult:
+                   parallel: dict | None = None, linear_activations: str = "float32"
+                   ) -> ThroughputResult:
     """`parallel`: kvslim's tensor-parallel options; its ranks share the threads."""
     result = ThroughputResult(str(model_dir), asdict(w), torch.get_num_threads(), "float32",
                               hf_batch_size)
     parallel = parallel or {}
     llm = kvslim_llm(model_dir, kv_cache_memory, max_num_seqs=max(64, w.num_prompts),
-                     kv_cache_dtype=kv_cache_dtype, speculative=speculative, **parallel)
+                     kv_cache_dtype=kv_cache_dtype, speculative=speculative,
+                     linear_activations=linear_activations, **parallel)
     prompts = w.prompts(llm.engine.model_config.vocab_size, special_ids(llm.tokenizer))
     params = SamplingParams(max_tokens=w.output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -73,6 +75,8 @@ def run_throughput(model_dir, w: Workload, compare: list[str], hf_batch_size: in
     ranks = parallel.get("tensor_parallel_size", 1)
     label = "kvslim (continuous batching)" if ranks == 1 else \
         f"kvslim (continuous batching, {ranks} tensor-parallel ranks)"
+    if linear_activations != "float32":
+        label += f", {linear_activations} activations"
     result.results.append(_entry("kvslim", label, seconds, w))
     llm.shutdown()                           # its ranks give the cores back to the peers
     del llm

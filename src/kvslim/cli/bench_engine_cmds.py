@@ -17,7 +17,9 @@ IMPORT_DTYPE = dict(choices=("auto", "float32"),
 KVSLIM_ONLY = dict(kv_cache_dtype=dict(help="kvslim's KV-cache storage (default auto: the model's "
                                             "dtype)"),
                    speculative=dict(help="kvslim's speculative decoding, as for generate and "
-                                         "serve"))
+                                         "serve"),
+                   linear_activations=dict(help="kvslim's group-quantized layers: float32 or "
+                                                "int8 activations (default float32)"))
 
 
 def _common(p) -> None:
@@ -34,7 +36,8 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--compare", default="hf,llamacpp", help="peers: hf, llamacpp, or ''")
     p.add_argument("--hf-batch-size", type=int, default=8)
     add_engine_flags(p, "kv_cache_memory", "kv_cache_dtype", "speculative", "dtype",
-                     kv_cache_memory=dict(default="2GiB"), dtype=IMPORT_DTYPE, **KVSLIM_ONLY)
+                     "linear_activations", kv_cache_memory=dict(default="2GiB"),
+                     dtype=IMPORT_DTYPE, **KVSLIM_ONLY)
     _common(p)
     add_engine_flags(p, *PARALLEL_OPTIONS)
     p.set_defaults(func=run_throughput_cmd)
@@ -47,8 +50,8 @@ def register_engine_benchmarks(kinds) -> None:
     p.add_argument("--compare", default="hf,llamacpp")
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds, engines taking turns in each; tables show medians")
-    add_engine_flags(p, "kv_cache_dtype", "speculative", "dtype", dtype=IMPORT_DTYPE,
-                     **KVSLIM_ONLY)
+    add_engine_flags(p, "kv_cache_dtype", "speculative", "dtype", "linear_activations",
+                     dtype=IMPORT_DTYPE, **KVSLIM_ONLY)
     _common(p)
     add_engine_flags(p, *PARALLEL_OPTIONS)
     p.set_defaults(func=run_latency_cmd)
@@ -113,7 +116,8 @@ def run_throughput_cmd(args) -> int:
                             args.kv_cache_memory, show_progress=not args.json,
                             kv_cache_dtype=args.kv_cache_dtype,
                             speculative=_speculative_config(args),
-                            parallel=parallel_from_args(args))
+                            parallel=parallel_from_args(args),
+                            linear_activations=args.linear_activations)
     return _emit(args, result, format_throughput)
 
 
@@ -128,7 +132,8 @@ def run_latency_cmd(args) -> int:
                          parse_compare(args.compare), show_progress=not args.json,
                          repeats=args.repeats, kv_cache_dtype=args.kv_cache_dtype,
                          speculative=_speculative_config(args),
-                         parallel=parallel_from_args(args))
+                         parallel=parallel_from_args(args),
+                         linear_activations=args.linear_activations)
     return _emit(args, result, format_latency)
 
 

@@ -5,6 +5,7 @@ import json
 
 from kvslim.cli.train_cmds import add_loop_args, loop_kwargs, record_command
 from kvslim.errors import KvslimError
+from kvslim.kernels.activations import LINEAR_ACTIVATIONS
 
 
 def register(sub) -> None:
@@ -65,6 +66,9 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=int, help="score only the first N tokens")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--linear-activations", choices=LINEAR_ACTIVATIONS, default=None,
+                   help="score the engine's kernels with these activations (default: the "
+                        "weights dequantized, float32)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run_ppl)
 
@@ -153,7 +157,8 @@ def run_ppl(args) -> int:
     from kvslim.formats.registry import resolve_model
     from kvslim.eval.perplexity import file_perplexity
     result = file_perplexity(resolve_model(args.model), args.data, args.context, args.stride,
-                             args.max_tokens, args.dtype, args.device, show_progress=not args.json)
+                             args.max_tokens, args.dtype, args.device, show_progress=not args.json,
+                             linear_activations=args.linear_activations)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

@@ -16,6 +16,7 @@ from kvslim.attention.backends import ATTENTION_BACKENDS
 from kvslim.attention.kv_cache import KV_CACHE_DTYPES
 from kvslim.engine.speculative.config import SpeculativeConfig
 from kvslim.errors import KvslimError
+from kvslim.kernels.activations import LINEAR_ACTIVATIONS
 from kvslim.kv_cache.plan import DEFAULT_BLOCK_SIZE
 from kvslim.parallel.sharding import check_world_size
 
@@ -101,6 +102,13 @@ class EngineConfig:
                 "int8 caches) or auto (flex on CUDA, on the CPU what measured faster; flex "
                 "never takes a quantized KV cache)",
         choices=ATTENTION_BACKENDS)
+    # kernels/activations.py: int8 is llama.cpp's arithmetic, faster in batches; float32 keeps
+    # the dequantized weight's float rounding (the default until a quality check says more).
+    linear_activations: str = option(
+        "float32", "what the CPU's group-quantized layers (GGUF blocks, GPTQ/AWQ 4-bit, int8 "
+                   "per channel) do with their inputs: float32 (default) or int8 (quantized per "
+                   "block of 32, as llama.cpp does; AVX-512 VNNI, else float32)",
+        choices=LINEAR_ACTIVATIONS)
     # The mask-only path, for comparison: sliding-window layers release nothing.
     keep_out_of_window_blocks: bool = option(
         False, "sliding-window layers keep every KV block (their window only masks) instead of "

@@ -22,6 +22,7 @@ from kvslim.engine.speculative.draft import DraftModelProposer
 from kvslim.errors import EngineFailedError, InvalidRequestError
 from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
+from kvslim.kernels.activations import linear_activations
 from kvslim.layers.rope import longrope_original_context
 from kvslim.tokenizer.tokenizer import Tokenizer
 
@@ -44,7 +45,8 @@ class LLMEngine:
         if self.config.tensor_parallel_size == 1:
             model = load_model(model_dir, dtype=self.config.dtype,
                                device=resolve_device(self.config.device))
-            model.prepare_for_inference()
+            with linear_activations(self.config.linear_activations):
+                model.prepare_for_inference()
             return model
         self.parallel = TensorParallelExecutor.start(model_dir, self.config)
         weakref.finalize(self, self.parallel.shutdown)       # at gc and at interpreter exit

@@ -55,6 +55,7 @@ from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvslim.engine.sequence import Sequence
 from kvslim.errors import KvslimError
 from kvslim.formats.loader import load_model, resolve_dtype
+from kvslim.kernels.activations import linear_activations
 from kvslim.models.config import ModelConfig
 from kvslim.parallel import shard_model
 
@@ -144,7 +145,8 @@ def load_shard(model_dir, config: EngineConfig, rank: int, world_size: int,
     model = load_model(model_dir, dtype=dtype, device="cpu")
     shard_model(model, rank, world_size)
     model.to(device)
-    model.prepare_for_inference()
+    with linear_activations(config.linear_activations):
+        model.prepare_for_inference()
     return model
 
 

@@ -86,12 +86,20 @@ def perplexity(model: LlamaForCausalLM, tokens, context: int = 512, stride: int 
 
 def file_perplexity(model_dir: str | Path, data: str | Path, context: int = 512,
                     stride: int = 256, max_tokens: int | None = None, dtype="float32",
-                    device="cpu", show_progress: bool = True) -> PerplexityResult:
+                    device="cpu", show_progress: bool = True,
+                    linear_activations: str | None = None) -> PerplexityResult:
+    """linear_activations: None scores the weights as loaded (quantized layers dequantized per
+    call, float32 arithmetic); "float32" or "int8" first choose the kernels as the engine does
+    (kernels/activations.py), so the score is of the arithmetic the engine runs."""
     from kvslim.device import resolve_device
     from kvslim.formats.loader import load_model
     from kvslim.tokenizer.tokenizer import Tokenizer
     from kvslim.train.data import tokenize_file
     model = load_model(model_dir, dtype=dtype, device=resolve_device(device))
+    if linear_activations is not None:
+        from kvslim.kernels.activations import linear_activations as chosen
+        with chosen(linear_activations):
+            model.prepare_for_inference()
     tokenizer = Tokenizer.from_dir(model_dir)
     tokens = tokenize_file(data, tokenizer, show_progress)
     return perplexity(model, tokens, context, stride, max_tokens, show_progress=show_progress,

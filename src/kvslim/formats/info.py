@@ -89,10 +89,11 @@ def count_parameters(model_dir: str | Path, config: ModelConfig) -> int:
 def weight_bytes(model_dir: str | Path, config: ModelConfig, float_itemsize: int) -> int:
     """Bytes of the weights as a model running with floats of `float_itemsize` bytes holds
     them: integer tensors (quantized codes, packed or not) at their stored size, float ones at
-    the runtime's. A GGUF-backed model counts every element at `float_itemsize`."""
+    the runtime's. A GGUF-backed model: the tensors it keeps in blocks at the file's size."""
     spec = config.quantization
     if spec is not None and spec.method == "gguf":
-        return count_parameters(model_dir, config) * float_itemsize
+        from kvslim.formats.gguf.weights import gguf_runtime_bytes
+        return gguf_runtime_bytes(Path(model_dir) / spec.file, config, float_itemsize)
     return sum(numel * (float_itemsize if dtype.is_floating_point else dtype.itemsize)
                for numel, dtype in _stored(model_dir, config))
 

@@ -3,9 +3,11 @@ llama.cpp runs its Q4/Q8 files: `torch.ops.kvslim.group_mm_q8` (csrc/group_q8.cp
 arithmetic and the layout), AVX-512 VNNI integer dot products, batch-invariant by construction
 (each row quantized on its own, integer sums exact, the float steps in one fixed order).
 
-The activations' rounding is llama.cpp's (max |x| / 127 per block of 32), not float32's: this
-kernel is an option measured beside kernels/tiled_gemm.py's float one (`kvslim bench kernels`,
-`.kvslim_q8`), whose outputs are the dequantized weight's to float32 rounding.
+The activations' rounding is llama.cpp's (max |x| / 127 per block of 32), not float32's: the
+engine runs this kernel when asked (`linear_activations="int8"`, kernels/activations.py), beside
+kernels/tiled_gemm.py's float one, whose outputs are the dequantized weight's to float32
+rounding (measured: `kvslim bench kernels`'s `.kvslim_q8` rows,
+benchmarks/decode_gemm_stream.py, benchmarks/model_ppl.py --linear-activations).
 `reference_group_linear_q8` is the same arithmetic in plain torch."""
 from __future__ import annotations
 

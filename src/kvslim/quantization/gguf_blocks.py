@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kvslim.errors import ConfigError
-from kvslim.kernels import tiled_gemm
+from kvslim.kernels import activations, tiled_gemm
 from kvslim.quantization.base import QuantLinear, QuantSpec
 from kvslim.quantization.gptq import _int4_forward
 from kvslim.quantization.int8_group_kernel import int8_group_linear, pack_int8_group
@@ -142,8 +142,7 @@ def _run_kernel(qvalues, scales, mins, zeros, four_bit: bool):
         return partial(_int8_group_forward, weight=pack_int8_group(values, scales.float(), GROUP))
     if torch.equal(scales[:, ::2], scales[:, 1::2]):
         scales = scales[:, ::2]
-    weight = tiled_gemm.pack_group_weight(values, scales, None, 8)
-    return partial(tiled_gemm.group_linear, weight=weight)
+    return partial(activations.group_forward, weight=activations.pack(values, scales, None, 8))
 
 
 def _runs(qtypes: list[int], sizes: list[int]) -> list[tuple[slice, bool]]:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvslim.errors import ConfigError
-from kvslim.kernels import tiled_gemm
+from kvslim.kernels import activations, tiled_gemm
 from kvslim.quantization.base import QuantLinear, QuantSpec
 from kvslim.quantization.kernels import (Int4Weight, int4_linear, int8_kernel_scales, int8_linear,
                                          pack_int4)
@@ -116,8 +116,8 @@ class GPTQLinear(QuantLinear):
         if per_channel is not None:
             weight, scales = per_channel
             if weight.device.type == "cpu" and tiled_gemm.available():
-                packed = tiled_gemm.pack_group_weight(weight, scales[:, None], None, 8)
-                self.kernel = partial(tiled_gemm.group_linear, weight=packed, bias=self.bias)
+                packed = activations.pack(weight, scales[:, None], None, 8)
+                self.kernel = partial(activations.group_forward, weight=packed, bias=self.bias)
             else:
                 self.kernel = partial(int8_linear, qweight=weight,
                                       scales=int8_kernel_scales(scales), bias=self.bias)

@@ -59,7 +59,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvslim.kernels import tiled_gemm
+from kvslim.kernels import activations, tiled_gemm
+from kvslim.kernels.group_q8 import Q8GroupWeight
 from kvslim.kernels.tiled_gemm import GroupWeight
 
 CHUNK_ROWS = 256              # output rows dequantized at a time by the fallback (stays in cache)
@@ -161,7 +162,8 @@ class Int4Weight:
     # [in // group, out, 2] in bfloat16, the op's form, converted once: a conversion inside a
     # compiled step is one the compiler cannot lower into the op's call.
     native_scales_zeros: torch.Tensor | None = None
-    group: GroupWeight | None = None   # kvslim's group kernel's form, where it is built
+    # kvslim's group kernel's form, where it is built (kernels/activations.py chooses which)
+    group: GroupWeight | Q8GroupWeight | None = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0,
                    stop: int | None = None) -> torch.Tensor:
@@ -188,7 +190,7 @@ def pack_int4(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                         scales, (zeros * scales).contiguous())
     if values.device.type == "cpu" and tiled_gemm.available():
         mins = -packed.zeros_x_scales if offsets is None else offsets.float()
-        packed.group = tiled_gemm.pack_group_weight(values, scales, mins, 4)
+        packed.group = activations.pack(values, scales, mins, 4)
     elif _native("_convert_weight_to_int4pack_for_cpu") and values.device.type == "cpu":
         packed.native = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         # The op dequantizes (q - 8) * scale + z, so z = (8 - zero) * scale.
@@ -217,7 +219,7 @@ def int4_linear(x: torch.Tensor, packed: Int4Weight,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = _rows(x, packed.in_features)
     if packed.group is not None and _on_cpu_float(rows):
-        out = tiled_gemm.group_linear(rows, packed.group).to(rows.dtype)
+        out = activations.group_forward(rows, packed.group).to(rows.dtype)
     elif (packed.native is not None and _on_cpu_float(rows)
             and _native("_weight_int4pack_mm_for_cpu")):
         out = _native_bf16(torch.ops.aten._weight_int4pack_mm_for_cpu, rows, packed.native,

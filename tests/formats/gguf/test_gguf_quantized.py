@@ -152,3 +152,20 @@ def test_missing_gguf_file_is_a_clear_error(imported, tmp_path):
     (moved / "config.json").write_text((kept / "config.json").read_text())
     with pytest.raises(WeightsError, match="tiny.gguf"):
         load_model(moved)
+
+
+BLOCK_BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q5_0": 22 / 32}
+
+
+@pytest.mark.parametrize("kind", list(BLOCK_BYTES_PER_WEIGHT))
+def test_a_step_reads_the_blocks_not_a_float_copy(kind, tmp_path):
+    """The roofline's bytes per decode step (formats/info.weight_bytes): the tensors kept in
+    blocks at the file's block size, the float ones (the 1-D norms) at 4 bytes."""
+    from kvslim.formats.info import weight_bytes
+    from kvslim.models.config import ModelConfig
+    expected = write_tiny_gguf(tmp_path / "t.gguf", **FILES[kind])
+    kept = import_gguf(tmp_path / "t.gguf", tmp_path / "kept", show_progress=False,
+                       keep_quantized=True)
+    want = sum(w.size * (4 if w.ndim == 1 else BLOCK_BYTES_PER_WEIGHT[kind])
+               for name, w in expected.items())
+    assert weight_bytes(kept, ModelConfig.from_dir(kept), 4) == want

@@ -22,6 +22,7 @@ from kvslim.engine.sequence import Sequence
 from kvslim.engine.speculative.config import MAX_SPECULATIVE_TOKENS
 from kvslim.errors import KvslimError
 from kvslim.formats.loader import load_model
+from kvslim.kernels.activations import linear_activations
 from kvslim.models.config import ModelConfig
 
 Drafts = dict[int, tuple[list[int], torch.Tensor]]      # seq_id -> (tokens, q [k, vocab])
@@ -37,7 +38,8 @@ class DraftModelProposer:
                               "tokenizer")
         model = load_model(model_dir, dtype=engine_config.dtype,
                            device=resolve_device(engine_config.device))
-        model.prepare_for_inference()
+        with linear_activations(engine_config.linear_activations):
+            model.prepare_for_inference()
         param = next(model.parameters())
         # The draft rolls its mirrors back to a common prefix, so it keeps every block (one
         # group, windows only masked); its cache holds as many blocks as the target's.

@@ -47,6 +47,14 @@ def gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.T
                                        else from_gguf(tensor.name, value, config))
 
 
+def gguf_runtime_bytes(path: Path, config: ModelConfig, float_itemsize: int) -> int:
+    """Bytes of the weights a model running from the file reads: the tensors kept in blocks
+    at the file's block size, every other one at `float_itemsize` per element."""
+    return sum(int(t.n_bytes) if _kept_in_blocks(t.name, config)
+               else int(np.prod([int(d) for d in t.shape])) * float_itemsize
+               for t in GGUFFile.open(path).tensors if t.name not in DERIVED_TENSORS)
+
+
 def gguf_parameter_count(path: Path, config: ModelConfig) -> int:
     """Elements of every weight in the file (the tied LM head is not stored there)."""
     return sum(int(np.prod([int(d) for d in t.shape])) for t in GGUFFile.open(path).tensors
