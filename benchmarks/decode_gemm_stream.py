@@ -8,7 +8,7 @@ groups of 16, as Q8_0 is stored), run by kvslim's two group kernels: float32 act
 machine's measured bandwidth.
 
     python benchmarks/decode_gemm_stream.py [--batches 1,8,32] [--rounds 6] [--threads N]
-        [--json]
+        [--json] [--out docs/decode_gemm_stream.json] [--plot docs/img/decode_gemm_stream.png]
 
 Each cell is the best of `--rounds` interleaved rounds (a shared machine's noise only slows a
 round down)."""
@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -80,12 +81,32 @@ def measure(batches, rounds: int, kernels: list[str]) -> dict:
     return {"layer_mb": layer_bytes / 1e6, "head_mb": head_bytes / 1e6, "rows": rows}
 
 
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in sorted({r["kernel"] for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["kernel"] == name]
+        ax.plot([r["m"] for r in rows], [r["layers_ms"] + r["head_ms"] for r in rows], "o-",
+                label={"group": "float32 activations", "q8": "int8 activations"}[name])
+    floor = (result["layer_mb"] + result["head_mb"]) / result["read_gb_s"]
+    ax.axhline(floor, ls="--", c="gray", label=f"weights at {result['read_gb_s']:.0f} GB/s")
+    ax.set(xscale="log", xlabel="rows per step (M)", ylabel="ms per step (all GEMMs)",
+           title="SmolLM2-135M 4-bit GEMMs, weights from memory")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--plot", default=None, help="a PNG of step time per M, per kernel")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,6 +118,10 @@ def main(argv=None) -> int:
     result = measure([int(b) for b in args.batches.split(",")], args.rounds, kernels)
     result["machine"] = machine_info().to_dict()
     result["read_gb_s"] = memory_bandwidth().read_gb_s
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        plot(result, args.plot)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0

@@ -37,7 +37,7 @@ constexpr int64_t QB = 32;          // activation block
 
 #if KVSLIM_VNNI
 constexpr int RMAX = 4;           // rows per call when they are many (one tile at a time)
-constexpr int FEW_ROWS = 2;       // up to this many rows, CT tiles side by side
+constexpr int FEW_ROWS = 1;       // up to this many rows, CT tiles side by side
 constexpr int CT = 4;
 
 // Rows r0..r0+R of tiles t0..t0+C. C tiles side by side give one row C independent chains of
@@ -119,8 +119,7 @@ using Q8Fn = decltype(&q8_block<1, 1, 4>);
 template <int BITS>
 Q8Fn q8_kernel(int64_t rows, int64_t tiles) {
   static const Q8Fn few[FEW_ROWS][CT] = {
-      {q8_block<1, 1, BITS>, q8_block<1, 2, BITS>, q8_block<1, 3, BITS>, q8_block<1, 4, BITS>},
-      {q8_block<2, 1, BITS>, q8_block<2, 2, BITS>, q8_block<2, 3, BITS>, q8_block<2, 4, BITS>}};
+      {q8_block<1, 1, BITS>, q8_block<1, 2, BITS>, q8_block<1, 3, BITS>, q8_block<1, 4, BITS>}};
   static const Q8Fn many[RMAX] = {q8_block<1, 1, BITS>, q8_block<2, 1, BITS>,
                                   q8_block<3, 1, BITS>, q8_block<4, 1, BITS>};
   return tiles > 1 ? few[rows - 1][tiles - 1] : many[rows - 1];
