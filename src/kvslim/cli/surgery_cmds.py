@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 
+from kvslim.cli.engine_args import add_engine_flags
 from kvslim.cli.train_cmds import add_loop_args, loop_kwargs, record_command
 from kvslim.errors import KvslimError
-from kvslim.kernels.activations import LINEAR_ACTIVATIONS
 
 
 def register(sub) -> None:
@@ -57,6 +57,10 @@ def register(sub) -> None:
     add_loop_args(p, steps=100, lr=2e-4, warmup=-1)
     p.set_defaults(func=run_uptrain)
 
+    _register_ppl(sub)
+
+
+def _register_ppl(sub) -> None:
     p = sub.add_parser("ppl", help="sliding-window perplexity of a model on a text file")
     p.add_argument("model", metavar="MODEL", nargs="?", default=None,
                    help="model directory (default: the embedded model)")
@@ -66,9 +70,9 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=int, help="score only the first N tokens")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--linear-activations", choices=LINEAR_ACTIVATIONS, default=None,
-                   help="score the engine's kernels with these activations (default: the "
-                        "weights dequantized, float32)")
+    add_engine_flags(p, "linear_activations", linear_activations=dict(
+        default=None, help="score the engine's kernels with float32 or int8 activations "
+                           "(default: the weights dequantized, in float32)"))
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run_ppl)
 
