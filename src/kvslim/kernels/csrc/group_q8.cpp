@@ -145,8 +145,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& x) {
         const float* v = xp + r * K + b * QB;
         int8_t* q = qp + r * K + b * QB;
 #if KVSLIM_VNNI
-        // The same steps in vectors (a libm nearbyint per element cost more than the GEMM's
-        // small calls): max is exact in any order; cvtps rounds to nearest even, as nearbyint.
+        // The same steps in vectors: max is exact in any order, and cvtps rounds to nearest
+        // even, as nearbyint does.
         const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const float d = amax / 127.f, inv = d > 0.f ? 127.f / amax : 0.f;
