@@ -119,6 +119,7 @@ def test_a_failed_build_is_one_line(monkeypatch, tmp_path):
     (tmp_path / "broken.cpp").write_text("this is not C++\n")
     monkeypatch.setattr(extension, "source_dir", lambda: tmp_path)
     monkeypatch.setattr(extension, "SOURCES", ("broken.cpp",))
+    monkeypatch.setattr(extension, "HEADERS", ())
     monkeypatch.setenv("KVSLIM_HOME", str(tmp_path / "home"))
     reason = extension.load.__wrapped__()
     assert reason.startswith("the build failed: ") and "\n" not in reason

@@ -107,6 +107,8 @@ def _measure_all(llm, model_dir, input_len, output_len, batches, compare, show_p
     w = Workload(max(batches), input_len, output_len, seed=1)
     prompts = w.prompts(llm.engine.model_config.vocab_size, special_ids(llm.tokenizer))
     label = "kvslim" if ranks == 1 else f"kvslim ({ranks} tensor-parallel ranks)"
+    if llm.engine.config.linear_activations != "float32":
+        label += f", {llm.engine.config.linear_activations} activations"
     engines = [("kvslim", label, _kvslim_measure(llm, prompts, output_len))]
     for name, runner in peers(compare, model_dir, result.skipped, show_progress):
         engines.append((name, runner.label, _peer_measure(name, runner, prompts, output_len)))

@@ -23,7 +23,9 @@ import torch
 from kvslim.paths import kvslim_home
 
 DISABLE_ENV = "KVSLIM_NO_EXTENSION"
-SOURCES = ("tiled_gemm.cpp", "group_q8.cpp", "paged_attention.cpp", "store_slots.cpp")
+SOURCES = ("tiled_gemm.cpp", "group_sums.cpp", "group_q8.cpp", "paged_attention.cpp",
+           "store_slots.cpp")
+HEADERS = ("group_sums.h",)     # not compiled on their own, but part of what a build is
 # -ffp-contract=off: the source says where a multiply and an add fuse; the compiler may not
 # fuse others (the group sums), so every build runs the same arithmetic.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math")
@@ -73,7 +75,7 @@ def cpu_fingerprint() -> str:
 
 def build_key() -> str:
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in (*SOURCES, *HEADERS):
         digest.update((source_dir() / name).read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(cpu_fingerprint().encode())

@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "group_sums.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -166,24 +168,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& x) {
   return {xq, dx};
 }
 
-// Each row's float sum of x over each group, in order (tiled_gemm.cpp's group_sums, the same
-// sequence): what the 4-bit offsets multiply.
-at::Tensor row_group_sums(const at::Tensor& x, int64_t groups) {
-  const int64_t M = x.size(0), K = x.size(1), group = K / groups;
-  at::Tensor out = at::empty({M, groups}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float sum = 0.f;
-      for (int64_t k = 0; k < group; ++k) sum += xp[r * K + g * group + k];
-      op[r * groups + g] = sum;
-    }
-  return out;
-}
-
-// One call from float x: its blocks quantized, its group sums, then the integer dot products
-// (three dispatches cost a decode step's small GEMMs as much as the weights' reading).
+// One call from float x: its blocks quantized, its group sums, then the integer dot products.
 at::Tensor group_mm_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins,
                        const std::optional<at::Tensor>& colsum, int64_t bits, int64_t n) {
@@ -201,7 +186,10 @@ at::Tensor group_mm_q8(const at::Tensor& x, const at::Tensor& qweight, const at:
   const at::Tensor xc = x.contiguous();
   auto [xq, dx] = quantize_blocks(xc);
   std::optional<at::Tensor> xsum;
-  if (bits == 4) xsum = row_group_sums(xc, groups);
+  if (bits == 4) {
+    xsum = at::empty({M, groups}, xc.options());
+    kvslim_cpu::group_sums(xc.data_ptr<float>(), xsum->data_ptr<float>(), M, K, K / groups);
+  }
   at::Tensor y = at::empty({M, n}, dx.options());
   const int8_t* xp = xq.data_ptr<int8_t>();
   const float* dp = dx.data_ptr<float>();

@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "group_sums.h"
+
 #include <array>
 #include <cmath>
 #include <utility>
@@ -237,18 +239,6 @@ void run(const Problem& p, int64_t tiles) {
   });
 }
 
-void group_sums(const float* x, float* out, int64_t M, int64_t K, int64_t group) {
-  const int64_t groups = K / group;
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t g = 0; g < groups; ++g) {
-        float sum = 0.f;
-        for (int64_t k = 0; k < group; ++k) sum += x[r * K + g * group + k];
-        out[r * groups + g] = sum;
-      }
-  });
-}
-
 at::Tensor group_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                     const std::optional<at::Tensor>& mins, int64_t bits, int64_t n) {
   TORCH_CHECK(bits == 4 || bits == 8, "group_mm: bits must be 4 or 8, got ", bits);
@@ -275,7 +265,7 @@ at::Tensor group_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
     TORCH_CHECK(mins->sizes() == scales.sizes() && mins->is_contiguous() &&
                 mins->scalar_type() == at::kFloat, "group_mm: mins must match scales");
     xsum = at::empty({p.M, p.groups}, xc.options());
-    group_sums(xc.data_ptr<float>(), xsum.data_ptr<float>(), p.M, p.K, p.group);
+    kvslim_cpu::group_sums(xc.data_ptr<float>(), xsum.data_ptr<float>(), p.M, p.K, p.group);
     p.xsum = xsum.data_ptr<float>();
     p.m = mins->data_ptr<float>();
   }
@@ -320,7 +310,7 @@ at::Tensor group_sums_op(const at::Tensor& x, int64_t groups) {
                   x.size(1) % groups == 0, "group_sums: x must be float32 [M, K], K a multiple of groups");
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({xc.size(0), groups}, xc.options());
-  group_sums(xc.data_ptr<float>(), out.data_ptr<float>(), xc.size(0), xc.size(1),
+  kvslim_cpu::group_sums(xc.data_ptr<float>(), out.data_ptr<float>(), xc.size(0), xc.size(1),
              xc.size(1) / groups);
   return out;
 }
