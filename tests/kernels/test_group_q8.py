@@ -6,6 +6,7 @@ import torch
 
 from group_weights import weight
 from kvslim.kernels import extension, group_q8
+from kvslim.quantization.kernels import quantize_per_token, w8a8_linear
 
 pytestmark = pytest.mark.skipif(extension.missing_compiler() is not None,
                                 reason="no C++ compiler: the extension cannot build here")
@@ -56,3 +57,46 @@ def test_shapes_it_cannot_take_are_refused():
     assert not group_q8.usable(48, 3)
     with pytest.raises(ValueError, match="blocks of 32 inputs"):
         group_q8.pack_q8_weight(q, scales, mins, 4)
+
+
+def _w8a8(out, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (out, k), generator=g, dtype=torch.int8)
+    return q, torch.rand(out, generator=g) * 0.02
+
+
+def test_the_row_quantization_is_quantize_per_token():
+    x = torch.randn(6, 64) * torch.tensor([1e-3, 1.0, 50.0, 1.0, 1.0, 1.0])[:, None]
+    x[3] = 0                                               # a row of zeros: the smallest scale
+    x[4, 5] = -x[4].abs().max() * 2                        # the largest magnitude negative
+    xq, sx = torch.ops.kvslim.quantize_rows(x, None)
+    rq, rsx = quantize_per_token(x)
+    assert torch.equal(xq, rq) and torch.equal(sx, rsx)
+    amax = x.abs().amax(-1, keepdim=True) * 3              # a shard of a wider row
+    xq, sx = torch.ops.kvslim.quantize_rows(x, amax)
+    rq, rsx = quantize_per_token(x, amax)
+    assert torch.equal(xq, rq) and torch.equal(sx, rsx)
+
+
+@pytest.mark.parametrize("out,k", [(960, 576), (37, 96), (576, 1536), (17, 32)])
+def test_w8a8_is_torchs_integer_product_bit_for_bit(out, k):
+    """The same codes, an exact integer sum and the same two float multiplies as w8a8_linear
+    on torch._int_mm: every output the same bits, for every M and an odd number of outputs."""
+    q, scales = _w8a8(out, k)
+    packed = group_q8.pack_w8a8_weight(q, scales)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(1)) * 3
+    for m in (1, 2, 3, 4, 5, 9, 31, 64):
+        got = group_q8.w8a8_mm(x[:m], packed)
+        assert got.shape == (m, out)
+        assert torch.equal(got, w8a8_linear(x[:m], q, scales)), m
+    amax = x.abs().amax(-1, keepdim=True) * 2
+    assert torch.equal(group_q8.w8a8_mm(x, packed, amax), w8a8_linear(x, q, scales, None, amax))
+
+
+def test_a_w8a8_rows_bits_do_not_depend_on_the_batch():
+    q, scales = _w8a8(70, 128, seed=2)
+    packed = group_q8.pack_w8a8_weight(q, scales)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([group_q8.w8a8_mm(x[i:i + 1], packed) for i in range(len(x))])
+    for m in (2, 3, 4, 5, 8, 40):
+        assert torch.equal(group_q8.w8a8_mm(x[:m], packed), alone[:m]), m

@@ -3,6 +3,7 @@ rescale) exactly, rows do not depend on their batch, and fused shards keep their
 import pytest
 import torch
 
+from kvslim.kernels import group_q8
 from kvslim.quantization.kernels import w8a8_linear
 from kvslim.quantization import QuantSpec
 from kvslim.quantization.w8a8 import W8A8_SPEC, W8A8Linear
@@ -43,6 +44,16 @@ def test_output_is_the_integer_reference(rows):
         got = layer(x)
         assert got.dtype == torch.float32 and got.shape == (rows, 96)
         assert ((got.double() - want).abs() / want.abs().max()).max().item() < 1e-6
+
+
+def test_a_prepared_cpu_layer_runs_kvslims_kernel_where_it_is_built():
+    """Its VNNI form where the extension has it, torch._int_mm's path (the same bits) without."""
+    layer = random_layer(96, {"q": 64, "k": 16, "v": 16}, bias=True)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(4))
+    unprepared = layer(x)
+    layer.prepare_for_inference()
+    assert (layer.kernel.keywords["packed"] is not None) == group_q8.available()
+    assert torch.equal(layer(x), unprepared)
 
 
 def test_rows_do_not_depend_on_the_batch():

@@ -297,6 +297,10 @@ def w8a8_candidates(w: torch.Tensor) -> list[Candidate]:
         cands += [Candidate("w8a8.int_mm", "w8a8", nbytes, int_mm(q_t), ref, rtol=1e-4),
                   Candidate("w8a8.int_mm_in_out", "w8a8", nbytes, int_mm(q_in_out), ref,
                             rtol=1e-4)]
+    if group_q8.available() and group_q8.w8a8_usable(q.shape[1]):
+        packed = group_q8.pack_w8a8_weight(q, s)
+        cands.append(Candidate("w8a8.kvslim_q8", "w8a8", nbytes,
+                               lambda x: group_q8.w8a8_mm(x, packed), ref, rtol=1e-4))
     return cands
 
 

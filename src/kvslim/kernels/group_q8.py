@@ -8,7 +8,11 @@ engine runs this kernel when asked (`linear_activations="int8"`, kernels/activat
 kernels/tiled_gemm.py's float one, whose outputs are the dequantized weight's to float32
 rounding (measured: `kvslim bench kernels`'s `.kvslim_q8` rows,
 benchmarks/decode_gemm_stream.py, benchmarks/model_ppl.py --linear-activations).
-`reference_group_linear_q8` is the same arithmetic in plain torch."""
+`reference_group_linear_q8` is the same arithmetic in plain torch.
+
+W8A8 layers run the same kernel with x quantized per row (`w8a8_mm`): their checkpoint's
+arithmetic (quantization/w8a8.py), bit for bit the one torch._int_mm runs, and faster
+(`kvslim bench kernels`'s `w8a8.kvslim_q8` rows)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,10 +34,16 @@ class Q8GroupWeight:
     bits: int
     out_features: int
     in_features: int
+    per_row: bool = False            # W8A8: x's scale per row, the weight's per output
 
     @property
     def groups(self) -> int:
         return self.scales.shape[1]
+
+
+def w8a8_usable(in_features: int) -> bool:
+    """The per-row path's shapes: whole runs of 32 inputs."""
+    return in_features % QBLOCK == 0
 
 
 def usable(in_features: int, groups: int) -> bool:
@@ -50,7 +60,7 @@ def _tiles(t: torch.Tensor, tiles: int) -> torch.Tensor:
 
 
 def pack_q8_weight(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                   bits: int) -> Q8GroupWeight:
+                   bits: int, per_row: bool = False) -> Q8GroupWeight:
     """q [out, in] (uint8 0..15 for 4-bit, int8 for 8-bit), scales (mins) [out, in / group]."""
     out, k = q.shape
     groups = scales.shape[1]
@@ -67,13 +77,27 @@ def pack_q8_weight(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
     else:
         q8 = qt.to(torch.int8)
         packed = q8.view(tiles, TILE, k // 4, 4).permute(0, 2, 1, 3).view(torch.uint8)
-        sub = min(k // groups, QBLOCK)
+        sub = k if per_row else min(k // groups, QBLOCK)
         colsum = q8.to(torch.int32).view(tiles, TILE, k // sub, sub).sum(-1)
         colsum = colsum.transpose(1, 2).to(torch.int32).contiguous()  # [tiles, blocks, 16]
     scales_t = _tiles(scales.float(), tiles).transpose(1, 2).contiguous()
     mins_t = None if mins is None else _tiles(mins.float(), tiles).transpose(1, 2).contiguous()
     return Q8GroupWeight(packed.reshape(tiles, -1).contiguous(), scales_t, mins_t, colsum, bits,
-                         out, k)
+                         out, k, per_row)
+
+
+def pack_w8a8_weight(q: torch.Tensor, scales: torch.Tensor) -> Q8GroupWeight:
+    """A W8A8 layer's int8 codes [out, in] and per-output scales [out] for `w8a8_mm`."""
+    return pack_q8_weight(q, scales.float().reshape(-1, 1), None, 8, per_row=True)
+
+
+def w8a8_mm(rows: torch.Tensor, weight: Q8GroupWeight,
+            amax: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 rows [M, in] @ w^T with x quantized per row (quantize_per_token's codes and
+    scales, `amax` as there): the same bits as torch._int_mm's product rescaled by
+    quantization/kernels.py's w8a8_linear."""
+    return torch.ops.kvslim.row_mm_q8(rows.float(), weight.qweight, weight.scales, weight.colsum,
+                                      amax, weight.out_features)
 
 
 def q8_linear(x: torch.Tensor, weight: Q8GroupWeight,
@@ -108,7 +132,10 @@ def reference_group_linear_q8(x, q, scales, mins) -> torch.Tensor:
 FAKES = {"quantize_blocks": lambda x: (x.new_empty(x.shape, dtype=torch.int8),
                                        x.new_empty(x.shape[0], x.shape[1] // QBLOCK)),
          "group_mm_q8": lambda x, qweight, scales, mins, colsum, bits, n:
-             x.new_empty(x.shape[0], n)}
+             x.new_empty(x.shape[0], n),
+         "quantize_rows": lambda x, amax: (x.new_empty(x.shape, dtype=torch.int8),
+                                           x.new_empty(x.shape[0], 1)),
+         "row_mm_q8": lambda x, qweight, scales, colsum, amax, n: x.new_empty(x.shape[0], n)}
 
 
 def available() -> bool:

@@ -39,7 +39,7 @@ from kvslim.quantization import QuantLinear
 from kvslim.quantization.gguf_blocks import GROUP, INT4_GROUP, BlockQuantLinear
 from kvslim.quantization.gguf_embedding import BlockQuantEmbedding, TiedBlockQuantHead
 from kvslim.quantization.gptq import pack_int32, unpack_int32
-from kvslim.quantization.kernels import w8a8_linear
+from kvslim.quantization.kernels import pack_w8a8, w8a8_linear
 from kvslim.quantization.w8a8 import W8A8Linear
 
 
@@ -146,15 +146,17 @@ class RowParallelW8A8Linear(W8A8Linear):
     magnitudes are all-reduced (MAX) before quantizing, so each rank's int8 activations are
     exactly the full layer's on its columns and the reduced sum is its product."""
     group = None
+    packed = None       # prepare_for_inference's kernel weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         amax = x.reshape(-1, self.in_features).float().abs().amax(dim=-1, keepdim=True)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        return w8a8_linear(x, self.weight, self.weight_scale.view(-1), None, amax)
+        return w8a8_linear(x, self.weight, self.weight_scale.view(-1), None, amax, self.packed)
 
     @torch.no_grad()
     def prepare_for_inference(self) -> None:
         self.weight = self.weight.contiguous()   # forward is already the integer product
+        self.packed = pack_w8a8(self.weight, self.weight_scale.view(-1))
 
 
 # ---- vocabulary-parallel: GGUF token embeddings and LM heads -----------------------------------

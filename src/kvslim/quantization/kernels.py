@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvslim.kernels import activations, tiled_gemm
+from kvslim.kernels import activations, group_q8, tiled_gemm
 from kvslim.kernels.group_q8 import Q8GroupWeight
 from kvslim.kernels.tiled_gemm import GroupWeight
 
@@ -243,12 +243,24 @@ def quantize_per_token(x: torch.Tensor, amax: torch.Tensor | None = None
     return torch.round(xf / sx).clamp(-127, 127).to(torch.int8), sx
 
 
+def pack_w8a8(qweight: torch.Tensor, scales: torch.Tensor) -> Q8GroupWeight | None:
+    """kvslim's VNNI form of a W8A8 weight (group_q8.w8a8_mm), where it runs: a CPU weight
+    and the extension built on a CPU with AVX-512 VNNI."""
+    if (qweight.device.type == "cpu" and group_q8.available()
+            and group_q8.w8a8_usable(qweight.shape[1])):
+        return group_q8.pack_w8a8_weight(qweight, scales)
+    return None
+
+
 def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None = None, amax: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                bias: torch.Tensor | None = None, amax: torch.Tensor | None = None,
+                packed: Q8GroupWeight | None = None) -> torch.Tensor:
     """Quantizes each row of x to int8 (its scale from `amax` when given, see
-    `quantize_per_token`), multiplies in integers, rescales to x's dtype."""
+    `quantize_per_token`), multiplies in integers, rescales to x's dtype. `packed`
+    (pack_w8a8) runs kvslim's kernel, whose outputs are these same bits."""
     rows = _rows(x, qweight.shape[1])
+    if packed is not None and _on_cpu_float(rows):
+        return _finish(group_q8.w8a8_mm(rows, packed, amax).to(rows.dtype), x, bias)
     xq, sx = quantize_per_token(rows, amax)
     acc = _int_mm(xq, qweight)
     if acc is None:             # exact while |sums| < 2^24, float rounding beyond

@@ -11,6 +11,10 @@
 // one fixed order per output, so rows stay bit-identical whatever the batch. m's term uses
 // the group's float sum of x, not its quantized one.
 //
+// W8A8 (row_mm_q8): x quantized per row instead (one scale per token, quantize_rows), int8
+// weights with one scale per output: the integer sum runs over all K and one float step
+// rescales it, y = (sum(q * xq) * dx) * s, the bits of torch._int_mm's product rescaled so.
+//
 // Layout ("vnni tiles", kernels/tiled_gemm.py packs it): output columns in tiles of 16; for a
 // tile and each run of 8 inputs k..k+7, 64 bytes: byte 4j + t of 4-bit weights holds column
 // j's q[k + t] in its low nibble and q[k + 4 + t] in its high one; 8-bit weights take 64 bytes
@@ -26,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -46,12 +51,15 @@ constexpr int CT = 4;
 // vpdpbusd (one chain is bound by its latency); lo and hi nibbles sum into separate integer
 // accumulators, added before the float step. Integer sums are exact, so neither split changes
 // a bit of any output: the float steps stay one fixed sequence per output.
-template <int R, int C, int BITS>
+template <int R, int C, int BITS, bool ROW>
 void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* w,
               const float* s, const float* m, const int32_t* colsum, float* y, int64_t K,
               int64_t N, int64_t groups, int64_t t0, int64_t r0) {
-  const int64_t group = K / groups, blocks = K / QB;
-  const int64_t sub = std::min<int64_t>(group, QB);       // inputs per integer sum
+  // ROW: one activation scale per row (dx [M, 1]) and one weight scale per output, so the
+  // integer sum runs over all K and the float step is (sum * dx) * s, as
+  // quantization/kernels.py's w8a8_linear rescales torch._int_mm's product.
+  const int64_t group = K / groups, blocks = ROW ? 1 : K / QB;
+  const int64_t sub = ROW ? K : std::min<int64_t>(group, QB);       // inputs per integer sum
   const int64_t tile_bytes = K * NT * BITS / 8;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -88,7 +96,7 @@ void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
           }
         }
     }
-    const int64_t g = k0 / group, b = k0 / QB;
+    const int64_t g = k0 / group, b = ROW ? 0 : k0 / QB;
     for (int c = 0; c < C; ++c) {
       const int64_t t = t0 + c;
       const __m512 sv = _mm512_loadu_ps(s + (t * groups + g) * NT);
@@ -98,8 +106,11 @@ void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
       for (int r = 0; r < R; ++r) {
         __m512i exact = _mm512_add_epi32(isum[r][c], isum2[r][c]);
         if (BITS == 8) exact = _mm512_sub_epi32(exact, corr);
-        const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(dx[(r0 + r) * blocks + b]));
-        acc[r][c] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(exact), acc[r][c]);
+        const __m512 dxv = _mm512_set1_ps(dx[(r0 + r) * blocks + b]);
+        if (ROW)
+          acc[r][c] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), dxv), sv);
+        else
+          acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(sv, dxv), _mm512_cvtepi32_ps(exact), acc[r][c]);
       }
       if (BITS == 4 && (k0 + sub) % group == 0) {
         const __m512 mv = _mm512_loadu_ps(m + (t * groups + g) * NT);
@@ -116,15 +127,42 @@ void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
   }
 }
 
-using Q8Fn = decltype(&q8_block<1, 1, 4>);
+using Q8Fn = decltype(&q8_block<1, 1, 4, false>);
 
-template <int BITS>
+template <int BITS, bool ROW>
 Q8Fn q8_kernel(int64_t rows, int64_t tiles) {
-  static const Q8Fn few[FEW_ROWS][CT] = {
-      {q8_block<1, 1, BITS>, q8_block<1, 2, BITS>, q8_block<1, 3, BITS>, q8_block<1, 4, BITS>}};
-  static const Q8Fn many[RMAX] = {q8_block<1, 1, BITS>, q8_block<2, 1, BITS>,
-                                  q8_block<3, 1, BITS>, q8_block<4, 1, BITS>};
+  static const Q8Fn few[FEW_ROWS][CT] = {{q8_block<1, 1, BITS, ROW>, q8_block<1, 2, BITS, ROW>,
+                                          q8_block<1, 3, BITS, ROW>, q8_block<1, 4, BITS, ROW>}};
+  static const Q8Fn many[RMAX] = {q8_block<1, 1, BITS, ROW>, q8_block<2, 1, BITS, ROW>,
+                                  q8_block<3, 1, BITS, ROW>, q8_block<4, 1, BITS, ROW>};
   return tiles > 1 ? few[rows - 1][tiles - 1] : many[rows - 1];
+}
+
+// Few rows: work items of CT tiles, all rows at once; more rows: one tile per item, RMAX
+// rows per call. Which call computes a row changes nothing in its arithmetic.
+at::Tensor run_tiles(const int8_t* xp, const float* dp, const float* sp, const at::Tensor& qweight,
+                     const at::Tensor& scales, const float* mp, const int32_t* cp, int64_t M,
+                     int64_t K, int64_t n, int64_t bits, bool row) {
+  const int64_t groups = scales.size(1), tiles = scales.size(0);
+  at::Tensor y = at::empty({M, n}, scales.options());
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const float* scp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const bool few = M <= FEW_ROWS;
+  const int64_t per_item = few ? CT : 1, items = (tiles + per_item - 1) / per_item;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t0 = i * per_item, c = std::min<int64_t>(per_item, tiles - t0);
+      for (int64_t r = 0; r < M;) {
+        const int64_t R = few ? M : std::min<int64_t>(RMAX, M - r);
+        const Q8Fn fn = row ? q8_kernel<8, true>(R, c)
+                            : bits == 4 ? q8_kernel<4, false>(R, c) : q8_kernel<8, false>(R, c);
+        fn(xp, dp, sp, wp, scp, mp, cp, yp, K, n, groups, t0, r);
+        r += R;
+      }
+    }
+  });
+  return y;
 }
 #endif
 
@@ -190,33 +228,71 @@ at::Tensor group_mm_q8(const at::Tensor& x, const at::Tensor& qweight, const at:
     xsum = at::empty({M, groups}, xc.options());
     kvslim_cpu::group_sums(xc.data_ptr<float>(), xsum->data_ptr<float>(), M, K, K / groups);
   }
-  at::Tensor y = at::empty({M, n}, dx.options());
-  const int8_t* xp = xq.data_ptr<int8_t>();
-  const float* dp = dx.data_ptr<float>();
-  const float* sp = xsum ? xsum->data_ptr<float>() : nullptr;
-  const uint8_t* wp = qweight.data_ptr<uint8_t>();
-  const float* scp = scales.data_ptr<float>();
-  const float* mp = mins ? mins->data_ptr<float>() : nullptr;
-  const int32_t* cp = colsum ? colsum->data_ptr<int32_t>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  // Few rows: work items of CT tiles, all rows at once; more rows: one tile per item, RMAX
-  // rows per call. Which call computes a row changes nothing in its arithmetic.
-  const bool few = M <= FEW_ROWS;
-  const int64_t per_item = few ? CT : 1, items = (tiles + per_item - 1) / per_item;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t0 = i * per_item, c = std::min<int64_t>(per_item, tiles - t0);
-      for (int64_t r = 0; r < M;) {
-        const int64_t R = few ? M : std::min<int64_t>(RMAX, M - r);
-        const Q8Fn fn = bits == 4 ? q8_kernel<4>(R, c) : q8_kernel<8>(R, c);
-        fn(xp, dp, sp, wp, scp, mp, cp, yp, K, n, groups, t0, r);
-        r += R;
-      }
-    }
-  });
-  return y;
+  return run_tiles(xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
+                   xsum ? xsum->data_ptr<float>() : nullptr, qweight, scales,
+                   mins ? mins->data_ptr<float>() : nullptr,
+                   colsum ? colsum->data_ptr<int32_t>() : nullptr, M, K, n, bits, false);
 #else
   TORCH_CHECK(false, "group_mm_q8: this build has no AVX-512 VNNI");
+#endif
+}
+
+// x's int8 rows with one scale each, quantization/kernels.py's quantize_per_token step for step:
+// sx = max(amax / 127, FLT_MIN), xq = clamp(round(x / sx), -127, 127) (amax [M, 1] given
+// when the row is wider than x: a tensor-parallel shard). A division, as torch's, not a
+// multiplication by 127 / amax, so the codes are the same bits.
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
+                                                  const std::optional<at::Tensor>& amax) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 16 == 0,
+              "quantize_rows: x must be float32 [M, K] with K a multiple of 16");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  at::Tensor xq = at::empty({M, K}, xc.options().dtype(at::kChar));
+  at::Tensor sx = amax ? amax->to(at::kFloat).reshape({M, 1}).clone() : at::empty({M, 1}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  float* sp = sx.data_ptr<float>();
+  const bool given = amax.has_value();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* v = xp + r * K;
+      int8_t* q = qp + r * K;
+      float m = 0.f;
+      if (given) m = sp[r];
+      else for (int64_t i = 0; i < K; ++i) m = std::max(m, std::fabs(v[i]));
+      const float d = std::max(m / 127.f, std::numeric_limits<float>::min());
+      sp[r] = d;
+#if KVSLIM_VNNI
+      const __m512 dv = _mm512_set1_ps(d), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+      for (int64_t i = 0; i < K; i += 16) {
+        const __m512 c = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(v + i), dv), lo), hi);
+        _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c)));
+      }
+#else
+      for (int64_t i = 0; i < K; ++i)
+        q[i] = (int8_t)std::nearbyint(std::min(std::max(v[i] / d, -127.f), 127.f));
+#endif
+    }
+  });
+  return {xq, sx};
+}
+
+// W8A8: x quantized per row (quantize_rows), int8 weights with one scale per output
+// (scales [tiles, 1, 16]), colsum [tiles, 1, 16] each output's sum of q over all K.
+at::Tensor row_mm_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                     const at::Tensor& colsum, const std::optional<at::Tensor>& amax, int64_t n) {
+#if KVSLIM_VNNI
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % QB == 0,
+              "row_mm_q8: x must be float32 [M, K] with K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), tiles = scales.size(0);
+  TORCH_CHECK(scales.size(1) == 1 && colsum.size(1) == 1 && qweight.size(0) == tiles &&
+                  qweight.size(1) == K * NT && tiles == (n + NT - 1) / NT,
+              "row_mm_q8: weight shape does not match");
+  auto [xq, sx] = quantize_rows(x, amax);
+  return run_tiles(xq.data_ptr<int8_t>(), sx.data_ptr<float>(), nullptr, qweight, scales, nullptr,
+                   colsum.data_ptr<int32_t>(), M, K, n, 8, true);
+#else
+  TORCH_CHECK(false, "row_mm_q8: this build has no AVX-512 VNNI");
 #endif
 }
 
@@ -232,10 +308,15 @@ TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("quantize_blocks(Tensor x) -> (Tensor, Tensor)");
   m.def("group_mm_q8(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? colsum, "
         "int bits, int n) -> Tensor");
+  m.def("quantize_rows(Tensor x, Tensor? amax) -> (Tensor, Tensor)");
+  m.def("row_mm_q8(Tensor x, Tensor qweight, Tensor scales, Tensor colsum, Tensor? amax, int n) "
+        "-> Tensor");
   m.def("has_vnni() -> bool", &has_vnni);
 }
 
 TORCH_LIBRARY_IMPL(kvslim, CPU, m) {
   m.impl("quantize_blocks", &quantize_blocks);
   m.impl("group_mm_q8", &group_mm_q8);
+  m.impl("quantize_rows", &quantize_rows);
+  m.impl("row_mm_q8", &row_mm_q8);
 }
