@@ -1,23 +1,44 @@
 """PagedAttention: a decode's numbers do not depend on the batch around it — a lone decode gives
 to the last bit what the same sequence gives decoded beside longer ones (whose tables widen the
-padded width), and it never sees the stale slots after its context."""
+padded width), with kvslim's decode kernel on any number of threads, through torch's SDPA (the
+gather path) on one thread only (on two, SDPA runs other arithmetic for one sequence than for
+several: attention/backends.py) — and it never sees the stale slots after its context."""
+import pytest
 import torch
 
 from kvslim.attention import KVCacheLayer, PagedAttention, PagedStepLayout, build_paged_metadata
+from kvslim.kernels import extension
 
 BLOCK, KVH, H, D = 16, 2, 6, 64
 
 
-def _step(kv, tables, lens, q, k, v):
+def _step(kv, tables, lens, q, k, v, kernel=False):
     slots = torch.stack([tables[i, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
                          for i, n in enumerate(lens.tolist())])
     layout = PagedStepLayout(slot_mapping=slots, num_decode_tokens=len(lens),
                              decode_block_tables=tables, decode_context_lens=lens)
     meta = build_paged_metadata(layout, BLOCK)
-    return PagedAttention([KVCacheLayer(kv[0], kv[1])], meta).attend(0, q, k, v, D ** -0.5)
+    return PagedAttention([KVCacheLayer(kv[0], kv[1])], meta, kernel).attend(0, q, k, v,
+                                                                             D ** -0.5)
 
 
-def test_a_decode_is_the_same_alone_and_beside_longer_ones():
+KERNEL_BUILT = not extension.disabled() and extension.missing_compiler() is None
+
+
+@pytest.mark.parametrize("kernel,threads", [
+    (False, 1),
+    *[pytest.param(True, t, marks=pytest.mark.skipif(not KERNEL_BUILT, reason="no extension"))
+      for t in (1, 2, 3)]])
+def test_a_decode_is_the_same_alone_and_beside_longer_ones(kernel, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _alone_and_beside_longer_ones(kernel)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _alone_and_beside_longer_ones(kernel):
     g = torch.Generator().manual_seed(0)
     kv = torch.randn(2, 40, BLOCK, KVH, D, generator=g)        # [K/V, blocks, block, kvh, d]
     q = torch.randn(3, H, D, generator=g)
@@ -26,13 +47,14 @@ def test_a_decode_is_the_same_alone_and_beside_longer_ones():
                            [4, 6, 8, 10, 12, 0, 0, 0]])
     for n in (1, 7, 16, 37, 48):          # sequence 0's lengths: one key, mid-block, full block
         lens = torch.tensor([n, 120, 70])
-        batched = _step(kv.clone(), tables, lens, q, k, v)
-        alone = _step(kv.clone(), tables[:1, :-(-n // BLOCK)], lens[:1], q[:1], k[:1], v[:1])
+        batched = _step(kv.clone(), tables, lens, q, k, v, kernel)
+        alone = _step(kv.clone(), tables[:1, :-(-n // BLOCK)], lens[:1], q[:1], k[:1], v[:1],
+                      kernel)
         assert alone.shape == (1, H, D)
         assert torch.equal(alone, batched[:1]), n
     # it must not see the stale slots after its context: changing them changes nothing
     stale = kv.clone()
     stale[:, 3, 7:] = 1e3                      # sequence 0's 7 keys: slots 0-6 of block 3
     lens = torch.tensor([7])
-    assert torch.equal(_step(stale, tables[:1, :1], lens, q[:1], k[:1], v[:1]),
-                       _step(kv.clone(), tables[:1, :1], lens, q[:1], k[:1], v[:1]))
+    assert torch.equal(_step(stale, tables[:1, :1], lens, q[:1], k[:1], v[:1], kernel),
+                       _step(kv.clone(), tables[:1, :1], lens, q[:1], k[:1], v[:1], kernel))

@@ -15,6 +15,7 @@ from engine_helpers import GREEDY, engine, prompts_of, run, tokens
 from kvslim.attention import resolve_attention_backend
 from kvslim.attention.backends import CPU_DEFAULT
 from kvslim.engine.config import EngineConfig
+from kvslim.engine.llm_engine import LLMEngine
 from kvslim.engine.model_runner import ModelRunner
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.errors import KvslimError
@@ -153,7 +154,15 @@ def test_a_step_forward_never_reads_tensors_back(hf_checkpoints, monkeypatch, ba
 
 def test_choosing_a_backend(hf_checkpoints):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_attention_backend("auto", cpu, False, 16) == CPU_DEFAULT
+    assert CPU_DEFAULT == "kernel"      # the fastest, and batch-invariant (backends.py)
+    assert resolve_attention_backend("auto", cpu, False, 16, kernel_usable=True) == "kernel"
+    assert resolve_attention_backend("auto", cpu, True, 16, kernel_usable=True) == "kernel"
+    assert resolve_attention_backend("auto", cpu, False, 16) == "gather"   # where it cannot run
+    assert engine(hf_checkpoints["gqa"]).runner.attention_backend == (
+        "gather" if NO_KERNELS else "kernel")
+    bf16 = LLMEngine(hf_checkpoints["gqa"], EngineConfig(dtype="bfloat16", device="cpu",
+                                                         kv_cache_memory="8MiB"))
+    assert bf16.runner.attention_backend == "gather"
     assert resolve_attention_backend("auto", cuda, False, 16) == "flex"
     assert resolve_attention_backend("auto", cuda, False, 8) == "gather"   # kernel tile: 16
     assert resolve_attention_backend("flex", cpu, False, 8) == "flex"

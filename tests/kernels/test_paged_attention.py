@@ -39,10 +39,12 @@ def step(b: int, h: int, d: int, width: int, seed: int = 1):
 
 @pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (4, 1, 256), (4, 4, 24)])
 @pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("window,key_start", [(None, 0), (5, 0), (None, 8)])
-def test_the_kernel_matches_its_reference(h, kvh, d, int8, window, key_start):
+@pytest.mark.parametrize("window,key_start,width", [(None, 0, 7), (5, 0, 7), (None, 8, 7),
+                                                    (None, 0, 40), (70, 0, 40), (None, 8, 38)])
+def test_the_kernel_matches_its_reference(h, kvh, d, int8, window, key_start, width):
+    """Width 40 holds up to 160 keys: up to three partitions of 64, a window across two."""
     kv = caches(kvh, d, int8)
-    q, tables, lens = step(6, h, d, width=7)
+    q, tables, lens = step(6, h, d, width=width)
     lens = lens + key_start
     got = paged_attention.paged_decode(q, *kv, tables, lens, key_start, window, d ** -0.5)
     ref = paged_attention.reference_paged_decode(q, *kv, tables, lens, key_start, window,
@@ -51,9 +53,10 @@ def test_the_kernel_matches_its_reference(h, kvh, d, int8, window, key_start):
     assert (got.double() - ref).abs().max() / ref.abs().max() < BOUND
 
 
-def test_a_sequence_does_not_depend_on_the_batch_or_the_padding():
+@pytest.mark.parametrize("width", [6, 30])
+def test_a_sequence_does_not_depend_on_the_batch_or_the_padding(width):
     kv = caches(3, 64, int8=False)
-    q, tables, lens = step(8, 9, 64, width=6)
+    q, tables, lens = step(8, 9, 64, width=width)
     batched = paged_attention.paged_decode(q, *kv, tables, lens, 0, None, 0.125)
     for i in range(len(q)):
         wider = torch.cat([tables[i:i + 1], torch.zeros(1, 5, dtype=torch.int32)], dim=1)

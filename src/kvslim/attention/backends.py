@@ -8,7 +8,8 @@
 - "kernel" (the CPU): `paged.py` with its decodes through kvslim's own C++ kernel
   (kernels/paged_attention.py), which reads each KV head's blocks in place once for its group
   of query heads; prefill chunks gather. float32 models, float32 or int8 caches.
-- "auto": flex on CUDA, and on the CPU what measured faster there (`CPU_DEFAULT`).
+- "auto": flex on CUDA; on the CPU the kernel where it runs (`CPU_DEFAULT`, measured), else
+  gather.
 
 The engine resolves the name once (`resolve_attention_backend`) and builds each step's context
 with `build_paged_attention`, on the eager path and on the decode-graph path alike."""
@@ -26,24 +27,28 @@ from kvslim.kernels import paged_attention
 
 ATTENTION_BACKENDS = ("auto", "gather", "flex", "kernel")
 
-# The CPU default, measured by `python benchmarks/paged_attention_choice.py --threads 2 --json`
-# (docs/paged_attention_choice.json: 2-core Xeon, torch 2.13 CPU, float32, SmolLM2-135M's
-# attention: 9 query heads over 3 KV heads, head_dim 64, blocks of 16; ms per layer, the step's
-# metadata amortised over 30 layers; the pool exactly the step's blocks, shuffled):
+# The CPU default, measured by `python benchmarks/paged_attention_choice.py --backends
+# gather,flex,kernel --threads 2 --json --out docs/paged_attention_choice.json` (2-core AMD
+# EPYC, torch 2.13 CPU, float32, SmolLM2-135M's attention: 9 query heads over 3 KV heads,
+# head_dim 64, blocks of 16; ms per layer, the step's metadata amortised over 30 layers; the
+# pool exactly the step's blocks, shuffled):
 #   step                                gather    flex (eager)   kernel
-#   decode, batch 1, context 256          0.07     12.8            0.06
-#   decode, batch 8, context 256          0.27     18.3            0.25
-#   decode, batch 32, context 256         1.02     49.9            1.06
-#   decode, batch 1, context 1024         0.20     13.1            0.17
-#   decode, batch 8, context 1024         1.06     32.0            1.10
-#   decode, batch 32, context 1024        4.36    208              5.35
-#   prefill 256 after 768 cached          3.65     36.8            3.60
+#   decode, batch 1, context 256          0.12     14.9            0.05
+#   decode, batch 8, context 256          0.34     24.5            0.24
+#   decode, batch 32, context 256         1.51     40.2            1.01
+#   decode, batch 1, context 1024         0.63     16.7            0.14
+#   decode, batch 8, context 1024         1.20     29.6            1.05
+#   decode, batch 32, context 1024        9.82    196              6.08
+#   prefill 256 after 768 cached          5.35     33.5            5.24
 # Eager FlexAttention scores every pool slot (repeating K/V per query head inside), and each
 # call costs milliseconds of Python machinery (pytree flattening, vmap over the mask) before
-# any arithmetic: 10-170x slower here. kvslim's decode kernel (scalar exp, one work item per
-# sequence and KV head) is within 20% of gather either way and loses on the largest step: the
-# CPU gathers; `kernel` stays an option (it reads no copy of the context).
-CPU_DEFAULT = "gather"
+# any arithmetic. kvslim's decode kernel (a work item per sequence, KV head and 64 keys) is the
+# fastest at every step, and the only one of the three whose decode is batch-invariant: torch's
+# SDPA over the gathered context runs other arithmetic for one sequence than for two or more on
+# two threads (a greedy server answer's logprobs changed when a second request joined:
+# benchmarks/stream_invariance.py). Where the kernel cannot run (no extension, a bfloat16 model,
+# an fp8 cache) the CPU gathers.
+CPU_DEFAULT = "kernel"
 
 
 def check_attention_backend(name: str) -> None:
@@ -96,7 +101,7 @@ def build_paged_attention(backend: str, kv_caches: list[KVCacheLayer],
         metas = build_flex_layer_metadata(layouts, block_size, kv_caches[0].num_blocks,
                                           layer_windows, layer_group)
         return FlexPagedAttention(kv_caches, metas)
+    # "kernel" comes resolved (resolve_attention_backend checked that the extension is built):
+    # this runs inside the compiled decode step, which cannot trace that check.
     metas = build_layer_metadata(layouts, block_size, layer_windows, layer_group)
-    if backend == "kernel" and not paged_attention.available():
-        raise KvslimError("attention_backend=kernel: kvslim's C++ kernels are not built here")
     return PagedAttention(kv_caches, metas, decode_kernel=backend == "kernel")

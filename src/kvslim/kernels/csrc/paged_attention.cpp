@@ -1,10 +1,11 @@
 // Decode attention over the paged KV cache, read in place through the block tables.
 //
-// One work item per (sequence, KV head): each key and value row of that head is read once for
-// the whole group of query heads that share it (GQA). Per query head: the scores of the keys
-// the sequence may see (positions before its length, inside its sliding window), their
-// softmax, and the weighted sum of the values, in float32, every sum in one fixed order
-// (keys in position order, a dot product's lanes in one fixed tree): a sequence's output
+// One work item per (sequence, KV head, partition of PART key positions): each key and value
+// row of that head is read once for the whole group of query heads that share it (GQA). Per
+// query head: the scores of the keys the sequence may see (positions before its length, inside
+// its sliding window), their softmax per partition, the weighted sum of the values, then the
+// partitions combined, in float32, every sum in one fixed order (keys in position order,
+// partitions in position order, a dot product's lanes in one fixed tree): a sequence's output
 // depends on its own query and cache only, not on the batch, the padding of the tables or the
 // threads.
 //
@@ -72,7 +73,47 @@ Cache cache_of(const at::Tensor& cache, const std::optional<at::Tensor>& scales)
   return c;
 }
 
+// One partition of a (sequence, KV head)'s keys, positions [lo, hi): per query head its
+// largest score m, the sum l of exp(score - m) and the unnormalized sum of values acc[D].
+void attend_partition(const Cache& kc, const Cache& vc, const float* q, const int64_t* table,
+                      int64_t h, int64_t G, int64_t D, int64_t BS, int64_t key_start, int64_t lo,
+                      int64_t hi, float sc, float* m, float* l, float* acc,
+                      std::vector<float>& scores, std::vector<float>& row) {
+  const int64_t n = hi - lo;
+  scores.assign(G * n, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = lo + j - key_start;
+    kc.row(table[pos / BS], pos % BS, h, row.data());
+    for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot(q + g * D, row.data(), D) * sc;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) { s[j] = std::exp(s[j] - mx); sum += s[j]; }
+    m[g] = mx;
+    l[g] = sum;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = lo + j - key_start;
+    vc.row(table[pos / BS], pos % BS, h, row.data());
+    for (int64_t g = 0; g < G; ++g) {
+      float* o = acc + g * D;
+      const float w = scores[g * n + j];
+      for (int64_t d = 0; d < D; ++d) o[d] += w * row[d];
+    }
+  }
+}
+
 }  // namespace
+
+// Keys in partitions of PART positions, counted from position 0 (not from the batch's tables):
+// the partitions of a sequence are one work item each, so one long sequence keeps every thread
+// busy, and their partial softmaxes are combined in position order. Where the partitions fall
+// depends on the sequence's own positions only, so its bits do not depend on the batch.
+constexpr int64_t PART = 64;
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const std::optional<at::Tensor>& k_scales,
@@ -93,45 +134,51 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2);
   const int64_t KVH = kc.kv_heads, G = H / KVH, BS = k_cache.size(1), W = tables.size(1);
   TORCH_CHECK(D == kc.head_dim && H % KVH == 0, "paged_decode: q's heads do not fit the cache");
-  at::Tensor out = at::zeros_like(qc);
-  const float* qp = qc.data_ptr<float>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  // Each sequence's visible keys [lo, hi) and its partitions, numbered across the batch.
+  std::vector<int64_t> lo(B), hi(B), first(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    hi[b] = std::min(lp[b], key_start + W * BS);
+    lo[b] = window > 0 ? std::max(key_start, lp[b] - window) : key_start;
+    const int64_t parts = hi[b] > lo[b] ? (hi[b] - 1) / PART - lo[b] / PART + 1 : 0;
+    first[b + 1] = first[b] + parts;
+  }
+  const int64_t P = first[B];
+  at::Tensor out = at::zeros_like(qc);
+  std::vector<float> m(P * H), l(P * H), acc(P * H * D);
+  std::vector<int64_t> seq_of(P);
+  for (int64_t b = 0; b < B; ++b) std::fill(seq_of.begin() + first[b], seq_of.begin() + first[b + 1], b);
+  const float* qp = qc.data_ptr<float>();
   const float sc = (float)scale;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, P * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row(D);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / KVH, h = item % KVH;
-      const int64_t hi = std::min(lp[b], key_start + W * BS);
-      const int64_t lo = window > 0 ? std::max(key_start, lp[b] - window) : key_start;
-      const int64_t n = std::max<int64_t>(0, hi - lo);
-      if (n == 0) continue;                     // nothing to see: zeros, as SDPA over no key
-      scores.assign(G * n, 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = lo + j - key_start;
-        kc.row(tp[b * W + pos / BS], pos % BS, h, row.data());
-        for (int64_t g = 0; g < G; ++g)
-          scores[g * n + j] = dot(qp + (b * H + h * G + g) * D, row.data(), D) * sc;
+      const int64_t p = item / KVH, h = item % KVH, b = seq_of[p];
+      const int64_t c = lo[b] / PART + (p - first[b]);
+      const int64_t a = std::max(lo[b], c * PART), z = std::min(hi[b], (c + 1) * PART);
+      const int64_t at = p * H + h * G;
+      attend_partition(kc, vc, qp + (b * H + h * G) * D, tp + b * W, h, G, D, BS, key_start, a,
+                       z, sc, m.data() + at, l.data() + at, acc.data() + at * D, scores, row);
+    }
+  });
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / H, hq = item % H;
+      if (first[b] == first[b + 1]) continue;   // nothing to see: zeros, as SDPA over no key
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t p = first[b]; p < first[b + 1]; ++p) mx = std::max(mx, m[p * H + hq]);
+      float sum = 0.f;
+      float* o = op + item * D;
+      for (int64_t p = first[b]; p < first[b + 1]; ++p) {
+        const float w = std::exp(m[p * H + hq] - mx);
+        sum += w * l[p * H + hq];
+        const float* a = acc.data() + (p * H + hq) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
-        float sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) { s[j] = std::exp(s[j] - m); sum += s[j]; }
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < n; ++j) s[j] *= inv;
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = lo + j - key_start;
-        vc.row(tp[b * W + pos / BS], pos % BS, h, row.data());
-        for (int64_t g = 0; g < G; ++g) {
-          float* o = op + (b * H + h * G + g) * D;
-          const float w = scores[g * n + j];
-          for (int64_t d = 0; d < D; ++d) o[d] += w * row[d];
-        }
-      }
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   });
   return out;
