@@ -7,9 +7,10 @@ logprob is too (every step's logits equal).
         [--threads 2] [--json]
 
 Modes: q4_1 (the shipped Q4_1 blocks, what LLM() runs), f32 (the float32 import), w8a8
-(kvslim's W8A8 checkpoint of the float32 import, as `kvslim bench peers` makes it); `+kernel`
-after a mode runs it with attention_backend="kernel" (the C++ decode kernel reading the cache
-in place). With KVSLIM_NO_EXTENSION=1 every mode runs torch's kernels instead of kvslim's."""
+(kvslim's W8A8 checkpoint of the float32 import, as `kvslim bench peers` makes it); `+gather`
+after a mode runs it with attention_backend="gather" (torch's SDPA over the gathered context)
+instead of the CPU default, kvslim's decode kernel. With KVSLIM_NO_EXTENSION=1 every mode runs
+torch's kernels instead of kvslim's."""
 from __future__ import annotations
 
 import argparse
@@ -43,11 +44,11 @@ def model_of(mode: str) -> str:
         return str(float_dir())
     if base == "w8a8":
         return str(w8a8_dir(kvslim_home() / "peers"))
-    raise SystemExit(f"unknown mode {mode!r}: q4_1, f32, w8a8, each optionally +kernel")
+    raise SystemExit(f"unknown mode {mode!r}: q4_1, f32, w8a8, each optionally +gather")
 
 
 def measure(mode: str, chats: list, tokens: int) -> dict:
-    backend = "kernel" if mode.endswith("+kernel") else "auto"
+    backend = "gather" if mode.endswith("+gather") else "auto"
     llm = LLM(model_of(mode), max_num_seqs=len(chats), attention_backend=backend)
     params = SamplingParams(max_tokens=tokens, temperature=0, logprobs=0, ignore_eos=True)
 

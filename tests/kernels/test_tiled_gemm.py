@@ -96,6 +96,9 @@ def test_the_build_is_keyed_by_sources_torch_and_cpu():
     key = extension.build_key()
     assert key.startswith(f"torch-{torch.__version__}-py") and key in str(extension.build_dir())
     assert extension.isa() in ("avx512", "avx2", "scalar")
+    asked = os.environ.get(extension.ISA_ENV, "native")
+    if asked != "native":                       # a narrower build asked for: that one runs
+        assert extension.isa() == asked
 
 
 def test_disabled_the_extension_leaves_the_torch_kernels(tmp_path):

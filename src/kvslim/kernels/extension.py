@@ -23,6 +23,11 @@ import torch
 from kvslim.paths import kvslim_home
 
 DISABLE_ENV = "KVSLIM_NO_EXTENSION"
+# KVSLIM_KERNEL_ISA=avx2 or scalar builds the narrower paths on a wider CPU: what a machine
+# without AVX-512 (or without x86 vectors) runs, checked here (tests/kernels/test_isa_builds.py).
+ISA_ENV = "KVSLIM_KERNEL_ISA"
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx", "-mno-avx2",
+                                                                  "-mno-fma", "-mno-avx512f")}
 SOURCES = ("tiled_gemm.cpp", "group_sums.cpp", "group_q8.cpp", "paged_attention.cpp",
            "store_slots.cpp")
 HEADERS = ("group_sums.h",)     # not compiled on their own, but part of what a build is
@@ -73,11 +78,19 @@ def cpu_fingerprint() -> str:
     return platform.processor() or platform.machine()
 
 
+def cflags() -> list[str]:
+    isa = os.environ.get(ISA_ENV, "native").strip() or "native"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_FLAGS)}, got {isa!r}")
+    on_x86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
+    return list(CFLAGS) + (list(ISA_FLAGS[isa]) if on_x86 else [])
+
+
 def build_key() -> str:
     digest = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         digest.update((source_dir() / name).read_bytes())
-    digest.update(" ".join(CFLAGS).encode())
+    digest.update(" ".join(cflags()).encode())
     digest.update(cpu_fingerprint().encode())
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     return f"torch-{torch.__version__}-{python}-{digest.hexdigest()[:16]}"
@@ -96,13 +109,16 @@ def load() -> str | None:
     if missing is not None:
         return missing
     from torch.utils import cpp_extension
-    out = build_dir()
+    try:
+        out = build_dir()
+    except ValueError as e:                      # a KVSLIM_KERNEL_ISA it does not know
+        return str(e)
     out.mkdir(parents=True, exist_ok=True)
     if not any(out.glob(f"{NAME}*.so")):
         note(f"building kvslim's CPU kernels into {out} (once per machine and version) ...")
     try:
         cpp_extension.load(name=NAME, sources=[str(source_dir() / s) for s in SOURCES],
-                           extra_cflags=list(CFLAGS), build_directory=str(out),
+                           extra_cflags=cflags(), build_directory=str(out),
                            is_python_module=False, verbose=False)
     except Exception as e:                       # noqa: BLE001 - any failure: the torch kernels
         lines = str(e).strip().splitlines()
