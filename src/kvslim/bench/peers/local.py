@@ -18,10 +18,10 @@ class KvslimEngine:
 
     def __init__(self, name: str, label: str, model_dir: Callable[[], Path],
                  kv_cache_memory: str = "1GiB", max_num_seqs: int = 64,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, linear_activations: str = "float32"):
         self.name, self.label = name, label
         self._model_dir, self._kv, self._seqs = model_dir, kv_cache_memory, max_num_seqs
-        self._compile = compile_decode
+        self._compile, self._activations = compile_decode, linear_activations
         self.llm, self._warm = None, set()
 
     def start(self) -> None:
@@ -31,7 +31,8 @@ class KvslimEngine:
             return
         from kvslim.bench.runners import kvslim_llm
         self.llm = kvslim_llm(self._model_dir(), self._kv, max_num_seqs=self._seqs,
-                              compile_decode=self._compile)
+                              compile_decode=self._compile,
+                              linear_activations=self._activations)
         self._generate([[1, 2, 3, 4]], 4)                                      # warm-up
 
     def _generate(self, prompts, output_len: int):
