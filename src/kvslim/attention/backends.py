@@ -33,21 +33,22 @@ ATTENTION_BACKENDS = ("auto", "gather", "flex", "kernel")
 # head_dim 64, blocks of 16; ms per layer, the step's metadata amortised over 30 layers; the
 # pool exactly the step's blocks, shuffled):
 #   step                                gather    flex (eager)   kernel
-#   decode, batch 1, context 256          0.12     14.9            0.05
-#   decode, batch 8, context 256          0.34     24.5            0.24
-#   decode, batch 32, context 256         1.51     40.2            1.01
-#   decode, batch 1, context 1024         0.63     16.7            0.14
-#   decode, batch 8, context 1024         1.20     29.6            1.05
-#   decode, batch 32, context 1024        9.82    196              6.08
-#   prefill 256 after 768 cached          5.35     33.5            5.24
-# Eager FlexAttention scores every pool slot (repeating K/V per query head inside), and each
-# call costs milliseconds of Python machinery (pytree flattening, vmap over the mask) before
-# any arithmetic. kvslim's decode kernel (a work item per sequence, KV head and 64 keys) is the
-# fastest at every step, and the only one of the three whose decode is batch-invariant: torch's
-# SDPA over the gathered context runs other arithmetic for one sequence than for two or more on
-# two threads (a greedy server answer's logprobs changed when a second request joined:
-# benchmarks/stream_invariance.py). Where the kernel cannot run (no extension, a bfloat16 model,
-# an fp8 cache) the CPU gathers.
+#   decode, batch 1, context 256          0.13     22.8            0.08
+#   decode, batch 8, context 256          0.48     34.3            0.42
+#   decode, batch 32, context 256        11.1      55.0            1.91
+#   decode, batch 1, context 1024         0.74     20.1            0.18
+#   decode, batch 8, context 1024         3.01     40.0            3.13
+#   decode, batch 32, context 1024       12.7     292             10.7
+#   prefill 256 after 768 cached          5.89     42.0            6.60
+# (a busy shared machine: the prefill row runs the same gather code under both names, so ~10%
+# is noise). Eager FlexAttention scores every pool slot (repeating K/V per query head inside),
+# and each call costs milliseconds of Python machinery (pytree flattening, vmap over the mask)
+# before any arithmetic. kvslim's decode kernel (a work item per sequence, KV head and 64
+# keys) is faster or level at every decode step, and the only one of the three whose decode is
+# batch-invariant: torch's SDPA over the gathered context runs other arithmetic for one
+# sequence than for two or more on two threads of this machine (a greedy server answer's
+# logprobs changed when a second request joined: benchmarks/stream_invariance.py). Where the
+# kernel cannot run (no extension, a bfloat16 model, an fp8 cache) the CPU gathers.
 CPU_DEFAULT = "kernel"
 
 

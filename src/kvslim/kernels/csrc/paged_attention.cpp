@@ -32,27 +32,30 @@ struct Cache {
   int64_t block_stride, slot_stride;  // elements per block, per slot (kv_heads * head_dim)
   int64_t kv_heads, head_dim;
 
-  // Row `slot` of `block` for kv head `h`, as float32 into out[head_dim].
-  void row(int64_t block, int64_t slot, int64_t h, float* out) const {
+  // Row `slot` of `block` for kv head `h` as float32: the cache's own row (float32), or
+  // `out` [head_dim] holding it dequantized (int8).
+  const float* row(int64_t block, int64_t slot, int64_t h, float* out) const {
     const int64_t at = block * block_stride + slot * slot_stride + h * head_dim;
-    if (f32 != nullptr) {
-      std::copy(f32 + at, f32 + at + head_dim, out);
-      return;
-    }
+    if (f32 != nullptr) return f32 + at;
     const float s = (float)scales[(block * block_stride + slot * slot_stride) / head_dim + h];
     for (int64_t d = 0; d < head_dim; ++d) out[d] = (float)i8[at + d] * s;
+    return out;
   }
 };
 
-// sum_d a[d] * b[d] in 8 interleaved partial sums combined pairwise: a fixed order that the
-// compiler may vectorize (-ffp-contract=off keeps each product and sum rounded as written).
+// sum_d a[d] * b[d] in 16 interleaved partial sums (lane j: every d = j mod 16, in order),
+// then combined as a fixed tree (j + 8, j + 4, j + 2, j + 1): one fixed order that the
+// compiler vectorizes into one 16-lane chain (-ffp-contract=off keeps each product and sum
+// rounded as written).
 float dot(const float* a, const float* b, int64_t n) {
-  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float part[16] = {};
   int64_t d = 0;
-  for (; d + 8 <= n; d += 8)
-    for (int j = 0; j < 8; ++j) part[j] += a[d + j] * b[d + j];
+  for (; d + 16 <= n; d += 16)
+    for (int j = 0; j < 16; ++j) part[j] += a[d + j] * b[d + j];
   for (int j = 0; d < n; ++d, ++j) part[j] += a[d] * b[d];
-  return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) part[j] += part[j + w];
+  return part[0];
 }
 
 Cache cache_of(const at::Tensor& cache, const std::optional<at::Tensor>& scales) {
@@ -73,18 +76,23 @@ Cache cache_of(const at::Tensor& cache, const std::optional<at::Tensor>& scales)
   return c;
 }
 
+// A thread's working memory: scores [G][n] and a dequantized row (int8 caches).
+struct Scratch {
+  std::vector<float> scores, row;
+};
+
 // One partition of a (sequence, KV head)'s keys, positions [lo, hi): per query head its
 // largest score m, the sum l of exp(score - m) and the unnormalized sum of values acc[D].
 void attend_partition(const Cache& kc, const Cache& vc, const float* q, const int64_t* table,
                       int64_t h, int64_t G, int64_t D, int64_t BS, int64_t key_start, int64_t lo,
-                      int64_t hi, float sc, float* m, float* l, float* acc,
-                      std::vector<float>& scores, std::vector<float>& row) {
+                      int64_t hi, float sc, float* m, float* l, float* acc, Scratch& t) {
   const int64_t n = hi - lo;
+  std::vector<float>& scores = t.scores;
   scores.assign(G * n, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = lo + j - key_start;
-    kc.row(table[pos / BS], pos % BS, h, row.data());
-    for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot(q + g * D, row.data(), D) * sc;
+    const float* k = kc.row(table[pos / BS], pos % BS, h, t.row.data());
+    for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot(q + g * D, k, D) * sc;
   }
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores.data() + g * n;
@@ -98,11 +106,11 @@ void attend_partition(const Cache& kc, const Cache& vc, const float* q, const in
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = lo + j - key_start;
-    vc.row(table[pos / BS], pos % BS, h, row.data());
+    const float* v = vc.row(table[pos / BS], pos % BS, h, t.row.data());
     for (int64_t g = 0; g < G; ++g) {
       float* o = acc + g * D;
       const float w = scores[g * n + j];
-      for (int64_t d = 0; d < D; ++d) o[d] += w * row[d];
+      for (int64_t d = 0; d < D; ++d) o[d] += w * v[d];
     }
   }
 }
@@ -152,14 +160,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const float* qp = qc.data_ptr<float>();
   const float sc = (float)scale;
   at::parallel_for(0, P * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, row(D);
+    Scratch scratch;
+    scratch.row.resize(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t p = item / KVH, h = item % KVH, b = seq_of[p];
       const int64_t c = lo[b] / PART + (p - first[b]);
       const int64_t a = std::max(lo[b], c * PART), z = std::min(hi[b], (c + 1) * PART);
       const int64_t at = p * H + h * G;
       attend_partition(kc, vc, qp + (b * H + h * G) * D, tp + b * W, h, G, D, BS, key_start, a,
-                       z, sc, m.data() + at, l.data() + at, acc.data() + at * D, scores, row);
+                       z, sc, m.data() + at, l.data() + at, acc.data() + at * D, scratch);
     }
   });
   float* op = out.data_ptr<float>();
