@@ -7,7 +7,8 @@ invariant when its text and its tokens' logprobs are the same both times.
         [--threads 2] [--json] [-- SERVE_ARGS...]
 
 SERVE_ARGS go to `kvslim serve` (default model: the shipped Q4_1 blocks), e.g.
-`-- --linear-activations int8` or `-- --model DIR`. After the run the server's metrics must show
+`-- --linear-activations int8` or `-- --model DIR`. With `-- --attention-backend gather` (torch's
+SDPA) answers differ; with the CPU's default (kvslim's kernel, prefill chunks too) none should. After the run the server's metrics must show
 no running request and the aborted count equal to the disconnects."""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import json
 import re
 import sys
 import tempfile
+from pathlib import Path
 
 import httpx
 
@@ -72,6 +74,7 @@ def main() -> int:
     ap.add_argument("--disconnect-every", type=int, default=3, help="0: nobody hangs up")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("serve_args", nargs="*", help="after --: kvslim serve's own options")
     args = ap.parse_args()
     server = Server("kvslim", "kvslim serve", serve_argv(args.threads, args.streams,
@@ -89,11 +92,14 @@ def main() -> int:
         server.stop()
     completed = [i for i, t in enumerate(together) if t is not None]
     differ = [i for i in completed if together[i] != alone[i]]
-    row = dict(streams=args.streams, tokens=args.tokens, serve_args=args.serve_args,
+    row = dict(command="python benchmarks/stream_invariance.py " + " ".join(sys.argv[1:]),
+               streams=args.streams, tokens=args.tokens, serve_args=args.serve_args,
                disconnected=args.streams - len(completed), completed=len(completed),
                same_as_alone=len(completed) - len(differ), differing=differ,
                running_after=metric(metrics, "num_requests_running"),
                aborted=metric(metrics, "requests_aborted"))
+    if args.out:
+        Path(args.out).write_text(json.dumps(row, indent=2) + "\n")
     if args.json:
         print(json.dumps(row, indent=2))
     else:

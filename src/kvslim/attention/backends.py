@@ -5,9 +5,11 @@
   chunks one by one).
 - "flex" (`flex.py`): one FlexAttention call per layer over the whole pool, reading K/V in place
   through the block tables, decodes and prefill chunks together.
-- "kernel" (the CPU): `paged.py` with its decodes through kvslim's own C++ kernel
-  (kernels/paged_attention.py), which reads each KV head's blocks in place once for its group
-  of query heads; prefill chunks gather. float32 models, float32 or int8 caches.
+- "kernel" (the CPU): `paged.py` with every token of the step, decodes and prefill chunks,
+  through kvslim's own C++ kernel (kernels/paged_attention.py), which reads each KV head's
+  blocks in place once for its group of query heads, each query over the keys before its own
+  position: batch-invariant, and a prompt's numbers do not depend on its chunking or on a
+  prefix-cache hit. float32 models, float32 or int8 caches.
 - "auto": flex on CUDA; on the CPU the kernel where it runs (`CPU_DEFAULT`, measured), else
   gather.
 
@@ -105,4 +107,4 @@ def build_paged_attention(backend: str, kv_caches: list[KVCacheLayer],
     # "kernel" comes resolved (resolve_attention_backend checked that the extension is built):
     # this runs inside the compiled decode step, which cannot trace that check.
     metas = build_layer_metadata(layouts, block_size, layer_windows, layer_group)
-    return PagedAttention(kv_caches, metas, decode_kernel=backend == "kernel")
+    return PagedAttention(kv_caches, metas, kernel=backend == "kernel")

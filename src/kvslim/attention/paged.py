@@ -5,28 +5,31 @@ new token's K/V is written into the cache through `slot_mapping` (each layer's `
 in the model's dtype or quantized, see `kv_cache.py`); decodes then read their whole
 context through the block tables in one batched call, and each prefill chunk attends to its
 cached prefix plus itself (prefix caching and chunked prefill both rely on that). What to attend
-to (masks, the lone-decode case) comes ready-made in the step's metadata (see `metadata.py`)."""
+to (masks, the lone-decode case) comes ready-made in the step's metadata (see `metadata.py`).
+With `kernel` (the CPU's default backend) every token instead goes through kvslim's kernel,
+reading the cache in place over the keys before its own position."""
 from __future__ import annotations
 
 import torch
 
 from kvslim.attention.grouped import MaskCache, grouped_sdpa
 from kvslim.attention.kv_cache import KVCacheLayer
-from kvslim.attention.metadata import PagedAttentionMetadata
+from kvslim.attention.metadata import PagedAttentionMetadata, PagedStepLayout
 from kvslim.kernels import paged_attention
 
 
 class PagedAttention:
     def __init__(self, kv_caches: list[KVCacheLayer],
                  meta: PagedAttentionMetadata | list[PagedAttentionMetadata],
-                 decode_kernel: bool = False):
+                 kernel: bool = False):
         """meta: the step's metadata, or one per layer (`build_layer_metadata`: layers with
-        different sliding windows read different masks over the same layout). decode_kernel:
-        decodes through kvslim's C++ kernel, reading the cache in place (backends.py)."""
+        different sliding windows read different masks over the same layout). kernel: every
+        token through kvslim's C++ kernel, reading the cache in place (backends.py)."""
         self.kv_caches = kv_caches
-        self.decode_kernel = decode_kernel
+        self.kernel = kernel
         self.layer_metas = meta if isinstance(meta, list) else [meta] * len(kv_caches)
         self.mask_caches = {id(m): MaskCache() for m in self.layer_metas}
+        self.kernel_rows: dict[int, tuple] = {}      # per metadata: `_rows_of_tokens`'s
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -35,11 +38,11 @@ class PagedAttention:
         masks = self.mask_caches[id(meta)]
         cache = self.kv_caches[layer_idx]
         k, v = cache.write(meta.layout.slot_mapping, k, v)
+        if self.kernel:
+            return self._attend_in_place(meta, cache, q, scale)
         nd = meta.layout.num_decode_tokens
         decoded = None
-        if nd and self.decode_kernel:
-            decoded = self._decode_in_place(meta, cache, q[:nd], scale)
-        elif nd:
+        if nd:
             decoded = self._attend_decodes(meta, masks, cache, q[:nd], scale)
             if not meta.layout.prefills:          # a pure decode step: no copy into out
                 return decoded
@@ -60,14 +63,19 @@ class PagedAttention:
         mask = masks.get(-1, meta.decode_allowed, q.shape[1] // kvh, q.dtype)
         return grouped_sdpa(q[:, None], keys, values, mask, scale)[:, 0]
 
-    @staticmethod
-    def _decode_in_place(meta: PagedAttentionMetadata, cache: KVCacheLayer, q: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-        layout = meta.layout
+    def _attend_in_place(self, meta: PagedAttentionMetadata, cache: KVCacheLayer,
+                         q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Every token of the step, decodes and prefill chunks alike, through the kernel: each
+        query over the keys before its own position, so a prompt's numbers do not depend on
+        how it was split into chunks or on what was cached before it."""
+        key = id(meta)
+        if key not in self.kernel_rows:
+            self.kernel_rows[key] = _rows_of_tokens(meta.layout, cache.block_size)
+        tables, lens, key_start = self.kernel_rows[key]
         return paged_attention.paged_decode(
             q, cache.k_cache, cache.v_cache, getattr(cache, "k_scales", None),
-            getattr(cache, "v_scales", None), layout.decode_block_tables,
-            layout.decode_context_lens, layout.decode_key_start, meta.sliding_window, scale)
+            getattr(cache, "v_scales", None), tables, lens, key_start, meta.sliding_window,
+            scale)
 
     @staticmethod
     def _attend_prefills(meta: PagedAttentionMetadata, masks: MaskCache, cache: KVCacheLayer,
@@ -87,3 +95,34 @@ class PagedAttention:
                 keys, values = keys[:n], values[:n]
             mask = masks.get(i, allowed, group, q.dtype)
             out[s:s + t] = grouped_sdpa(q[None, s:s + t], keys[None], values[None], mask, scale)[0]
+
+
+def _rows_of_tokens(layout: PagedStepLayout, block_size: int):
+    """(tables [N, W], lens [N], key_start) giving every token of the step its sequence's
+    blocks and its own context length (its position + 1). A pure decode step is its layout;
+    with prefill chunks every table is shifted to start at position 0 (left-padded with block
+    0, which no query reads: a table starts past key 0 only for a sliding window, whose keys
+    lie after it)."""
+    if not layout.prefills:
+        return layout.decode_block_tables, layout.decode_context_lens, layout.decode_key_start
+    nd = layout.num_decode_tokens
+    parts = []                                   # (pad blocks, table [rows, w], lens [rows])
+    if nd:
+        parts.append((layout.decode_key_start // block_size, layout.decode_block_tables,
+                      layout.decode_context_lens))
+    for chunk in layout.prefills:
+        table = chunk.block_table
+        first = chunk.context_len - chunk.query_len + 1
+        lens = torch.arange(first, chunk.context_len + 1, device=table.device)
+        parts.append((chunk.key_start // block_size, table[None].expand(chunk.query_len, -1),
+                      lens))
+    width = max(pad + t.shape[1] for pad, t, _ in parts)
+    device = layout.slot_mapping.device
+    tables = torch.zeros(sum(t.shape[0] for _, t, _ in parts), width, dtype=torch.int32,
+                         device=device)
+    row = 0
+    for pad, t, _ in parts:
+        tables[row:row + t.shape[0], pad:pad + t.shape[1]] = t
+        row += t.shape[0]
+    lens = torch.cat([n.to(torch.int32) for _, _, n in parts])
+    return tables, lens, 0
