@@ -35,22 +35,26 @@ ATTENTION_BACKENDS = ("auto", "gather", "flex", "kernel")
 # head_dim 64, blocks of 16; ms per layer, the step's metadata amortised over 30 layers; the
 # pool exactly the step's blocks, shuffled):
 #   step                                gather    flex (eager)   kernel
-#   decode, batch 1, context 256          0.13     22.8            0.08
-#   decode, batch 8, context 256          0.48     34.3            0.42
-#   decode, batch 32, context 256        11.1      55.0            1.91
-#   decode, batch 1, context 1024         0.74     20.1            0.18
-#   decode, batch 8, context 1024         3.01     40.0            3.13
-#   decode, batch 32, context 1024       12.7     292             10.7
-#   prefill 256 after 768 cached          5.89     42.0            6.60
-# (a busy shared machine: the prefill row runs the same gather code under both names, so ~10%
-# is noise). Eager FlexAttention scores every pool slot (repeating K/V per query head inside),
-# and each call costs milliseconds of Python machinery (pytree flattening, vmap over the mask)
-# before any arithmetic. kvslim's decode kernel (a work item per sequence, KV head and 64
-# keys) is faster or level at every decode step, and the only one of the three whose decode is
+#   decode, batch 1, context 256          0.11     17.9            0.04
+#   decode, batch 8, context 256          0.44     29.2            0.23
+#   decode, batch 32, context 256         2.27     54.3            1.86
+#   decode, batch 1, context 1024         0.36     19.6            0.16
+#   decode, batch 8, context 1024         2.96     35.1            1.99
+#   decode, batch 32, context 1024       29.8     254              9.67
+#   prefill 256 after 768 cached          9.17     43.1           27.9
+# (a busy shared machine: cells move by up to 2x between runs, docs/paged_attention_choice.json
+# holds this one). Eager FlexAttention scores every pool slot (repeating K/V per query head
+# inside), and each call costs milliseconds of Python machinery (pytree flattening, vmap over
+# the mask) before any arithmetic. kvslim's kernel (a work item per sequence, KV head and 64
+# keys) is the fastest at every decode step, and the only one of the three that is
 # batch-invariant: torch's SDPA over the gathered context runs other arithmetic for one
 # sequence than for two or more on two threads of this machine (a greedy server answer's
-# logprobs changed when a second request joined: benchmarks/stream_invariance.py). Where the
-# kernel cannot run (no extension, a bfloat16 model, an fp8 cache) the CPU gathers.
+# logprobs changed when a second request joined: benchmarks/stream_invariance.py), and over
+# a prefill chunk its numbers depend on where the chunk starts. The kernel runs prefill
+# queries one by one, 3-5x slower than SDPA's matrix products there: the CPU still takes it
+# (invariance first; offline 64 x 128/128 measured level, README), and `gather` prefills long
+# prompts faster. Where the kernel cannot run (no extension, a bfloat16 model, an fp8 cache)
+# the CPU gathers.
 CPU_DEFAULT = "kernel"
 
 
