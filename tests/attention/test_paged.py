@@ -2,11 +2,13 @@
 to the last bit what the same sequence gives decoded beside longer ones (whose tables widen the
 padded width), with kvslim's decode kernel on any number of threads, through torch's SDPA (the
 gather path) on one thread only (on two, SDPA runs other arithmetic for one sequence than for
-several: attention/backends.py) — and it never sees the stale slots after its context."""
+several: attention/backends.py) — and it never sees the stale slots after its context; with the
+kernel, a prompt's tokens get the same bits however the prompt is split into chunks."""
 import pytest
 import torch
 
 from kvslim.attention import KVCacheLayer, PagedAttention, PagedStepLayout, build_paged_metadata
+from kvslim.attention.metadata import PrefillChunk
 from kvslim.kernels import extension
 
 BLOCK, KVH, H, D = 16, 2, 6, 64
@@ -58,3 +60,43 @@ def _alone_and_beside_longer_ones(kernel):
     lens = torch.tensor([7])
     assert torch.equal(_step(stale, tables[:1, :1], lens, q[:1], k[:1], v[:1], kernel),
                        _step(kv.clone(), tables[:1, :1], lens, q[:1], k[:1], v[:1], kernel))
+
+
+def _prefill(kv, table, start, q, k, v, decodes=0):
+    """Tokens start..start+len(q) of one sequence as a prefill chunk (after `start` cached
+    keys), behind `decodes` one-token decodes of other sequences (blocks 30.., 20 keys each)."""
+    t = q.shape[0] - decodes
+    pos = torch.arange(start, start + t)
+    slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
+    dec_tables = torch.arange(30, 30 + 2 * decodes).view(decodes, 2)
+    dec_slots = dec_tables[:, 1] * BLOCK + 3                 # position 19 of each
+    chunk = PrefillChunk(query_start=decodes, query_len=t, context_len=start + t,
+                         block_table=table[:-(-(start + t) // BLOCK)])
+    layout = PagedStepLayout(slot_mapping=torch.cat([dec_slots, slots]),
+                             num_decode_tokens=decodes, decode_block_tables=dec_tables,
+                             decode_context_lens=torch.full((decodes,), 20), prefills=[chunk])
+    meta = build_paged_metadata(layout, BLOCK)
+    return PagedAttention([KVCacheLayer(kv[0], kv[1])], meta, kernel=True).attend(
+        0, q, k, v, D ** -0.5)
+
+
+@pytest.mark.skipif(not KERNEL_BUILT, reason="no extension")
+def test_with_the_kernel_a_prompts_numbers_do_not_depend_on_its_chunks():
+    """A 70-token prompt prefilled whole, in chunks of 23 / 47 (the second after a cached
+    prefix), beside decodes of other sequences, and token by token as decodes: each token's
+    attention output is the same bits every way."""
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, 40, BLOCK, KVH, D, generator=g)
+    table = torch.tensor([5, 9, 2, 14, 7])
+    q, k, v = (torch.randn(70, n, D, generator=g) for n in (H, KVH, KVH))
+    whole = _prefill(kv.clone(), table, 0, q, k, v)
+    cache = kv.clone()
+    first = _prefill(cache, table, 0, q[:23], k[:23], v[:23])
+    extra = [torch.randn(2, n, D, generator=g) for n in (H, KVH, KVH)]   # two decodes before
+    second = _prefill(cache, table, 23, *[torch.cat([e, t[23:]]) for e, t in zip(extra, (q, k, v))],
+                      decodes=2)[2:]
+    assert torch.equal(torch.cat([first, second]), whole)
+    cache = kv.clone()
+    one_by_one = [_step(cache, table[None], torch.tensor([i + 1]), q[i:i + 1], k[i:i + 1],
+                        v[i:i + 1], kernel=True) for i in range(70)]
+    assert torch.equal(torch.cat(one_by_one), whole)
