@@ -24,6 +24,8 @@ from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
 from kvslim.kernels.activations import linear_activations
 from kvslim.layers.rope import longrope_original_context
+from kvslim.structured.grammar import GrammarCompiler
+from kvslim.structured.manager import StructuredOutputManager
 from kvslim.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvslim.engine")
@@ -75,6 +77,10 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.config, self.kv_plan)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos)
+        self.structured = StructuredOutputManager(self.grammar_compiler,
+                                                  self.model_config.vocab_size)
+        self.runner.sampler.structured = self.structured
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
@@ -103,10 +109,14 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, ids, params = self.input_processor.process(prompt, params)
+        grammar = (self.grammar_compiler.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         seq = Sequence(request_id=request_id, token_ids=list(ids), params=params,
                        block_size=self.config.block_size, fork_pending=params.n > 1)
         self.requests[request_id] = self.output_processor.new_request(request_id, text, ids,
                                                                       params, seq)
+        if grammar is not None:
+            self.structured.add_request(request_id, grammar)
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(ids)
         return request_id
@@ -119,6 +129,7 @@ class LLMEngine:
         for seq in state.seqs:
             self.scheduler.finish(seq, "abort")
             self._release(seq)
+        self.structured.forget_request(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -148,7 +159,9 @@ class LLMEngine:
             self.shutdown()                  # other ranks may be mid-step: the engine is done
             raise EngineFailedError(f"the model step failed: {type(e).__name__}: {e}") from e
         touched: dict[str, RequestState] = {}
-        failed: list[RequestOutput] = []
+        failed = [self._fail(self.requests[request_id], error)
+                  for request_id, error in self.structured.take_errors().items()
+                  if request_id in self.requests]
         for seq in updated:
             state = self.requests.get(seq.request_id)
             if state is None:                               # aborted, or failed in this loop
@@ -193,6 +206,7 @@ class LLMEngine:
         for seq in state.seqs:
             self.scheduler.finish(seq, "abort")
             self._release(seq)
+        self.structured.forget_request(state.request_id)
         return self.output_processor.failed(state, error)
 
     def _fail_unschedulable(self) -> RequestOutput:
@@ -217,6 +231,7 @@ class LLMEngine:
         out = self.output_processor.output(state)
         if out.finished:
             del self.requests[state.request_id]
+            self.structured.forget_request(state.request_id)
         return out
 
     # ---- introspection -------------------------------------------------------------------

@@ -132,6 +132,9 @@ class ModelRunner:
         `draft_probs` holds a draft model's distributions for its drafts, by seq_id.
         sample=False: a tensor-parallel worker's step, the same forward and the same logits
         calls (each a collective every rank must join), but only rank 0 samples."""
+        if sample:
+            self.sampler.start_masks([(e.seq, e.draft_token_ids) for e in out.scheduled
+                                      if e.sample or e.draft_token_ids])
         hidden, entries, query_starts = self.forward(out)
         draft_probs = draft_probs or {}
         spec_rows, sample_rows, requests, spec = [], [], [], []

@@ -1,7 +1,7 @@
 """`Sampler`: the next token of every sequence in a batch, each with its own parameters.
 
 Order, per row: logit_bias -> penalties (repetition, presence, frequency) -> EOS/stop-token
-ban while min_tokens is not reached -> greedy argmax, or temperature -> top_k -> top_p -> min_p
+ban while min_tokens is not reached -> the grammar's mask (structured outputs) -> greedy argmax, or temperature -> top_k -> top_p -> min_p
 -> a draw. A request with a `seed` draws from its own generator, so its output does not depend on
 what else is in the batch. Logprobs are those of the model's raw distribution."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from kvslim.engine.sequence import Sequence, TokenLogprob
 from kvslim.engine.speculative.verify import verify_greedy, verify_sampled
+from kvslim.structured.manager import StructuredOutputManager, apply_bitmask
 
 
 @dataclass
@@ -52,11 +53,22 @@ class Sampler:
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.generators: dict[tuple[str, int], torch.Generator] = {}
         self.penalties: dict[int, PenaltyState] = {}
+        self.structured: StructuredOutputManager | None = None     # set by the engine
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished sequence's state."""
         self.penalties.pop(seq.seq_id, None)
         self.generators.pop((seq.request_id, seq.index), None)
+        if self.structured is not None:
+            self.structured.release(seq)
+
+    def start_masks(self, items: list[tuple[Sequence, list[int]]]) -> None:
+        """Before the forward pass: begin the grammar masks of the rows this step samples."""
+        if self.structured is not None:
+            self.structured.start_masks(items)
+
+    def _masks(self) -> dict[int, torch.Tensor]:
+        return self.structured.masks() if self.structured is not None else {}
 
     def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]
                  ) -> list[list[SampleResult]]:
@@ -67,6 +79,10 @@ class Sampler:
         self._apply_logit_bias(logits, requests)
         logits = self._apply_penalties(logits, requests)
         self._ban_until_min_tokens(logits, requests)
+        masks = self._masks()
+        for i, r in enumerate(requests):
+            if r.seq.seq_id in masks:
+                apply_bitmask(logits[i:i + 1], masks[r.seq.seq_id])
         rows = [i for i, r in enumerate(requests) for _ in range(r.num_samples)]
         samples = [(r.seq, k) for r in requests for k in range(r.num_samples)]
         tokens = self._draw(logits[rows], samples).tolist()
@@ -77,6 +93,10 @@ class Sampler:
             results[row].append(SampleResult(token, logprob))
             if k == 0 and seq.seq_id in self.penalties:
                 self.penalties[seq.seq_id].add(token)
+        if masks:
+            for r, res in zip(requests, results):
+                if r.seq.seq_id in masks:
+                    self.structured.accept(r.seq, [x.token_id for x in res], r.num_samples)
         return results
 
     # ---- logits processing ---------------------------------------------------------------
@@ -120,6 +140,9 @@ class Sampler:
         p = seq.params
         raw = torch.log_softmax(logits, dim=-1) if p.logprobs is not None else None
         self._process_draft_rows(logits, seq, drafts)
+        mask = self._masks().get(seq.seq_id)
+        if mask is not None:
+            apply_bitmask(logits, mask)
         if p.greedy:
             tokens = verify_greedy(logits, drafts)
         else:
@@ -132,6 +155,8 @@ class Sampler:
         for token in tokens:
             if state is not None:
                 state.add(token)
+        if mask is not None:
+            self.structured.accept(seq, tokens)
         return [SampleResult(t, None if raw is None else self._logprob(raw, i, t, seq))
                 for i, t in enumerate(tokens)]
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvslim.errors import InvalidRequestError
+from kvslim.structured.params import StructuredOutputsParams
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -33,6 +34,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # logprob of every prompt token (+ top-k); no prefix cache
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The output must match a JSON schema, a regex, a choice or a grammar (structured/).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +45,8 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -90,6 +95,9 @@ class SamplingParams:
               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
               "prompt_logprobs",
               f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs!r}")
+        check(self.structured_outputs is None
+              or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "structured_outputs must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,159 @@
+"""`StructuredOutputManager`: one grammar matcher per constrained completion, the bitmasks of a
+step's rows, and the tokens fed back once they are drawn.
+
+The masks of a step depend only on the tokens already appended, so `start_masks` fills them on a
+worker thread (llguidance's executor, which leaves the GIL) while the model runs, and the
+sampler waits for them after the forward pass. A row of a speculative step scores the draft
+tokens before it: its mask is the grammar's state after those drafts, then the matcher is rolled
+back, so a draft the grammar forbids is rejected by the ordinary verification rule."""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvslim.engine.sequence import Sequence
+from kvslim.structured.grammar import GrammarCompiler, _llguidance
+
+Key = tuple[str, int]                                  # (request_id, completion index)
+
+
+class StructuredOutputManager:
+    def __init__(self, compiler: GrammarCompiler, vocab_size: int, threads: int = 1):
+        self.compiler = compiler
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.grammars: dict[str, str] = {}               # request_id -> compiled grammar
+        self.matchers: dict[Key, object] = {}
+        self._threads = threads
+        self._executor = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._ready: dict[int, torch.Tensor] = {}
+        self.errors: dict[str, str] = {}                 # request_id -> why its grammar failed
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, grammar: str) -> None:
+        self.grammars[request_id] = grammar
+
+    def is_constrained(self, seq: Sequence) -> bool:
+        return seq.request_id in self.grammars
+
+    def release(self, seq: Sequence) -> None:
+        self.matchers.pop((seq.request_id, seq.index), None)
+
+    def forget_request(self, request_id: str) -> None:
+        self.grammars.pop(request_id, None)
+        for key in [k for k in self.matchers if k[0] == request_id]:
+            del self.matchers[key]
+
+    def _matcher(self, seq: Sequence, k: int = 0):
+        key = (seq.request_id, seq.index + k)
+        matcher = self.matchers.get(key)
+        if matcher is None:
+            matcher = self.compiler.matcher(self.grammars[seq.request_id])
+            # A sequence that already has output (recomputed after preemption keeps its
+            # matcher, so this is a fork's sibling or a restarted one): replay its tokens.
+            if seq.output_token_ids and not matcher.consume_tokens(seq.output_token_ids):
+                self.errors.setdefault(seq.request_id, "the grammar rejected the output so far")
+            self.matchers[key] = matcher
+        return matcher
+
+    # ---- masks ---------------------------------------------------------------------------
+    def start_masks(self, items: list[tuple[Sequence, list[int]]]) -> None:
+        """Begin filling the masks of a step's constrained rows: per (sequence, drafts), one row
+        after each prefix of the drafts (a plain decode has no drafts: one row)."""
+        self._ready = {}
+        items = [(seq, drafts) for seq, drafts in items if self.is_constrained(seq)]
+        if not items:
+            self._pending = None
+            return
+        for seq, _ in items:
+            self._matcher(seq)                            # created on this thread
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvslim-grammar")
+        self._pending = self._pool.submit(self._fill, items)
+
+    def masks(self) -> dict[int, torch.Tensor]:
+        """seq_id -> its rows' bitmasks [rows, words] (int32), for the step started last."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._ready = pending.result()
+        return self._ready
+
+    def _fill(self, items: list[tuple[Sequence, list[int]]]) -> dict[int, torch.Tensor]:
+        llg = _llguidance()
+        import llguidance.torch as llg_torch
+        if self._executor is None:
+            self._executor = llg.LLExecutor(num_threads=self._threads)
+        plain = [(seq, self._matcher(seq)) for seq, drafts in items if not drafts]
+        out: dict[int, torch.Tensor] = {}
+        if plain:
+            bitmask = torch.zeros(len(plain), self.words, dtype=torch.int32)
+            llg_torch.fill_next_token_bitmask_par(
+                self._executor, [(m, i) for i, (_, m) in enumerate(plain)], bitmask)
+            out.update((seq.seq_id, bitmask[i:i + 1]) for i, (seq, _) in enumerate(plain))
+        for seq, drafts in items:
+            if drafts:
+                out[seq.seq_id] = self._draft_rows(self._matcher(seq), drafts)
+        return out
+
+    def _draft_rows(self, matcher, drafts: list[int]) -> torch.Tensor:
+        """Row i: the mask after drafts[:i]. Once a draft is forbidden, the rows after it
+        can never be used (verification stops there): they allow everything."""
+        rows = torch.full((len(drafts) + 1, self.words), -1, dtype=torch.int32)
+        consumed = 0
+        for i in range(len(drafts) + 1):
+            matcher.unsafe_compute_mask_ptr(rows[i].data_ptr(), self.words * 4)
+            if i == len(drafts) or not allows(rows[i], drafts[i]) \
+                    or not matcher.consume_token(drafts[i]):
+                break
+            consumed += 1
+        if consumed:
+            matcher.rollback(consumed)
+        return rows
+
+    # ---- tokens --------------------------------------------------------------------------
+    def accept(self, seq: Sequence, tokens: list[int], num_samples: int = 1) -> None:
+        """Feed the drawn tokens: `tokens` are one completion's new tokens, or (num_samples >
+        1, a parent about to fork) one token for each completion, the siblings' matchers
+        copied from the parent's state first."""
+        if not self.is_constrained(seq):
+            return
+        parent = self._matcher(seq)
+        if num_samples > 1:
+            for k in range(1, num_samples):
+                self.matchers[(seq.request_id, seq.index + k)] = parent.deep_copy()
+            pairs = [(self.matchers[(seq.request_id, seq.index + k)], [t])
+                     for k, t in enumerate(tokens)]
+        else:
+            pairs = [(parent, tokens)]
+        for matcher, toks in pairs:
+            if matcher.is_stopped():                 # the grammar is complete: EOS follows
+                continue
+            if not matcher.consume_tokens(toks):
+                # The request's own fault (never the batch's): the engine ends it alone.
+                self.errors.setdefault(seq.request_id, f"the grammar rejected token(s) {toks}: "
+                                       f"{matcher.get_error().splitlines()[0]}")
+
+    def take_errors(self) -> dict[str, str]:
+        errors, self.errors = self.errors, {}
+        return errors
+
+
+def allows(row: torch.Tensor, token: int) -> bool:
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: -inf for every token whose bit is 0 (rows of logits and of bitmask pair up;
+    ids past the vocabulary's padding stay as they are in neither)."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)
+    vocab = logits.shape[-1]
+    allowed = bits[:, :vocab].to(device=logits.device, dtype=torch.bool)
+    if allowed.shape[1] < vocab:                          # a model vocab wider than the mask
+        pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool,
+                          device=logits.device)
+        allowed = torch.cat([allowed, pad], dim=1)
+    logits.masked_fill_(~allowed, float("-inf"))
