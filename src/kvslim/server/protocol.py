@@ -15,6 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_valida
 
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.errors import InvalidRequestError
+from kvslim.structured.params import StructuredOutputsParams
 
 TokenIds = list[int]
 
@@ -62,6 +63,34 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: text, any JSON object, or a JSON schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputsFields(_Request):
+    """vLLM's structured_outputs: exactly one constraint."""
+    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
+    json_object: Optional[bool] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat, plus the usual non-OpenAI extras."""
     model: Optional[str] = None
@@ -84,6 +113,14 @@ class _SamplingFields(_Request):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
+    # older guided_* names; at most one of them
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsFields] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -105,6 +142,27 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from whichever field gave it."""
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(StructuredOutputsParams(json_object=True, param="response_format"))
+        if rf is not None and rf.type == "json_schema":
+            schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+            given.append(StructuredOutputsParams(json=schema, param="response_format"))
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            given.append(StructuredOutputsParams.from_dict(fields, "structured_outputs"))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                given.append(StructuredOutputsParams(**{kind: value}, param=f"guided_{kind}"))
+        if len(given) > 1:
+            raise InvalidRequestError("give one output constraint: " + ", ".join(
+                g.param for g in given) + " were all set", given[1].param)
+        return given[0] if given else None
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
@@ -115,7 +173,8 @@ class _SamplingFields(_Request):
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured())
 
 
 class CompletionRequest(_SamplingFields):
@@ -179,7 +238,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     tools: Optional[list[dict[str, Any]]] = None
-    response_format: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
 
     _no_tools = field_validator("tools")(_unsupported("tools are not supported"))
@@ -189,13 +247,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _needs_logprobs(cls, value, info: ValidationInfo):
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs to be true")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value, info: ValidationInfo):
-        if value and value.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported")
         return value
 
     def to_sampling_params(self) -> SamplingParams:

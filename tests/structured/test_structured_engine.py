@@ -1,0 +1,124 @@
+"""Constrained decoding in the engine, on a tiny random model (whose unconstrained output is
+noise, so whatever matches did so because of the mask): regex, choice and JSON outputs match;
+greedy output is the same alone and batched, under preemption, with prefix-cache hits and with
+speculative drafts; nothing is left behind after the end or an abort."""
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine.engine_helpers import engine, run
+from kvslim.engine.sampling_params import SamplingParams
+from kvslim.errors import InvalidRequestError
+
+PROMPTS = [[5, 6, 7, 8, 9, 10] * 4, list(range(40, 60)), [3, 1, 4, 1, 5, 9],
+           [100 + (i % 7) for i in range(30)]]
+REGEX = r"(the|a) (kernel|memory|wife|man)( (is|was) (good|in want|managed))?\."
+SCHEMA = {"type": "object", "properties": {
+    "kind": {"enum": ["kernel", "memory"]}, "pages": {"type": "integer", "minimum": 0,
+                                                    "maximum": 4096},
+    "ok": {"type": "boolean"}}, "required": ["kind", "pages", "ok"],
+    "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+
+
+def constrained(max_tokens=40, **extra):
+    extra.setdefault("temperature", 0.0)
+    constraint = extra.pop("constraint", {"regex": REGEX})
+    return SamplingParams(max_tokens=max_tokens, structured_outputs=constraint, **extra)
+
+
+def texts(outputs):
+    return [c.text for o in outputs for c in o.outputs]
+
+
+def assert_clean(eng):
+    assert not eng.structured.grammars and not eng.structured.matchers
+    assert not eng.runner.sampler.penalties
+
+
+@pytest.mark.parametrize("params", [
+    dict(), dict(temperature=1.0, seed=3), dict(temperature=0.8, top_k=20, n=3, seed=1)],
+    ids=["greedy", "sampled", "n3"])
+def test_regex_output_matches(hf_checkpoints, params):
+    eng = engine(hf_checkpoints["gqa"], block_size=4)
+    outs = run(eng, PROMPTS, constrained(**params))
+    for out in outs:
+        for c in out.outputs:
+            assert re.fullmatch(REGEX, c.text), c.text
+            assert c.finish_reason == "stop"
+    assert_clean(eng)
+
+
+def test_choice_and_json_schema(hf_checkpoints):
+    eng = engine(hf_checkpoints["gqa"], block_size=4)
+    choice = run(eng, PROMPTS, constrained(constraint={"choice": ["kernel", "memory page"]}))
+    assert set(texts(choice)) <= {"kernel", "memory page"}
+    outs = run(eng, PROMPTS, constrained(max_tokens=60, constraint={"json": SCHEMA},
+                                         temperature=1.0, seed=0, n=2))
+    for text in texts(outs):
+        jsonschema.validate(json.loads(text), SCHEMA)
+    unconstrained = run(eng, PROMPTS[:1], SamplingParams(max_tokens=20, temperature=0.0))
+    assert not re.fullmatch(REGEX, texts(unconstrained)[0])     # the mask did the work
+    assert_clean(eng)
+
+
+def test_greedy_output_is_the_same_alone_batched_and_with_plain_neighbours(hf_checkpoints):
+    eng = engine(hf_checkpoints["gqa"], block_size=4)
+    alone = [texts(run(eng, [p], constrained()))[0] for p in PROMPTS]
+    mixed = [constrained() if i % 2 == 0 else SamplingParams(max_tokens=30, temperature=0.0)
+             for i in range(8)]
+    together = texts(run(eng, PROMPTS + PROMPTS, mixed))
+    assert together[0::2] == [alone[0], alone[2], alone[0], alone[2]]
+    assert_clean(eng)
+
+
+def test_preemption_and_prefix_cache_hits_change_nothing(hf_checkpoints):
+    ample = engine(hf_checkpoints["gqa"], block_size=4)
+    expected = texts(run(ample, PROMPTS, constrained()))
+    memory = 24 * ample.runner.bytes_per_block            # 24 blocks of 4 tokens
+    tight = engine(hf_checkpoints["gqa"], block_size=4, kv_cache_memory=memory)
+    assert texts(run(tight, PROMPTS, constrained())) == expected
+    assert tight.kv_cache_stats().num_preemptions > 0
+    cached = engine(hf_checkpoints["gqa"], block_size=4, enable_prefix_caching=True)
+    run(cached, PROMPTS, constrained())
+    assert texts(run(cached, PROMPTS, constrained())) == expected
+    assert cached.kv_cache_stats().prefix_cache_hits > 0
+    assert_clean(tight)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_speculative_drafts_are_checked_against_the_grammar(hf_checkpoints, k):
+    plain = engine(hf_checkpoints["gqa"], block_size=4)
+    spec = dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1,
+                prompt_lookup_max=3, disable_by_batch_size=None)
+    fast = engine(hf_checkpoints["gqa"], block_size=4, speculative=spec)
+    # Repetitive text the n-gram proposer can copy from: its drafts are often forbidden.
+    regex = r"(kernel|memory)( (kernel|memory)){2,5}\."
+    params = constrained(max_tokens=60, constraint={"regex": regex})
+    expected = texts(run(plain, PROMPTS, params))
+    assert texts(run(fast, PROMPTS, params)) == expected
+    assert all(re.fullmatch(regex, t) for t in expected)
+    assert fast.spec_decode_stats().num_draft_tokens > 0
+    assert_clean(fast)
+
+
+def test_abort_mid_generation_forgets_the_matchers(hf_checkpoints):
+    eng = engine(hf_checkpoints["gqa"], block_size=4)
+    request = eng.add_request(PROMPTS[0], constrained(max_tokens=60, n=2, temperature=1.0))
+    for _ in range(4):
+        eng.step()
+    assert eng.structured.matchers
+    eng.abort_request(request)
+    assert_clean(eng)
+    assert eng.kv_cache_stats().num_used_blocks == 0
+
+
+def test_a_schema_the_library_refuses_is_refused_before_queueing(hf_checkpoints):
+    eng = engine(hf_checkpoints["gqa"], block_size=4)
+    bad = SamplingParams(structured_outputs={"json": {"type": "object",
+                                                      "properties": {"a": {"type": "nope"}}}})
+    with pytest.raises(InvalidRequestError, match="JSON schema") as e:
+        eng.add_request(PROMPTS[0], bad)
+    assert e.value.param == "structured_outputs"
+    assert not eng.has_unfinished_requests() and not eng.structured.grammars
