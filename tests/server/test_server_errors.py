@@ -59,6 +59,23 @@ CASES = {
     "unknown_model": (COMPLETIONS, {"model": "gpt-4", "prompt": "a"}, 404, "model"),
     "unknown_model_chat": (CHAT, {"model": "gpt-4", "messages": OK_MESSAGES}, 404, "model"),
     "unknown_route": ("/v1/embeddings", {"input": "a"}, 404, None),
+    # structured outputs
+    "invalid_json_schema": (CHAT, {"messages": OK_MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"type": "strin"}}}}}}, 400, "response_format"),
+    "json_schema_without_schema_object": (CHAT, {"messages": OK_MESSAGES, "response_format": {
+        "type": "json_schema"}}, 400, "response_format"),
+    "response_format_unknown_type": (COMPLETIONS, {"prompt": "a", "response_format": {
+        "type": "yaml"}}, 400, "response_format"),
+    "regex_the_library_lacks": (COMPLETIONS, {"prompt": "a", "structured_outputs": {
+        "regex": "(?<=a)b"}}, 400, "structured_outputs"),
+    "broken_grammar": (CHAT, {"messages": OK_MESSAGES, "guided_grammar": "start: nowhere"},
+                       400, "guided_grammar"),
+    "two_constraints": (COMPLETIONS, {"prompt": "a", "guided_regex": "a+",
+                                      "guided_choice": ["a"]}, 400, "guided_choice"),
+    "unknown_structured_field": (COMPLETIONS, {"prompt": "a", "structured_outputs": {
+        "yaml": "x"}}, 400, "structured_outputs"),
+    "empty_choice": (COMPLETIONS, {"prompt": "a", "guided_choice": []}, 400, "guided_choice"),
 }
 
 

@@ -16,6 +16,10 @@ from kvslim.structured.params import StructuredOutputsParams
 from kvslim.tokenizer.tokenizer import Tokenizer
 
 CACHE_SIZE = 256
+# JSON's whitespace between tokens, at most 16 characters per gap: unbounded, a model can emit
+# blanks until max_tokens (small ones do) and the answer never parses. A schema's own
+# "x-guidance" options override this.
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
 
 
 def _llguidance():
@@ -73,9 +77,10 @@ class GrammarCompiler:
         llg = _llguidance()
         try:
             if params.kind == "json":
-                return llg.LLMatcher.grammar_from_json_schema(params.json)
+                return llg.LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
             if params.kind == "json_object":
-                return llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+                return llg.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                              defaults=JSON_OPTIONS)
             if params.kind == "regex":
                 return llg.LLMatcher.grammar_from_regex(params.regex)
             if params.kind == "choice":
