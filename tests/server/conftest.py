@@ -57,3 +57,15 @@ def async_client(server):
     import openai
     return lambda: openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY,
                                       max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def smol_server(smollm2_dir, tmp_path_factory):
+    """`kvslim serve` on SmolLM2 (float32), no API key: structured outputs and tool calls need
+    a model that means what it writes."""
+    live = LiveServer(smollm2_dir, tmp_path_factory.mktemp("smol") / "server.log",
+                      "--kv-cache-memory", "512MiB", "--threads", "2")
+    try:
+        yield live.wait_healthy(timeout=300)
+    finally:
+        assert live.terminate() == 0, live.logs()

@@ -9,6 +9,7 @@ from live_server import API_KEY
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_MESSAGES = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 LONG_PROMPT = [5] * 600                                  # max_model_len is 512
 
 CASES = {
@@ -76,6 +77,30 @@ CASES = {
     "unknown_structured_field": (COMPLETIONS, {"prompt": "a", "structured_outputs": {
         "yaml": "x"}}, 400, "structured_outputs"),
     "empty_choice": (COMPLETIONS, {"prompt": "a", "guided_choice": []}, 400, "guided_choice"),
+    # tools
+    "tool_without_name": (CHAT, {"messages": OK_MESSAGES, "tools": [
+        {"type": "function", "function": {"description": "x"}}]}, 400, "tools"),
+    "tool_choice_unknown_function": (CHAT, {"messages": OK_MESSAGES, "tools": [TOOL],
+                                            "tool_choice": {"type": "function",
+                                                            "function": {"name": "g"}}},
+                                     400, "tool_choice"),
+    "tool_choice_required_without_tools": (CHAT, {"messages": OK_MESSAGES,
+                                                  "tool_choice": "required"}, 400, "tool_choice"),
+    "tool_choice_required_and_a_schema": (CHAT, {"messages": OK_MESSAGES, "tools": [TOOL],
+                                                 "tool_choice": "required",
+                                                 "guided_regex": "a"}, 400, "tool_choice"),
+    "tool_with_invalid_parameters": (CHAT, {"messages": OK_MESSAGES, "tool_choice": "required",
+                                            "tools": [{"type": "function", "function": {
+                                                "name": "f", "parameters": {
+                                                    "type": "object", "properties": {
+                                                        "a": {"type": "strin"}}}}}]},
+                                     400, "tool_choice"),
+    "tool_calls_on_a_user_message": (CHAT, {"messages": [{"role": "user", "content": "a",
+                                                          "tool_calls": [{
+                                                              "id": "c", "type": "function",
+                                                              "function": {"name": "f",
+                                                                           "arguments": "{}"}}]}]},
+                                     400, "messages"),
 }
 
 

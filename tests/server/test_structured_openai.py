@@ -11,7 +11,6 @@ import re
 import jsonschema
 import openai
 import pytest
-from live_server import LiveServer
 
 from kvslim.structured.schema_suite import schema_suite
 
@@ -62,16 +61,6 @@ def test_json_object_on_the_tiny_model_parses(client):
 
 
 # ---- SmolLM2: the fifty schemas ----------------------------------------------------------
-@pytest.fixture(scope="module")
-def smol_server(smollm2_dir, tmp_path_factory):
-    live = LiveServer(smollm2_dir, tmp_path_factory.mktemp("smol") / "server.log",
-                      "--kv-cache-memory", "512MiB", "--threads", "2")
-    try:
-        yield live.wait_healthy(timeout=300)
-    finally:
-        assert live.terminate() == 0, live.logs()
-
-
 async def _answer(client, case, stream: bool, response_format) -> tuple[str, str]:
     messages = [{"role": "user", "content": case.prompt}]
     common = dict(model="tiny", messages=messages, max_tokens=300, temperature=0,

@@ -19,8 +19,12 @@ from kvslim.server.errors import engine_dead, request_failed
 from kvslim.server.logprobs import chat_logprobs
 from kvslim.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse,
-                                    ChatStreamChoice, DeltaMessage, random_id)
+                                    ChatStreamChoice, DeltaMessage, DeltaToolCall, ToolCallOut,
+                                    random_id)
 from kvslim.server.streaming import DONE, sse
+from kvslim.tools.chat import ToolRequest, encode_chat_with_tools
+from kvslim.tools.hermes import StreamParser
+from kvslim.tools.spec import ToolCall
 
 
 @dataclass
@@ -28,8 +32,11 @@ class _Job:
     ctx: ServerContext
     request: ChatCompletionRequest
     id: str
+    tools: ToolRequest
     created: int = field(default_factory=lambda: int(time.time()))
     finished: bool = False
+    parsers: dict[int, StreamParser] = field(default_factory=dict)    # streaming, per choice
+    calls: dict[int, int] = field(default_factory=dict)               # calls sent, per choice
 
     @property
     def request_ids(self) -> list[str]:
@@ -51,19 +58,35 @@ class _Job:
             self.ctx.engine.abort(self.request_ids)
 
 
-def render_prompt(ctx: ServerContext, request: ChatCompletionRequest) -> list[int]:
+def render_prompt(ctx: ServerContext, request: ChatCompletionRequest,
+                  tools: ToolRequest | None = None) -> list[int]:
     messages = [m.to_template_dict() for m in request.messages]
+    tools = tools or request.tool_request()
     try:
-        return ctx.tokenizer.encode_chat(messages, request.add_generation_prompt)
+        return encode_chat_with_tools(ctx.tokenizer, messages, tools,
+                                      request.add_generation_prompt)
     except KvslimError as e:                             # no template, or the template raised
         raise InvalidRequestError(str(e), "messages") from None
 
 
+def _sampling_params(request: ChatCompletionRequest, tools: ToolRequest):
+    params = request.to_sampling_params()
+    forcing = tools.forcing()
+    if forcing is not None:
+        if params.structured_outputs is not None:
+            raise InvalidRequestError(f"tool_choice {tools.choice.mode!r} forces tool calls, "
+                                      f"which leaves no room for {params.structured_outputs.param}",
+                                      "tool_choice")
+        params.structured_outputs = forcing
+    return params
+
+
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest) -> Response:
     ctx.check_model(request.model)
-    params = request.to_sampling_params()
-    prompt = render_prompt(ctx, request)
-    job = _Job(ctx, request, random_id("chatcmpl"))
+    tools = request.tool_request()
+    params = _sampling_params(request, tools)
+    prompt = render_prompt(ctx, request, tools)
+    job = _Job(ctx, request, random_id("chatcmpl"), tools)
     try:
         stream = await ctx.engine.add(job.request_ids, [prompt], params)
     except asyncio.CancelledError:
@@ -82,10 +105,14 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
 
 
 def _response(job: _Job, output: RequestOutput) -> ChatCompletionResponse:
-    choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                          logprobs=job.logprobs(c), finish_reason=c.finish_reason,
-                          stop_reason=c.stop_reason)
-               for c in output.outputs]
+    choices = []
+    for c in output.outputs:
+        content, calls = job.tools.parse(c.text)
+        message = AssistantMessage(content=content,
+                                   tool_calls=[ToolCallOut(**call.openai()) for call in calls])
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=job.logprobs(c),
+                                  finish_reason=_finish_reason(c, bool(calls)),
+                                  stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=job.id, created=job.created, model=job.ctx.model_name,
                                   choices=choices, usage=usage_of([output]))
 
@@ -124,10 +151,37 @@ def _chunk_choice(job: _Job, c: CompletionOutput, done: set[int]) -> ChatStreamC
         return None
     new_tokens = len(c.delta_token_ids)
     logprobs = job.logprobs(c, delta=True) if new_tokens else None
-    if not c.delta_text and not c.finished and logprobs is None:
+    text, calls = _split_delta(job, c)
+    if not text and not calls and not c.finished and logprobs is None:
         return None
     if c.finished:
         done.add(c.index)
-    return ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.delta_text or None),
-                            logprobs=logprobs, finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason)
+    first = job.calls.get(c.index, 0)
+    job.calls[c.index] = first + len(calls)
+    deltas = [DeltaToolCall(index=first + i, id=call.id, type="function",
+                            function={"name": call.name, "arguments": call.arguments})
+              for i, call in enumerate(calls)]
+    finish = _finish_reason(c, job.calls[c.index] > 0) if c.finished else None
+    return ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text or None,
+                                                              tool_calls=deltas or None),
+                            logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason)
+
+
+def _split_delta(job: _Job, c: CompletionOutput) -> tuple[str, list[ToolCall]]:
+    """This step's text to show and the tool calls it completed (text that may open a call is
+    held back until it is known)."""
+    if not job.tools.parses_calls:
+        return c.delta_text or "", []
+    parser = job.parsers.setdefault(c.index, job.tools.stream_parser())
+    events = parser.feed(c.delta_text or "")
+    if c.finished:
+        events += parser.finish()
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    if not job.tools.parallel:
+        calls = calls[:max(0, 1 - job.calls.get(c.index, 0))]
+    return "".join(e for e in events if isinstance(e, str)), calls
+
+
+def _finish_reason(c: CompletionOutput, made_calls: bool) -> str | None:
+    """OpenAI's "tool_calls" when an answer that ended by itself made calls."""
+    return "tool_calls" if made_calls and c.finish_reason == "stop" else c.finish_reason

@@ -16,6 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_valida
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.errors import InvalidRequestError
 from kvslim.structured.params import StructuredOutputsParams
+from kvslim.tools.chat import ToolRequest
 
 TokenIds = list[int]
 
@@ -215,10 +216,32 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str                                     # JSON text
+
+
+class MessageToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None]          # required, though it may be null
+    # Required, though it may be null; an assistant turn that made calls may leave it out.
+    content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[MessageToolCall]] = None     # an assistant's earlier calls
+    tool_call_id: Optional[str] = None                     # a tool result's call
+
+    @model_validator(mode="after")
+    def _content_given(self):
+        if "content" not in self.model_fields_set and not self.tool_calls:
+            raise ValueError("a message needs content (null only for an assistant's tool calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def to_template_dict(self) -> dict[str, Any]:
         """What the chat template sees: content as one string (text parts joined)."""
@@ -228,6 +251,10 @@ class ChatMessage(_Request):
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -238,9 +265,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
 
-    _no_tools = field_validator("tools")(_unsupported("tools are not supported"))
+    def tool_request(self) -> ToolRequest:
+        """The tools, the choice and what forcing it takes; errors name tools or tool_choice."""
+        return ToolRequest.of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -330,9 +361,16 @@ class ChatLogprobs(_Response):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: dict[str, str]                           # name, arguments (JSON text)
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -352,9 +390,17 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
+class DeltaToolCall(_Response):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: dict[str, str]
+
+
 class DeltaMessage(_Response):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatStreamChoice(_Response):

@@ -113,11 +113,17 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise KvslimError(f"chat template failed: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-                    ) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        """`kwargs` reach the template as variables (`tools=[...]`, as transformers passes)."""
         # The template already writes BOS etc., so no special tokens are added again.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
                            add_special_tokens=False)
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template itself lays out `tools` (Qwen's, Llama 3.1's do)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
 
 
 def _is_unicode(text: str) -> bool:
