@@ -19,7 +19,7 @@ SCHEMA = {"type": "object", "properties": {
     "kind": {"enum": ["kernel", "memory"]}, "pages": {"type": "integer", "minimum": 0,
                                                     "maximum": 4096},
     "ok": {"type": "boolean"}}, "required": ["kind", "pages", "ok"],
-    "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    "additionalProperties": False, "x-guidance": {"whitespace_pattern": "[ ]?"}}
 
 
 def constrained(max_tokens=40, **extra):

@@ -72,3 +72,17 @@ def test_other_templates_get_the_hermes_system_message(tokenizer_dir, smollm2_di
     plain = smol.decode(encode_chat_with_tools(smol, HISTORY[:1], ToolRequest.of(None, None)),
                         skip_special_tokens=False)
     assert "# Tools" not in plain and "You are a helpful AI assistant named SmolLM" in plain
+
+
+def test_llm_chat_forces_and_parses_calls(smollm2_dir):
+    from kvslim.engine.llm import LLM
+    from kvslim.engine.sampling_params import SamplingParams
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", kv_cache_memory="64MiB")
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                               "maximum": 9}}, "required": ["n"]}}}]
+    out = llm.chat([{"role": "user", "content": "the kernel"}], SamplingParams(
+        max_tokens=70, temperature=0), use_tqdm=False, tools=tools, tool_choice="required",
+        parallel_tool_calls=False)[0].outputs[0]
+    assert [c.name for c in out.tool_calls] == ["pick"]
+    assert 0 <= json.loads(out.tool_calls[0].arguments)["n"] <= 9

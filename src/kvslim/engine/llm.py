@@ -55,11 +55,28 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None,
+             parallel_tool_calls: bool = True) -> list[RequestOutput]:
+        """`tools` (OpenAI's format) are laid out as the server lays them out
+        (tools/chat.py); tool_choice "required" or a named function forces calls; each
+        completion's `tool_calls` holds the calls parsed from its text."""
+        from dataclasses import replace
+        from kvslim.tools.chat import ToolRequest, encode_chat_with_tools
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.encode_chat(c) for c in conversations]
-        return self.generate(prompts, params, use_tqdm)
+        request = ToolRequest.of(tools, tool_choice, parallel_tool_calls)
+        prompts = [encode_chat_with_tools(self.tokenizer, c, request) for c in conversations]
+        forcing = request.forcing()
+        if forcing is not None:
+            params = [replace(p, structured_outputs=forcing)
+                      for p in _per_prompt(params, len(prompts))]
+        outputs = self.generate(prompts, params, use_tqdm)
+        if request.parses_calls:
+            for out in outputs:
+                for c in out.outputs:
+                    c.tool_calls = request.parse(c.text)[1]
+        return outputs
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas of one request as they are produced (other requests may run alongside)."""

@@ -21,6 +21,8 @@ class CompletionOutput:
     delta_text: str = ""                      # new text since the previous output (streaming)
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprob] | None = None
+    # LLM.chat with tools: the calls parsed from `text` (kvslim.tools.spec.ToolCall)
+    tool_calls: list | None = None
 
     @property
     def finished(self) -> bool:

@@ -16,10 +16,11 @@ from kvslim.structured.params import StructuredOutputsParams
 from kvslim.tokenizer.tokenizer import Tokenizer
 
 CACHE_SIZE = 256
-# JSON's whitespace between tokens, at most 16 characters per gap: unbounded, a model can emit
+# JSON's whitespace between tokens: at most one line break, then up to 24 blanks (compact JSON,
+# ", " and ": ", and pretty-printing to a depth of 6 at indent 4). Unbounded, a model can emit
 # blanks until max_tokens (small ones do) and the answer never parses. A schema's own
 # "x-guidance" options override this.
-JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
+JSON_OPTIONS = {"whitespace_pattern": r"(\r?\n)?[\x20\x09]{0,24}"}
 
 
 def _llguidance():
