@@ -75,10 +75,13 @@ class InputProcessor:
     def _check_schedulable(self, n_prompt: int, params: SamplingParams) -> None:
         """Reject what the scheduler could never admit, even with the engine otherwise idle."""
         cfg = self.config
-        if params.n > cfg.max_num_seqs:
+        if params.num_sequences > cfg.max_num_seqs:
+            name = "n" if params.num_sequences == params.n else "best_of"
+            what = "beam width" if params.use_beam_search else name
             raise InvalidRequestError(
-                f"n={params.n} exceeds the engine's max_num_seqs ({cfg.max_num_seqs}): the n "
-                f"completions run as that many sequences at once", "n")
+                f"{what}={params.num_sequences} exceeds the engine's max_num_seqs "
+                f"({cfg.max_num_seqs}): the completions run as that many sequences at once",
+                name)
         if cfg.enable_chunked_prefill:
             return
         # Without chunking a prompt is computed in one step (a preempted sequence's recompute

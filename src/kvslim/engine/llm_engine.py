@@ -6,6 +6,7 @@ import itertools
 import logging
 import weakref
 
+from kvslim.engine.beam_search import BeamSearch
 from kvslim.engine.block_manager import BlockManager
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.input_processor import InputProcessor
@@ -81,6 +82,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.grammar_compiler,
                                                   self.model_config.vocab_size)
         self.runner.sampler.structured = self.structured
+        self.beams = BeamSearch(self.scheduler, eos, self._release)
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
@@ -112,11 +114,14 @@ class LLMEngine:
         grammar = (self.grammar_compiler.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         seq = Sequence(request_id=request_id, token_ids=list(ids), params=params,
-                       block_size=self.config.block_size, fork_pending=params.n > 1)
+                       block_size=self.config.block_size, 
+                       fork_pending=params.num_sequences > 1 and not params.use_beam_search)
         self.requests[request_id] = self.output_processor.new_request(request_id, text, ids,
                                                                       params, seq)
         if grammar is not None:
             self.structured.add_request(request_id, grammar)
+        if params.use_beam_search:
+            self.beams.add(self.requests[request_id])
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(ids)
         return request_id
@@ -130,6 +135,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
             self._release(seq)
         self.structured.forget_request(request_id)
+        self.beams.forget(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -159,6 +165,7 @@ class LLMEngine:
             self.shutdown()                  # other ranks may be mid-step: the engine is done
             raise EngineFailedError(f"the model step failed: {type(e).__name__}: {e}") from e
         touched: dict[str, RequestState] = {}
+        finished_beams = [self._beam_output(request_id) for request_id in self.beams.advance()]
         failed = [self._fail(self.requests[request_id], error)
                   for request_id, error in self.structured.take_errors().items()
                   if request_id in self.requests]
@@ -174,7 +181,18 @@ class LLMEngine:
                 failed.append(self._fail(state, f"{type(e).__name__}: {e}"))
                 continue
             touched[state.request_id] = state
-        return [self._output_or_fail(state) for state in touched.values()] + failed
+        return [self._output_or_fail(state) for state in touched.values()] + finished_beams \
+            + failed
+
+    def _beam_output(self, request_id: str) -> RequestOutput:
+        """A beam-search request is done: its best hypotheses out, its live beams freed."""
+        state = self.requests.pop(request_id)
+        for seq in state.seqs:
+            self.scheduler.finish(seq, "stop")
+            self._release(seq)
+        self.num_generated_tokens += sum(len(h.token_ids)
+                                         for h in self.beams.groups[request_id].hypotheses)
+        return self.beams.output(request_id, self.tokenizer)
 
     def _record_speculation(self, out, sampled) -> None:
         if self.spec is None:
@@ -207,6 +225,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
             self._release(seq)
         self.structured.forget_request(state.request_id)
+        self.beams.forget(state.request_id)
         return self.output_processor.failed(state, error)
 
     def _fail_unschedulable(self) -> RequestOutput:

@@ -26,7 +26,7 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+        return len(self.seqs) == self.params.num_sequences and all(s.is_finished for s in self.seqs)
 
 
 class OutputProcessor:
@@ -69,6 +69,8 @@ class OutputProcessor:
     def output(self, state: RequestState) -> RequestOutput:
         completions = [self._completion(state, seq)
                        for seq in sorted(state.seqs, key=lambda s: s.index)]
+        if state.params.num_sequences > state.params.n:
+            completions = _best(completions, state.params.n, state.finished)
         prompt_logprobs = (state.seqs[0].prompt_logprobs
                            if state.params.prompt_logprobs is not None else None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
@@ -118,3 +120,14 @@ class OutputProcessor:
             num_output_tokens=sum(s.num_output_tokens for s in state.seqs),
             num_cached_tokens=first.num_cached_tokens,
             num_preemptions=sum(s.num_preemptions for s in state.seqs))
+
+
+def _best(completions: list[CompletionOutput], n: int, finished: bool) -> list[CompletionOutput]:
+    """best_of > n: nothing while the candidates run, then the n of highest cumulative
+    logprob, numbered 0..n-1 (OpenAI's best_of)."""
+    if not finished:
+        return []
+    best = sorted(completions, key=lambda c: (-c.cumulative_logprob, c.index))[:n]
+    for i, c in enumerate(best):
+        c.index = i
+    return best

@@ -75,7 +75,7 @@ class Sampler:
         """logits [len(requests), vocab] -> per request, its num_samples results."""
         logits = logits.to(torch.float32, copy=True)        # processed in place below
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
-                        if any(r.seq.params.logprobs is not None for r in requests) else None)
+                        if any(r.seq.params.needs_logprob for r in requests) else None)
         self._apply_logit_bias(logits, requests)
         logits = self._apply_penalties(logits, requests)
         self._ban_until_min_tokens(logits, requests)
@@ -83,10 +83,15 @@ class Sampler:
         for i, r in enumerate(requests):
             if r.seq.seq_id in masks:
                 apply_bitmask(logits[i:i + 1], masks[r.seq.seq_id])
-        rows = [i for i, r in enumerate(requests) for _ in range(r.num_samples)]
-        samples = [(r.seq, k) for r in requests for k in range(r.num_samples)]
-        tokens = self._draw(logits[rows], samples).tolist()
         results: list[list[SampleResult]] = [[] for _ in requests]
+        beams = [i for i, r in enumerate(requests) if r.seq.params.use_beam_search]
+        for i in beams:
+            results[i] = self._beam_candidates(logits[i], raw_logprobs, i, requests[i].seq)
+        rows = [i for i, r in enumerate(requests) if i not in beams
+                for _ in range(r.num_samples)]
+        samples = [(requests[i].seq, k) for i in dict.fromkeys(rows)
+                   for k in range(requests[i].num_samples)]
+        tokens = self._draw(logits[rows], samples).tolist() if rows else []
         for token, row, (seq, k) in zip(tokens, rows, samples):
             logprob = self._logprob(raw_logprobs, row, token, seq) if raw_logprobs is not None \
                 else None
@@ -114,6 +119,8 @@ class Sampler:
         states = []
         for i in rows:
             seq = requests[i].seq
+            if seq.params.use_beam_search:      # its tokens are chosen elsewhere: count anew
+                self.penalties.pop(seq.seq_id, None)
             if seq.seq_id not in self.penalties:
                 self.penalties[seq.seq_id] = PenaltyState(seq, self.vocab_size, self.device)
             states.append(self.penalties[seq.seq_id])
@@ -131,6 +138,15 @@ class Sampler:
                 if banned:
                     logits[i, banned] = float("-inf")
 
+    def _beam_candidates(self, logits: torch.Tensor, raw_logprobs: torch.Tensor, row: int,
+                         seq: Sequence) -> list[SampleResult]:
+        """A beam's 2 x width best next tokens by processed logprob (no temperature)."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        values, ids = logprobs.topk(min(2 * seq.params.num_sequences, logprobs.shape[-1]))
+        top = self._logprob(raw_logprobs, row, int(ids[0]), seq).top
+        return [SampleResult(t, TokenLogprob(t, v, top))
+                for t, v in zip(ids.tolist(), values.tolist()) if v > float("-inf")]
+
     # ---- speculative decoding --------------------------------------------------------------
     def verify(self, logits: torch.Tensor, seq: Sequence, drafts: list[int],
                draft_probs: torch.Tensor | None = None) -> list[SampleResult]:
@@ -138,7 +154,7 @@ class Sampler:
         one more token (rules in speculative/verify.py), processed as plain sampling would."""
         logits = logits.to(torch.float32, copy=True)
         p = seq.params
-        raw = torch.log_softmax(logits, dim=-1) if p.logprobs is not None else None
+        raw = torch.log_softmax(logits, dim=-1) if p.needs_logprob else None
         self._process_draft_rows(logits, seq, drafts)
         mask = self._masks().get(seq.seq_id)
         if mask is not None:

@@ -36,6 +36,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # The output must match a JSON schema, a regex, a choice or a grammar (structured/).
     structured_outputs: StructuredOutputsParams | None = None
+    # best_of > n: best_of completions, the n with the highest cumulative logprob returned.
+    best_of: int | None = None
+    # Beam search (engine/beam_search.py) of width best_of (or n), the n best returned.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0          # score = cumulative logprob / length ** length_penalty
+    early_stopping: bool | str = False   # True, False or "never", as in transformers
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +101,18 @@ class SamplingParams:
               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
               "prompt_logprobs",
               f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs!r}")
+        check(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
+              "best_of", f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        check(_is_finite(self.length_penalty), "length_penalty",
+              f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        check(self.early_stopping in (True, False, "never"), "early_stopping",
+              f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+        check(not (self.use_beam_search and self.structured_outputs is not None),
+              "use_beam_search", "beam search does not take structured outputs")
+        check(not (self.use_beam_search and self.stop), "use_beam_search",
+              "beam search does not take stop strings (stop_token_ids end hypotheses)")
+        check(not (self.use_beam_search and self.prompt_logprobs is not None),
+              "use_beam_search", "beam search does not take prompt_logprobs")
         check(self.structured_outputs is None
               or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "structured_outputs must be a StructuredOutputsParams")
@@ -104,6 +122,17 @@ class SamplingParams:
         # Below this, logits / temperature overflows float32 and the draw would be NaN; the
         # distribution is a point mass on the argmax anyway.
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def num_sequences(self) -> int:
+        """Completions run at once: the beam width, best_of, or n."""
+        return self.best_of or self.n
+
+    @property
+    def needs_logprob(self) -> bool:
+        """The chosen token's logprob is needed: asked for, or to rank completions."""
+        return self.logprobs is not None or self.use_beam_search or \
+            (self.best_of or self.n) > self.n
 
     @property
     def uses_penalties(self) -> bool:

@@ -119,6 +119,7 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.beam_candidates = []
         self.waiting.appendleft(seq)
         self._released.append(seq.seq_id)
 
@@ -144,6 +145,8 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:     # preempted earlier in this loop
+                continue
+            if seq.num_uncomputed_tokens == 0:      # a beam waiting for its siblings
                 continue
             drafts = self._take_drafts(seq, budget)
             n = min(seq.num_uncomputed_tokens, budget) + len(drafts)
@@ -221,14 +224,14 @@ class Scheduler:
     def _num_seq_slots(seqs: list[Sequence]) -> int:
         """Batch rows the sequences take, counting the siblings an n > 1 parent forks into
         once its prompt is done (possibly several chunked steps after admission)."""
-        return sum(s.params.n if s.fork_pending else 1 for s in seqs)
+        return sum(s.params.num_sequences if s.fork_pending else 1 for s in seqs)
 
     @staticmethod
     def _entry(seq: Sequence, n: int, copies: list[tuple[int, int]],
                drafts: list[int] | None = None) -> ScheduledSequence:
         start = seq.num_computed_tokens
         sample = start + n - len(drafts or ()) == seq.num_tokens
-        num_samples = seq.params.n if sample and seq.fork_pending else 1
+        num_samples = seq.params.num_sequences if sample and seq.fork_pending else 1
         return ScheduledSequence(seq, n, sample, num_samples, start, copies, drafts or [])
 
     # ---- after the model ran -------------------------------------------------------------
@@ -252,6 +255,9 @@ class Scheduler:
             if not entry.sample:
                 continue
             results = sampled[seq.seq_id]
+            if seq.params.use_beam_search:          # engine/beam_search.py picks the tokens
+                seq.beam_candidates = results
+                continue
             family = [seq] + (self._fork(seq) if seq.fork_pending else [])
             for member, result in zip(family, results):
                 member.append_sample(result, now)
@@ -281,12 +287,23 @@ class Scheduler:
         self.bm.cache_computed_blocks(seq)
         self.bm.release_out_of_window(seq)
 
+    def fork_beam(self, parent: Sequence, index: int) -> Sequence:
+        """A sibling beam: the parent's tokens and blocks (shared copy-on-write), running
+        right after it."""
+        child = parent.fork(index)
+        child.cumulative_logprob = parent.cumulative_logprob
+        child.logprobs = list(parent.logprobs)
+        child.first_token_time = parent.first_token_time
+        self.bm.fork(parent, child)
+        self.running.insert(self.running.index(parent) + 1, child)
+        return child
+
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """n > 1: the siblings share every block of the computed prompt (copy-on-write)."""
         parent.fork_pending = False
         children = []
         at = self.running.index(parent) + 1
-        for i in range(1, parent.params.n):
+        for i in range(1, parent.params.num_sequences):
             child = parent.fork(i)
             self.bm.fork(parent, child)
             self.running.insert(at + len(children), child)

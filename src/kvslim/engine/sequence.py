@@ -55,6 +55,8 @@ class Sequence:
     # Speculative decoding: tokens proposed for the next step, not part of token_ids until
     # the target model has verified them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Beam search: this step's best next tokens (SampleResults), until the request advances.
+    beam_candidates: list = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

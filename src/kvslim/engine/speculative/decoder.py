@@ -88,7 +88,7 @@ class SpeculativeDecoder:
                 seq.spec_token_ids, self.draft_probs[seq.seq_id] = drafts[seq.seq_id]
 
     def _speculates(self, seq: Sequence) -> bool:
-        if seq.num_uncomputed_tokens != 1 or seq.fork_pending:
+        if seq.num_uncomputed_tokens != 1 or seq.fork_pending or seq.params.use_beam_search:
             return False
         backoff = self._backoff.get(seq.seq_id)
         if backoff is None and self._engine_wide.pauses:
