@@ -153,3 +153,15 @@ def test_bad_beam_parameters_name_the_field(hf_checkpoints, params, param, messa
     with pytest.raises(InvalidRequestError, match=message) as e:
         eng.add_request(PROMPTS[0], SamplingParams(**params))
     assert e.value.param == param
+
+
+def test_llm_beam_search_is_the_engines(hf_checkpoints):
+    from kvslim.engine.llm import LLM
+    llm = LLM(str(hf_checkpoints["gqa"]), dtype="float32", device="cpu", kv_cache_memory="8MiB")
+    out = llm.beam_search(PROMPTS[:2], beam_width=3, max_tokens=6, ignore_eos=True,
+                          use_tqdm=False)
+    eng = engine(hf_checkpoints["gqa"], block_size=16)
+    expected = run(eng, PROMPTS[:2], beam(3, max_tokens=6))
+    assert [[c.token_ids for c in o.outputs] for o in out] == \
+        [[c.token_ids for c in o.outputs] for o in expected]
+    assert len(out[0].outputs) == 3

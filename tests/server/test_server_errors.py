@@ -77,6 +77,16 @@ CASES = {
     "unknown_structured_field": (COMPLETIONS, {"prompt": "a", "structured_outputs": {
         "yaml": "x"}}, 400, "structured_outputs"),
     "empty_choice": (COMPLETIONS, {"prompt": "a", "guided_choice": []}, 400, "guided_choice"),
+    # beam search and best_of
+    "beam_width_above_max_num_seqs": (COMPLETIONS, {"prompt": "a", "use_beam_search": True,
+                                                    "best_of": 65}, 400, "best_of"),
+    "best_of_below_n": (COMPLETIONS, {"prompt": "a", "n": 3, "best_of": 2}, 400, "best_of"),
+    "beam_search_streamed": (CHAT, {"messages": OK_MESSAGES, "use_beam_search": True,
+                                    "stream": True}, 400, "stream"),
+    "beam_search_with_a_schema": (CHAT, {"messages": OK_MESSAGES, "use_beam_search": True,
+                                         "guided_regex": "a+"}, 400, "use_beam_search"),
+    "early_stopping_unknown": (COMPLETIONS, {"prompt": "a", "use_beam_search": True,
+                                             "early_stopping": "soon"}, 400, "early_stopping"),
     # tools
     "tool_without_name": (CHAT, {"messages": OK_MESSAGES, "tools": [
         {"type": "function", "function": {"description": "x"}}]}, 400, "tools"),

@@ -1,4 +1,4 @@
-"""`kvslim bench throughput | latency | profile | capacity | kernels`."""
+"""`kvslim bench throughput | latency | profile | capacity | kernels | structured`."""
 from __future__ import annotations
 
 import json
@@ -77,6 +77,7 @@ def register_engine_benchmarks(kinds) -> None:
     p.set_defaults(func=run_capacity_cmd)
 
     _register_kernels(kinds)
+    _register_structured(kinds)
 
 
 def _register_kernels(kinds) -> None:
@@ -92,6 +93,28 @@ def _register_kernels(kinds) -> None:
     p.add_argument("--no-torchao", action="store_true", help="leave out torchao candidates")
     _common(p)
     p.set_defaults(func=run_kernels_cmd)
+
+
+def _register_structured(kinds) -> None:
+    p = kinds.add_parser("structured", help="what JSON-schema constrained decoding costs a "
+                                            "decode step (plain vs constrained, same batch)")
+    p.add_argument("--model", default=None, help="model (default: the embedded model)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, the two runs alternating")
+    _common(p)
+    p.set_defaults(func=run_structured_cmd)
+
+
+def run_structured_cmd(args) -> int:
+    from kvslim.bench.structured import format_structured, run_structured_bench
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if min(args.batch, args.tokens, args.rounds) < 1:
+        raise KvslimError("--batch, --tokens and --rounds must be at least 1")
+    result = run_structured_bench(args.model, args.batch, args.tokens, args.rounds,
+                                  show_progress=not args.json)
+    return _emit(args, result, format_structured)
 
 
 def _setup(args):

@@ -80,7 +80,8 @@ class InputProcessor:
             what = "beam width" if params.use_beam_search else name
             raise InvalidRequestError(
                 f"{what}={params.num_sequences} exceeds the engine's max_num_seqs "
-                f"({cfg.max_num_seqs}): the completions run as that many sequences at once",
+                f"({cfg.max_num_seqs}): the {'n ' if name == 'n' else ''}completions run as that "
+                f"many sequences at once",
                 name)
         if cfg.enable_chunked_prefill:
             return

@@ -78,6 +78,18 @@ class LLM:
                     c.tool_calls = request.parse(c.text)[1]
         return outputs
 
+    def beam_search(self, prompts: Prompt | Seq[Prompt], beam_width: int, max_tokens: int,
+                    n: int | None = None, length_penalty: float = 1.0,
+                    early_stopping: bool | str = False, ignore_eos: bool = False,
+                    use_tqdm: bool = True) -> list[RequestOutput]:
+        """Beam search of `beam_width` beams per prompt (engine/beam_search.py); each output
+        holds the `n` (default: beam_width) best hypotheses, best first."""
+        params = SamplingParams(use_beam_search=True, n=n or beam_width, best_of=beam_width,
+                                max_tokens=max_tokens, temperature=0.0,
+                                length_penalty=length_penalty, early_stopping=early_stopping,
+                                ignore_eos=ignore_eos)
+        return self.generate(prompts, params, use_tqdm)
+
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas of one request as they are produced (other requests may run alongside)."""
         request_id = self.engine.add_request(prompt, params)

@@ -122,6 +122,11 @@ class _SamplingFields(_Request):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    # best_of > n and beam search (vLLM's names); neither streams
+    best_of: Optional[int] = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
 
     @field_validator("logit_bias")
     @classmethod
@@ -165,6 +170,9 @@ class _SamplingFields(_Request):
         return given[0] if given else None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.stream and (self.use_beam_search or (self.best_of or self.n) > self.n):
+            raise InvalidRequestError("beam search and best_of > n do not stream (the best "
+                                      "answers are known only at the end)", "stream")
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -175,7 +183,9 @@ class _SamplingFields(_Request):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.structured())
+            structured_outputs=self.structured(), best_of=self.best_of,
+            use_beam_search=self.use_beam_search, length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping)
 
 
 class CompletionRequest(_SamplingFields):
@@ -184,16 +194,8 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[int] = None
     echo: bool = False
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
 
     _no_suffix = field_validator("suffix")(_unsupported("suffix is not supported"))
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_is_n(cls, value, info: ValidationInfo):
-        if value is not None and value != info.data.get("n", 1):
-            raise ValueError("best_of is not supported (it must equal n)")
-        return value
 
     def prompts(self) -> list[str | TokenIds]:
         """One engine prompt per entry: a string, a list of strings, ids, or a list of ids."""

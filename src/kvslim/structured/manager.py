@@ -8,7 +8,9 @@ tokens before it: its mask is the grammar's state after those drafts, then the m
 back, so a draft the grammar forbids is rejected by the ordinary verification rule."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +18,15 @@ from kvslim.engine.sequence import Sequence
 from kvslim.structured.grammar import GrammarCompiler, _llguidance
 
 Key = tuple[str, int]                                  # (request_id, completion index)
+
+
+@dataclass
+class MaskTimes:
+    """Seconds spent, summed over steps (kvslim bench structured reads them)."""
+    steps: int = 0
+    fill_s: float = 0.0       # on the worker thread, beside the forward pass
+    wait_s: float = 0.0       # what the step waited for the masks after its forward pass
+    rows: int = 0
 
 
 class StructuredOutputManager:
@@ -31,6 +42,7 @@ class StructuredOutputManager:
         self._pending: Future | None = None
         self._ready: dict[int, torch.Tensor] = {}
         self.errors: dict[str, str] = {}                 # request_id -> why its grammar failed
+        self.times = MaskTimes()
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, grammar: str) -> None:
@@ -78,10 +90,20 @@ class StructuredOutputManager:
         """seq_id -> its rows' bitmasks [rows, words] (int32), for the step started last."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
+            start = time.perf_counter()
             self._ready = pending.result()
+            self.times.wait_s += time.perf_counter() - start
         return self._ready
 
     def _fill(self, items: list[tuple[Sequence, list[int]]]) -> dict[int, torch.Tensor]:
+        start = time.perf_counter()
+        out = self._fill_rows(items)
+        self.times.steps += 1
+        self.times.rows += len(items)
+        self.times.fill_s += time.perf_counter() - start
+        return out
+
+    def _fill_rows(self, items: list[tuple[Sequence, list[int]]]) -> dict[int, torch.Tensor]:
         llg = _llguidance()
         import llguidance.torch as llg_torch
         if self._executor is None:
