@@ -11,6 +11,9 @@ from kvslim.structured.params import StructuredOutputsParams
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
+MAX_PENALTY = 2                      # presence and frequency penalties lie in [-2, 2]
+MAX_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1   # what torch.Generator.manual_seed takes
 
 
 @dataclass
@@ -83,10 +86,11 @@ class SamplingParams:
               f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            check(_is_num(value) and -2 <= value <= 2, name,
-                  f"{name} must be in [-2, 2], got {value!r}")
+            check(_is_num(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name,
+                  f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value!r}")
         # torch.Generator.manual_seed takes a signed or unsigned 64-bit integer, nothing wider.
-        check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
+        check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+              "seed",
               f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop",
               "stop must be a non-empty string or a list of non-empty strings")
@@ -95,12 +99,13 @@ class SamplingParams:
         check(all(_is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100
                   for t, b in self.logit_bias.items()), "logit_bias",
               "logit_bias maps token ids (>= 0) to biases in [-100, 100]")
-        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-              "logprobs", f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+        check(self.logprobs is None
+              or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+              "logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}")
         check(self.prompt_logprobs is None
-              or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
-              "prompt_logprobs",
-              f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs!r}")
+              or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+              "prompt_logprobs", f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, "
+              f"got {self.prompt_logprobs!r}")
         check(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
               "best_of", f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         check(_is_finite(self.length_penalty), "length_penalty",

@@ -18,6 +18,7 @@ from kvslim.server.context import ServerContext
 from kvslim.server.errors import (OpenAIError, engine_dead, install_error_handlers,
                                   request_failed)
 from kvslim.server.metrics import HTTPMetricsMiddleware, ServerMetrics
+from kvslim.server.openapi import truthful_openapi
 from kvslim.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                     TokenizeRequest, TokenizeResponse)
@@ -55,6 +56,9 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     app.include_router(api_routes, dependencies=[Depends(_key_checker(api_key))])
     endpoints = {route.path for router in (open_routes, api_routes) for route in router.routes}
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, endpoints=endpoints)
+    vocab = {"model": engine.model_config.vocab_size, "tokenizer": engine.tokenizer.vocab_size}
+    app.openapi = lambda: truthful_openapi(app, vocab, engine.max_model_len,
+                                           engine.config.max_num_seqs)
     return app
 
 

@@ -83,6 +83,10 @@ def _sampling_params(request: ChatCompletionRequest, tools: ToolRequest):
 
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest) -> Response:
     ctx.check_model(request.model)
+    if request.max_tokens is not None and request.max_tokens >= ctx.max_model_len:
+        # Checked even when max_completion_tokens wins: the schema promises the limit.
+        raise InvalidRequestError(f"max_tokens ({request.max_tokens}) must be below "
+                                  f"max_model_len ({ctx.max_model_len})", "max_tokens")
     tools = request.tool_request()
     params = _sampling_params(request, tools)
     prompt = render_prompt(ctx, request, tools)

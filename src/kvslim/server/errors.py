@@ -35,9 +35,11 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        headers = dict(headers or {})
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def invalid(e: InvalidRequestError | KvslimError) -> OpenAIError:
@@ -76,7 +78,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = e.detail if isinstance(e.detail, str) else HTTPStatus(e.status_code).phrase
         if e.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
-        return OpenAIError(e.status_code, message).response()
+        # Starlette's 405 carries the Allow header RFC 9110 requires: keep it.
+        return OpenAIError(e.status_code, message).response(e.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):

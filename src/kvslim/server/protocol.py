@@ -10,22 +10,49 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
+                      field_validator, model_validator)
+from typing_extensions import Annotated
 
-from kvslim.engine.sampling_params import SamplingParams
+from kvslim.engine.sampling_params import (MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
+                                           MIN_REPETITION_PENALTY, SEED_MAX, SEED_MIN,
+                                           SamplingParams)
 from kvslim.errors import InvalidRequestError
 from kvslim.structured.params import StructuredOutputsParams
 from kvslim.tools.chat import ToolRequest
 
-TokenIds = list[int]
+
+
+def _integral(value):
+    """JSON Schema counts 2.0 as an integer; strict pydantic would not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def _int(**limits):
+    """An integer field's type with its limits inside (so that they reach the JSON schema of
+    an Optional field too)."""
+    return Annotated[int, Field(**limits), BeforeValidator(_integral)]   # in this order
+
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+# Below the model's vocabulary size too (the tokenizer's, for text): the published schema
+# says so (server/openapi.py).
+TokenId = _int(ge=0, json_schema_extra={"x-token-id": "model"})
+TokenIds = list[TokenId]
+TextTokenIds = list[_int(ge=0, json_schema_extra={"x-token-id": "tokenizer"})]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 
 
 class _Request(BaseModel):
     # Unknown fields (user, service_tier, ...) are ignored, as most OpenAI-compatible servers do.
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    @field_validator("*")
+    @field_validator("*", mode="before")             # before the types: their checks say less
     @classmethod
     def _whole_characters(cls, value):
         """JSON may escape half of a UTF-16 pair alone ("\\ud800"), which is no character:
@@ -87,31 +114,46 @@ class StructuredOutputsFields(_Request):
     """vLLM's structured_outputs: exactly one constraint."""
     json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
     json_object: Optional[bool] = None
-    regex: Optional[str] = None
-    choice: Optional[list[str]] = None
-    grammar: Optional[str] = None
+    regex: Optional[NonEmpty] = None
+    choice: Optional[Annotated[list[NonEmpty], Field(min_length=1)]] = None
+    grammar: Optional[NonEmpty] = None
+
+
+def _at_most_one(fields: dict[str, dict]) -> dict:
+    """JSON Schema for "no two of these fields are set", each field set when it matches its
+    schema in `fields`."""
+    names = list(fields)
+    return {"allOf": [{"not": {"required": [a, b], "properties": {a: fields[a], b: fields[b]}}}
+                      for i, a in enumerate(names) for b in names[i + 1:]]}
+
+
+SET = {"not": {"type": "null"}}
+CONSTRAINTS = {"response_format": {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["json_object", "json_schema"]}}}, "structured_outputs": SET,
+    "guided_json": SET, "guided_regex": SET, "guided_choice": SET, "guided_grammar": SET}
 
 
 class _SamplingFields(_Request):
     """Fields shared by completions and chat, plus the usual non-OpenAI extras."""
+    model_config = ConfigDict(json_schema_extra=_at_most_one(CONSTRAINTS))
     model: Optional[str] = None
-    n: int = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: _int(ge=1, json_schema_extra={"x-max-num-seqs": True}) = 1
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    stop: Union[NonEmpty, list[NonEmpty], None] = None
+    seed: Optional[_int(ge=SEED_MIN, le=SEED_MAX)] = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
     # extras
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    top_k: Int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    min_tokens: Int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[TokenIds] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
@@ -119,11 +161,11 @@ class _SamplingFields(_Request):
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsFields] = None
     guided_json: Union[dict[str, Any], str, None] = None
-    guided_regex: Optional[str] = None
-    guided_choice: Optional[list[str]] = None
-    guided_grammar: Optional[str] = None
+    guided_regex: Optional[NonEmpty] = None
+    guided_choice: Optional[Annotated[list[NonEmpty], Field(min_length=1)]] = None
+    guided_grammar: Optional[NonEmpty] = None
     # best_of > n and beam search (vLLM's names); neither streams
-    best_of: Optional[int] = None
+    best_of: Optional[_int(ge=1, json_schema_extra={"x-max-num-seqs": True})] = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: Union[bool, Literal["never"]] = False
@@ -189,9 +231,11 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
+    prompt: Union[NonEmpty, Annotated[list[NonEmpty], Field(min_length=1)],
+                  Annotated[TokenIds, Field(min_length=1)],
+                  Annotated[list[Annotated[TokenIds, Field(min_length=1)]], Field(min_length=1)]]
+    max_tokens: Optional[_int(ge=1)] = 16
+    logprobs: Optional[_int(ge=0, le=MAX_LOGPROBS)] = None
     echo: bool = False
     suffix: Optional[str] = None
 
@@ -230,6 +274,12 @@ class MessageToolCall(_Request):
 
 
 class ChatMessage(_Request):
+    # content is required, but an assistant's turn with tool_calls may leave it out; only an
+    # assistant's turn carries tool_calls.
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"anyOf": [{"required": ["content"]}, {"required": ["tool_calls"]}]},
+        {"if": {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array"}}},
+         "then": {"properties": {"role": {"const": "assistant"}}}}]})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # Required, though it may be null; an assistant turn that made calls may leave it out.
     content: Union[str, list[TextPart], None] = None
@@ -239,9 +289,9 @@ class ChatMessage(_Request):
 
     @model_validator(mode="after")
     def _content_given(self):
-        if "content" not in self.model_fields_set and not self.tool_calls:
+        if not {"content", "tool_calls"} & self.model_fields_set:
             raise ValueError("a message needs content (null only for an assistant's tool calls)")
-        if self.tool_calls and self.role != "assistant":
+        if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         return self
 
@@ -260,12 +310,23 @@ class ChatMessage(_Request):
         return message
 
 
+FORCED_TOOLS = {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}}
+
+
 class ChatCompletionRequest(_SamplingFields):
+    # top_logprobs needs logprobs; forced tool calls leave no room for another constraint.
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        *_at_most_one(CONSTRAINTS)["allOf"],
+        *[{"not": {"required": ["tool_choice", name],
+                   "properties": {**FORCED_TOOLS, name: schema}}}
+          for name, schema in CONSTRAINTS.items()],
+        {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": SET}},
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}]})
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: Optional[_int(ge=1)] = None
+    max_completion_tokens: Optional[_int(ge=1)] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[_int(ge=0, le=MAX_LOGPROBS)] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
@@ -297,9 +358,12 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Request):
+    # Exactly one of prompt and messages (neither may be null).
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]},
+                                                           {"required": ["messages"]}]})
     model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
+    prompt: str = None
+    messages: list[ChatMessage] = Field(default=None, min_length=1)
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
@@ -311,7 +375,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: Optional[str] = None
-    tokens: TokenIds
+    tokens: TextTokenIds
 
 
 # ---- responses ---------------------------------------------------------------------------

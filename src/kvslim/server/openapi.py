@@ -1,0 +1,78 @@
+"""The OpenAPI document the server publishes, made to tell the truth, since clients are
+generated from it: FastAPI documents a 422 the server never sends (validation errors are
+OpenAI-style 400s) and none of the errors it does send; /health's empty answer and /metrics'
+Prometheus text are not JSON."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+ERROR = {"$ref": "#/components/schemas/ErrorResponse"}
+ERROR_SCHEMA = {
+    "type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+# What each status means here; every API route may answer each one.
+STATUSES = {"400": "invalid request (OpenAI-style error body)",
+            "401": "missing or wrong API key (when the server has one)",
+            "404": "unknown model", "500": "the request failed inside the engine",
+            "503": "the engine is not running"}
+OPEN_ROUTES = {"/health", "/metrics"}
+
+
+def truthful_openapi(app: FastAPI, vocab_size: dict[str, int], max_model_len: int,
+                     max_num_seqs: int) -> dict[str, Any]:
+    """Also the served model's limits: token ids below its vocabulary size (`vocab_size`:
+    the model's, "model", and the tokenizer's, "tokenizer"), max_tokens below max_model_len
+    (that the prompt and max_tokens together fit is for the server to check), n and best_of
+    up to max_num_seqs."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    _set_limits(schema, dict(vocab=vocab_size, max_model_len=max_model_len,
+                             max_num_seqs=max_num_seqs))
+    schema.setdefault("components", {}).setdefault("schemas", {})["ErrorResponse"] = \
+        ERROR_SCHEMA
+    for path, item in schema["paths"].items():
+        for operation in item.values():
+            responses = operation["responses"]
+            responses.pop("422", None)
+            if path == "/health":
+                responses["200"] = {"description": "healthy (an empty body)"}
+                responses["503"] = _error(STATUSES["503"])
+            elif path == "/metrics":
+                responses["200"] = {"description": "Prometheus text format", "content": {
+                    "text/plain": {"schema": {"type": "string"}}}}
+            else:
+                responses.update({status: _error(text) for status, text in STATUSES.items()})
+    schema["components"]["schemas"].pop("HTTPValidationError", None)
+    schema["components"]["schemas"].pop("ValidationError", None)
+    app.openapi_schema = schema
+    return schema
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": ERROR}}}
+
+
+def _set_limits(node, limits: dict, key: str = "") -> None:
+    if isinstance(node, list):
+        for item in node:
+            _set_limits(item, limits, key)
+        return
+    if not isinstance(node, dict):
+        return
+    vocab = node.pop("x-token-id", None)
+    if vocab is not None:
+        node["maximum"] = limits["vocab"][vocab] - 1
+    if node.pop("x-max-num-seqs", False):
+        node["maximum"] = limits["max_num_seqs"]
+    if key in ("max_tokens", "max_completion_tokens"):
+        for branch in node.get("anyOf", [node]):
+            if branch.get("type") == "integer":
+                branch["maximum"] = limits["max_model_len"] - 1
+    for k, v in node.items():
+        _set_limits(v, limits, k if k not in ("anyOf", "allOf") else key)
