@@ -41,11 +41,15 @@ ALLOWED = {
     "formats": KERNELS | {"quantization", "models"},
     # The engine allocates, the CLI checks, the planner prices one KVCachePlan.
     "kv_cache": BASE | {"attention", "models"},
-    "engine": KERNELS | {"models", "formats", "parallel", "kv_cache"},
+    # Structured outputs: grammars over the tokenizer, masks for the sampler; tools: their
+    # rendering, parsing and forcing grammar, for the server and LLM.chat.
+    "structured": BASE | {"tokenizer"},
+    "tools": BASE | {"tokenizer", "structured"},
+    "engine": KERNELS | {"models", "formats", "parallel", "kv_cache", "structured", "tools"},
     # Tensor parallelism shards models (and prices a rank's share with the planner's formulas);
     # the engine runs its workers.
     "parallel": KERNELS | {"quantization", "models", "formats", "plan", "kv_cache"},
-    "server": KERNELS | {"models", "formats", "engine"},
+    "server": KERNELS | {"models", "formats", "engine", "structured", "tools"},
     # Corpus streams (tokenized windows) live in train/: calibration and perplexity read them.
     "surgery": KERNELS | {"quantization", "models", "formats", "train"},
     "train": KERNELS | {"models", "formats"},
@@ -56,7 +60,8 @@ ALLOWED = {
                               "bench", "engine"},
     "plan": BASE | {"models", "kv_cache"},
     # The capacity benchmark converts the reference model to GQA/MQA to compare what fits.
-    "bench": KERNELS | {"quantization", "models", "formats", "engine", "plan", "surgery"},
+    "bench": KERNELS | {"quantization", "models", "formats", "engine", "plan", "surgery",
+                        "structured"},
 }
 ANYTHING = {"cli", "demo", "__init__"}
 

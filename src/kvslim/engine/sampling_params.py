@@ -106,6 +106,10 @@ class SamplingParams:
               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
               "prompt_logprobs", f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, "
               f"got {self.prompt_logprobs!r}")
+        self._validate_choice_of_answers(check)
+
+    def _validate_choice_of_answers(self, check) -> None:
+        """best_of, beam search and structured outputs, and what they do not combine with."""
         check(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
               "best_of", f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         check(_is_finite(self.length_penalty), "length_penalty",

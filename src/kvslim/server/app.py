@@ -20,8 +20,8 @@ from kvslim.server.errors import (OpenAIError, engine_dead, install_error_handle
 from kvslim.server.metrics import HTTPMetricsMiddleware, ServerMetrics
 from kvslim.server.openapi import truthful_openapi
 from kvslim.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                                    TokenizeRequest, TokenizeResponse)
+                                    DetokenizeRequest, TokenizeRequest)
+from kvslim.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from kvslim.server.streaming import cancel_on_disconnect
 
 

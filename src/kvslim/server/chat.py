@@ -17,10 +17,10 @@ from kvslim.server.completions import usage_of
 from kvslim.server.context import ServerContext
 from kvslim.server.errors import engine_dead, request_failed
 from kvslim.server.logprobs import chat_logprobs
-from kvslim.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
-                                    ChatCompletionRequest, ChatCompletionResponse,
-                                    ChatStreamChoice, DeltaMessage, DeltaToolCall, ToolCallOut,
-                                    random_id)
+from kvslim.server.protocol import ChatCompletionRequest
+from kvslim.server.responses import (AssistantMessage, ChatChoice, ChatCompletionChunk,
+                                     ChatCompletionResponse, ChatStreamChoice, DeltaMessage,
+                                     DeltaToolCall, ToolCallOut, random_id)
 from kvslim.server.streaming import DONE, sse
 from kvslim.tools.chat import ToolRequest, encode_chat_with_tools
 from kvslim.tools.hermes import StreamParser

@@ -15,8 +15,8 @@ from kvslim.server.async_engine import EngineDeadError, RequestFailedError, Requ
 from kvslim.server.context import ServerContext
 from kvslim.server.errors import engine_dead, request_failed
 from kvslim.server.logprobs import completion_logprobs, echo_logprobs, join_logprobs
-from kvslim.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
-                                    Usage, random_id)
+from kvslim.server.protocol import CompletionRequest
+from kvslim.server.responses import CompletionChoice, CompletionResponse, Usage, random_id
 from kvslim.server.streaming import DONE, sse
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from kvslim.engine.sequence import TokenLogprob
 from kvslim.tokenizer.tokenizer import Tokenizer
-from kvslim.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from kvslim.server.responses import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs,
+                                     TopLogprob)
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:

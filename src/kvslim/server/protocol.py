@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request bodies (validated with pydantic) and response objects.
+"""The OpenAI wire format's request bodies, validated with pydantic (responses.py: the answers).
 
 Types are strict (`"0.5"` is not a number), so a wrong type is a 400 rather than a silent
 coercion. Range checks (max_tokens >= 1, 0 < top_p <= 1, ...) are left to `SamplingParams`, the
@@ -6,13 +6,10 @@ one place that knows them; `to_sampling_params` builds it and raises `InvalidReq
 the field."""
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
                       field_validator, model_validator)
-from typing_extensions import Annotated
 
 from kvslim.engine.sampling_params import (MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
                                            MIN_REPETITION_PENALTY, SEED_MAX, SEED_MIN,
@@ -376,138 +373,3 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: Optional[str] = None
     tokens: TextTokenIds
-
-
-# ---- responses ---------------------------------------------------------------------------
-class _Response(BaseModel):
-    pass
-
-
-class Usage(_Response):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogprobs(_Response):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(_Response):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
-
-
-class CompletionResponse(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: Optional[list[int]] = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(_Response):
-    content: Optional[list[ChatTokenLogprob]] = None
-
-
-class ToolCallOut(_Response):
-    id: str
-    type: Literal["function"] = "function"
-    function: dict[str, str]                           # name, arguments (JSON text)
-
-
-class AssistantMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: Optional[str] = None
-    tool_calls: list[ToolCallOut] = Field(default_factory=list)
-
-
-class ChatChoice(_Response):
-    index: int
-    message: AssistantMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
-
-
-class ChatCompletionResponse(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaToolCall(_Response):
-    index: int
-    id: Optional[str] = None
-    type: Optional[Literal["function"]] = None
-    function: dict[str, str]
-
-
-class DeltaMessage(_Response):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
-    tool_calls: Optional[list[DeltaToolCall]] = None
-
-
-class ChatStreamChoice(_Response):
-    index: int
-    delta: DeltaMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
-
-
-class ChatCompletionChunk(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Optional[Usage] = None
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "kvslim"
-    max_model_len: int
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeResponse(_Response):
-    tokens: TokenIds
-    count: int
-    max_model_len: int
-
-
-class DetokenizeResponse(_Response):
-    prompt: str
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"

@@ -11,11 +11,19 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from kvslim.engine.sequence import Sequence
 from kvslim.structured.grammar import GrammarCompiler, _llguidance
+
+
+class Sequence(Protocol):
+    """What this room reads of the engine's Sequence (engine/sequence.py)."""
+    request_id: str
+    index: int
+    seq_id: int
+    output_token_ids: list[int]
 
 Key = tuple[str, int]                                  # (request_id, completion index)
 
