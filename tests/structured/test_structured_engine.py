@@ -122,3 +122,15 @@ def test_a_schema_the_library_refuses_is_refused_before_queueing(hf_checkpoints)
         eng.add_request(PROMPTS[0], bad)
     assert e.value.param == "structured_outputs"
     assert not eng.has_unfinished_requests() and not eng.structured.grammars
+
+
+def test_the_compiled_step_gives_the_same_constrained_output(hf_checkpoints, monkeypatch):
+    from kvslim.engine import cpu_compile
+    monkeypatch.setattr(cpu_compile, "BACKEND", "aot_eager")    # the same graph, traced fast
+    eager = engine(hf_checkpoints["gqa"], block_size=4)
+    compiled = engine(hf_checkpoints["gqa"], block_size=4, compile_decode=True)
+    params = [constrained(), constrained(constraint={"json": SCHEMA}, max_tokens=60),
+              constrained(temperature=0.7, seed=2, n=2), SamplingParams(max_tokens=20)]
+    assert texts(run(compiled, PROMPTS, params)) == texts(run(eager, PROMPTS, params))
+    assert compiled.runner.decode_graphs.compilations > 0
+    assert_clean(compiled)

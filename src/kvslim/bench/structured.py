@@ -59,8 +59,9 @@ def run_structured_bench(model: str | None, batch: int = 32, tokens: int = 64, r
                          ) -> StructuredBenchResult:
     llm = LLM(model, kv_cache_memory=kv_cache_memory, max_num_seqs=max(batch, 8))
     cases = (schema_suite() * (batch // 50 + 1))[:batch]
-    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": c.prompt}])
-               for c in cases]
+    tok = llm.tokenizer
+    prompts = [tok.encode_chat([{"role": "user", "content": c.prompt}]) if tok.chat_template
+               else tok.encode(c.prompt + "\n") for c in cases]     # a base model: the text
     plain = [SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True) for _ in cases]
     constrained = [SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True,
                                   structured_outputs={"json": c.schema}) for c in cases]
