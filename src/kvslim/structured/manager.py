@@ -67,13 +67,14 @@ class StructuredOutputManager:
         for key in [k for k in self.matchers if k[0] == request_id]:
             del self.matchers[key]
 
-    def _matcher(self, seq: Sequence, k: int = 0):
-        key = (seq.request_id, seq.index + k)
+    def _matcher(self, seq: Sequence):
+        key = (seq.request_id, seq.index)
         matcher = self.matchers.get(key)
         if matcher is None:
             matcher = self.compiler.matcher(self.grammars[seq.request_id])
-            # A sequence that already has output (recomputed after preemption keeps its
-            # matcher, so this is a fork's sibling or a restarted one): replay its tokens.
+            # Made when the completion first samples (a preempted one keeps its matcher, a
+            # fork's siblings copy their parent's in `accept`); one made later all the same
+            # replays the output so far.
             if seq.output_token_ids and not matcher.consume_tokens(seq.output_token_ids):
                 self.errors.setdefault(seq.request_id, "the grammar rejected the output so far")
             self.matchers[key] = matcher
