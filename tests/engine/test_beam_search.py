@@ -165,3 +165,15 @@ def test_llm_beam_search_is_the_engines(hf_checkpoints):
     assert [[c.token_ids for c in o.outputs] for o in out] == \
         [[c.token_ids for c in o.outputs] for o in expected]
     assert len(out[0].outputs) == 3
+
+
+def test_a_beam_search_counts_its_width_against_max_num_seqs(hf_checkpoints):
+    eng = engine(hf_checkpoints["gqa"], block_size=4, max_num_seqs=6)
+    ids = [eng.add_request(p, beam(4, max_tokens=8)) for p in PROMPTS[:2]]
+    peak = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        peak = max(peak, eng.num_running)
+        assert eng.num_running <= 6
+    assert peak == 4                        # the second search waited for the first
+    assert ids and eng.kv_cache_stats().num_used_blocks == 0

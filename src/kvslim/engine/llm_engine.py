@@ -114,7 +114,7 @@ class LLMEngine:
         grammar = (self.grammar_compiler.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         seq = Sequence(request_id=request_id, token_ids=list(ids), params=params,
-                       block_size=self.config.block_size, 
+                       block_size=self.config.block_size,
                        fork_pending=params.num_sequences > 1 and not params.use_beam_search)
         self.requests[request_id] = self.output_processor.new_request(request_id, text, ids,
                                                                       params, seq)

@@ -223,8 +223,10 @@ class Scheduler:
     @staticmethod
     def _num_seq_slots(seqs: list[Sequence]) -> int:
         """Batch rows the sequences take, counting the siblings an n > 1 parent forks into
-        once its prompt is done (possibly several chunked steps after admission)."""
-        return sum(s.params.num_sequences if s.fork_pending else 1 for s in seqs)
+        once its prompt is done (possibly several chunked steps after admission), and the
+        beams a beam search's first sequence will fork into."""
+        return sum(s.params.num_sequences if s.fork_pending or (
+            s.params.use_beam_search and not s.num_output_tokens) else 1 for s in seqs)
 
     @staticmethod
     def _entry(seq: Sequence, n: int, copies: list[tuple[int, int]],
