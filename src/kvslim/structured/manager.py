@@ -85,7 +85,8 @@ class StructuredOutputManager:
         """Begin filling the masks of a step's constrained rows: per (sequence, drafts), one row
         after each prefix of the drafts (a plain decode has no drafts: one row)."""
         self._ready = {}
-        items = [(seq, drafts) for seq, drafts in items if self.is_constrained(seq)]
+        items = [(seq, drafts) for seq, drafts in items if self.is_constrained(seq)] \
+            if self.grammars else []
         if not items:
             self._pending = None
             return
