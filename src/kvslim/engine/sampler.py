@@ -84,7 +84,7 @@ class Sampler:
             if r.seq.seq_id in masks:
                 apply_bitmask(logits[i:i + 1], masks[r.seq.seq_id])
         results: list[list[SampleResult]] = [[] for _ in requests]
-        beams = [i for i, r in enumerate(requests) if r.seq.params.use_beam_search]
+        beams = {i for i, r in enumerate(requests) if r.seq.params.use_beam_search}
         for i in beams:
             results[i] = self._beam_candidates(logits[i], raw_logprobs, i, requests[i].seq)
         rows = [i for i, r in enumerate(requests) if i not in beams

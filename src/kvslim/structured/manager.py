@@ -34,13 +34,11 @@ class MaskTimes:
     steps: int = 0
     fill_s: float = 0.0       # on the worker thread, beside the forward pass
     wait_s: float = 0.0       # what the step waited for the masks after its forward pass
-    rows: int = 0
 
 
 class StructuredOutputManager:
     def __init__(self, compiler: GrammarCompiler, vocab_size: int, threads: int = 1):
         self.compiler = compiler
-        self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.grammars: dict[str, str] = {}               # request_id -> compiled grammar
         self.matchers: dict[Key, object] = {}
@@ -109,7 +107,6 @@ class StructuredOutputManager:
         start = time.perf_counter()
         out = self._fill_rows(items)
         self.times.steps += 1
-        self.times.rows += len(items)
         self.times.fill_s += time.perf_counter() - start
         return out
 
