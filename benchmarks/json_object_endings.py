@@ -1,7 +1,8 @@
 """How often does a small model finish a `json_object` answer? The fifty chat prompts of
 structured/schema_suite.py, each answered greedily with response_format json_object (any JSON
-object, no schema) within --max-tokens: counts of answers that end by themselves, of those that
-parse (the grammar promises all of them), and of those cut at max_tokens.
+object, no schema) within --max-tokens: counts of answers that end by themselves, of answers
+whose JSON kvslim closed because max_tokens was near (finish_reason "length"), and of answers
+that parse (all of them, if the grammar and the closing keep their promise).
 
     python benchmarks/json_object_endings.py [--model NAME_OR_DIR] [--max-tokens 300] [--json]
 """
@@ -25,19 +26,24 @@ def main() -> None:
     outs = llm.chat([[{"role": "user", "content": c.prompt}] for c in cases],
                     SamplingParams(max_tokens=args.max_tokens, temperature=0,
                                    structured_outputs={"json_object": True}), use_tqdm=True)
-    ended = [o.outputs[0].text for o in outs if o.outputs[0].finish_reason == "stop"]
-    parsed = 0
-    for text in ended:
-        try:
-            parsed += isinstance(json.loads(text), dict)
-        except ValueError:
-            pass
-    result = {"model": str(llm.model_dir), "answers": len(cases), "ended": len(ended),
-              "ended_and_parsed": parsed, "cut_at_max_tokens": len(cases) - len(ended),
+    texts = [o.outputs[0].text for o in outs]
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    parsed = sum(_parses(t) for t in texts)
+    result = {"model": str(llm.model_dir), "answers": len(cases),
+              "ended": reasons.count("stop"), "closed_at_budget": reasons.count("length"),
+              "parsed": parsed, "unparsed": [t for t in texts if not _parses(t)],
               "max_tokens": args.max_tokens}
     print(json.dumps(result) if args.json else
-          f"{result['answers']} answers: {result['ended']} ended ({parsed} parse), "
-          f"{result['cut_at_max_tokens']} cut at max_tokens={args.max_tokens}")
+          f"{result['answers']} answers: {result['ended']} ended by themselves, "
+          f"{result['closed_at_budget']} closed as max_tokens={args.max_tokens} neared; "
+          f"{parsed} parse")
+
+
+def _parses(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Constrained decoding in the engine, on a tiny random model (whose unconstrained output is
 noise, so whatever matches did so because of the mask): regex, choice and JSON outputs match;
 greedy output is the same alone and batched, under preemption, with prefix-cache hits and with
-speculative drafts; nothing is left behind after the end or an abort."""
+speculative drafts; nothing is left behind after the end or an abort. A JSON answer that would
+run into max_tokens is closed instead: it parses, and only its end differs."""
 import json
 import re
 
@@ -99,6 +100,56 @@ def test_speculative_drafts_are_checked_against_the_grammar(hf_checkpoints, k):
     expected = texts(run(plain, PROMPTS, params))
     assert texts(run(fast, PROMPTS, params)) == expected
     assert all(re.fullmatch(regex, t) for t in expected)
+    assert fast.spec_decode_stats().num_draft_tokens > 0
+    assert_clean(fast)
+
+
+JSON_OBJECT = {"json_object": True}
+
+
+@pytest.mark.parametrize("max_tokens", [2, 5, 12, 30])
+def test_json_answers_parse_whatever_max_tokens_is(hf_checkpoints, max_tokens):
+    eng = engine(hf_checkpoints["gqa"], block_size=4)
+    outs = run(eng, PROMPTS, constrained(max_tokens=max_tokens, constraint=JSON_OBJECT,
+                                         temperature=1.0, seed=5, n=3))
+    for c in [c for o in outs for c in o.outputs]:
+        assert isinstance(json.loads(c.text), dict), c.text
+        assert len(c.token_ids) <= max_tokens
+    assert_clean(eng)
+    assert not eng.structured.closers and not eng.structured.forced
+
+
+def test_closing_changes_only_the_end_of_an_answer(hf_checkpoints):
+    from kvslim.structured.json_closer import JsonCloser
+    eng = engine(hf_checkpoints["gqa"], block_size=4)
+    long = run(eng, PROMPTS, constrained(max_tokens=120, constraint=JSON_OBJECT))
+    short = run(eng, PROMPTS, constrained(max_tokens=24, constraint=JSON_OBJECT))
+    as_bytes, growth = eng.grammar_compiler.token_bytes, eng.grammar_compiler.json_growth
+    closed = 0
+    for whole, cut in zip(long, short):
+        a, b = whole.outputs[0].token_ids, cut.outputs[0].token_ids
+        if b and b[-1] in eng.eos_token_ids:              # the grammar's end, then EOS
+            b = b[:-1]
+        if whole.outputs[0].finish_reason == "stop" and len(a) <= 24 - growth:
+            assert b == a                                 # ended well within the budget
+            continue
+        k = next(i for i in range(len(b) + 1) if i == len(b) or b[i] != a[i])
+        closer = JsonCloser()
+        closer.feed(as_bytes(a[:k]))
+        assert as_bytes(b) == as_bytes(a[:k]) + closer.closing()
+        assert k >= 24 - len(closer.closing()) - growth   # closing began only when due
+        assert cut.outputs[0].finish_reason == "length"
+        closed += 1
+    assert closed                                         # the random model rambles
+
+
+def test_speculative_drafts_change_no_closed_answer(hf_checkpoints):
+    params = constrained(max_tokens=20, constraint=JSON_OBJECT)
+    expected = texts(run(engine(hf_checkpoints["gqa"], block_size=4), PROMPTS, params))
+    spec = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
+                prompt_lookup_max=3, disable_by_batch_size=None)
+    fast = engine(hf_checkpoints["gqa"], block_size=4, speculative=spec)
+    assert texts(run(fast, PROMPTS, params)) == expected
     assert fast.spec_decode_stats().num_draft_tokens > 0
     assert_clean(fast)
 

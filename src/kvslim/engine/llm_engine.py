@@ -119,7 +119,8 @@ class LLMEngine:
         self.requests[request_id] = self.output_processor.new_request(request_id, text, ids,
                                                                       params, seq)
         if grammar is not None:
-            self.structured.add_request(request_id, grammar)
+            self.structured.add_request(request_id, grammar,
+                                        params.structured_outputs.kind in ("json", "json_object"))
         if params.use_beam_search:
             self.beams.add(self.requests[request_id])
         self.scheduler.add(seq)
@@ -207,6 +208,8 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish(seq, "stop")
         self.num_generated_tokens += new
+        if seq.finish_reason == "stop" and self.structured.closed_for_budget(seq):
+            seq.finish_reason = "length"        # its JSON was closed early, not finished
         if seq.is_finished:
             self._release(seq)
 

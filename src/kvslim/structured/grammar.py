@@ -7,11 +7,13 @@ vocabularies, Lark and GBNF grammars besides JSON schema and regex, masks for dr
 no dependencies of its own."""
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
 
 from kvslim.errors import InvalidRequestError
+from kvslim.structured.json_closer import max_growth
 from kvslim.structured.params import StructuredOutputsParams
 from kvslim.tokenizer.tokenizer import Tokenizer
 
@@ -52,6 +54,20 @@ class GrammarCompiler:
                     self._tokenizer_source.tok.to_str(), n_vocab=self.vocab_size,
                     eos_token=self.eos_token_ids)
             return self._ll_tokenizer
+
+    def token_bytes(self, token_ids: list[int]) -> bytes:
+        return self.ll_tokenizer.decode_bytes(list(token_ids))
+
+    @functools.cached_property
+    def json_growth(self) -> int:
+        """The most one token can lengthen a JSON closing text (JsonCloser), over this
+        vocabulary: computed once (50 ms for 49k tokens)."""
+        tok = self.ll_tokenizer
+        return max_growth([tok.decode_bytes([i]) for i in range(tok.vocab_size)])
+
+    @functools.lru_cache(maxsize=1024)
+    def closing_tokens(self, closing: bytes) -> tuple[int, ...]:
+        return tuple(self.ll_tokenizer.tokenize_bytes(closing))
 
     def compile(self, params: StructuredOutputsParams) -> str:
         """The grammar for `params`; an InvalidRequestError naming `params.param` when the

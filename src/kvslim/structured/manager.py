@@ -5,7 +5,11 @@ The masks of a step depend only on the tokens already appended, so `start_masks`
 worker thread (llguidance's executor, which leaves the GIL) while the model runs, and the
 sampler waits for them after the forward pass. A row of a speculative step scores the draft
 tokens before it: its mask is the grammar's state after those drafts, then the matcher is rolled
-back, so a draft the grammar forbids is rejected by the ordinary verification rule."""
+back, so a draft the grammar forbids is rejected by the ordinary verification rule.
+
+A JSON answer (a schema, or any object) also keeps a `JsonCloser`: when what is left of
+`max_tokens` would no longer hold the closing text after one more free token, the rows allow
+only the closing's next token, so the answer ends as JSON that parses instead of being cut."""
 from __future__ import annotations
 
 import time
@@ -16,6 +20,7 @@ from typing import Protocol
 import torch
 
 from kvslim.structured.grammar import GrammarCompiler, _llguidance
+from kvslim.structured.json_closer import JsonCloser
 
 
 class Sequence(Protocol):
@@ -24,6 +29,7 @@ class Sequence(Protocol):
     index: int
     seq_id: int
     output_token_ids: list[int]
+    params: object                                     # its max_tokens: the budget
 
 Key = tuple[str, int]                                  # (request_id, completion index)
 
@@ -48,22 +54,37 @@ class StructuredOutputManager:
         self._pending: Future | None = None
         self._ready: dict[int, torch.Tensor] = {}
         self.errors: dict[str, str] = {}                 # request_id -> why its grammar failed
+        self.json_requests: set[str] = set()             # closed before max_tokens cuts them
+        self.closers: dict[Key, JsonCloser] = {}
+        self.forced: dict[Key, dict[int, int]] = {}      # row -> the closing token it allowed
         self.times = MaskTimes()
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, request_id: str, grammar: str) -> None:
+    def add_request(self, request_id: str, grammar: str, is_json: bool = False) -> None:
         self.grammars[request_id] = grammar
+        if is_json:
+            self.json_requests.add(request_id)
 
     def is_constrained(self, seq: Sequence) -> bool:
         return seq.request_id in self.grammars
 
     def release(self, seq: Sequence) -> None:
-        self.matchers.pop((seq.request_id, seq.index), None)
+        key = (seq.request_id, seq.index)
+        for table in (self.matchers, self.closers, self.forced):
+            table.pop(key, None)
 
     def forget_request(self, request_id: str) -> None:
         self.grammars.pop(request_id, None)
-        for key in [k for k in self.matchers if k[0] == request_id]:
-            del self.matchers[key]
+        self.json_requests.discard(request_id)
+        for table in (self.matchers, self.closers, self.forced):
+            for key in [k for k in table if k[0] == request_id]:
+                del table[key]
+
+    def closed_for_budget(self, seq: Sequence) -> bool:
+        """Whether the answer's JSON was closed because max_tokens was near (its finish is then
+        "length": complete JSON, but not the answer the model would have given)."""
+        closer = self.closers.get((seq.request_id, seq.index))
+        return closer is not None and closer.forcing
 
     def _matcher(self, seq: Sequence):
         key = (seq.request_id, seq.index)
@@ -76,6 +97,9 @@ class StructuredOutputManager:
             if seq.output_token_ids and not matcher.consume_tokens(seq.output_token_ids):
                 self.errors.setdefault(seq.request_id, "the grammar rejected the output so far")
             self.matchers[key] = matcher
+            if seq.request_id in self.json_requests and key not in self.closers:
+                self.closers[key] = closer = JsonCloser()
+                closer.feed(self.compiler.token_bytes(seq.output_token_ids))
         return matcher
 
     # ---- masks ---------------------------------------------------------------------------
@@ -122,25 +146,53 @@ class StructuredOutputManager:
             llg_torch.fill_next_token_bitmask_par(
                 self._executor, [(m, i) for i, (_, m) in enumerate(plain)], bitmask)
             out.update((seq.seq_id, bitmask[i:i + 1]) for i, (seq, _) in enumerate(plain))
+            for i, (seq, _) in enumerate(plain):
+                self._close_if_due(seq, bitmask[i], 0, self.closers.get(_key(seq)))
         for seq, drafts in items:
             if drafts:
-                out[seq.seq_id] = self._draft_rows(self._matcher(seq), drafts)
+                out[seq.seq_id] = self._draft_rows(seq, self._matcher(seq), drafts)
         return out
 
-    def _draft_rows(self, matcher, drafts: list[int]) -> torch.Tensor:
+    def _draft_rows(self, seq: Sequence, matcher, drafts: list[int]) -> torch.Tensor:
         """Row i: the mask after drafts[:i]. Once a draft is forbidden, the rows after it
         can never be used (verification stops there): they allow everything."""
         rows = torch.full((len(drafts) + 1, self.words), -1, dtype=torch.int32)
+        closer = self.closers.get(_key(seq))
+        closer = closer.copy() if closer is not None else None
         consumed = 0
         for i in range(len(drafts) + 1):
             matcher.unsafe_compute_mask_ptr(rows[i].data_ptr(), self.words * 4)
+            self._close_if_due(seq, rows[i], i, closer)
             if i == len(drafts) or not allows(rows[i], drafts[i]) \
                     or not matcher.consume_token(drafts[i]):
                 break
             consumed += 1
+            if closer is not None:
+                closer.feed(self.compiler.token_bytes([drafts[i]]))
         if consumed:
             matcher.rollback(consumed)
         return rows
+
+    def _close_if_due(self, seq: Sequence, row: torch.Tensor, ahead: int,
+                      closer: JsonCloser | None) -> None:
+        """Row `ahead` of `seq`'s step allows only the next closing token once closing is due:
+        closing started already, or the closing text (at most one token a byte) plus the most
+        one free token could add (JsonCloser's max_growth) no longer fits in the budget left.
+        The invariant kept: after any free token, the closing still fits."""
+        if ahead == 0:
+            self.forced.pop(_key(seq), None)
+        closing = closer.closing() if closer is not None else None
+        if not closing:                            # not JSON, unknown, or already complete
+            return
+        budget = seq.params.max_tokens - len(seq.output_token_ids) - ahead
+        if not closer.forcing and len(closing) + self.compiler.json_growth < budget:
+            return
+        token = self.compiler.closing_tokens(closing)[0]
+        if not allows(row, token):                 # the schema wants more than plain closing
+            return
+        row.zero_()
+        row[token // 32] = _bit(token % 32)
+        self.forced.setdefault(_key(seq), {})[ahead] = token
 
     # ---- tokens --------------------------------------------------------------------------
     def accept(self, seq: Sequence, tokens: list[int], num_samples: int = 1) -> None:
@@ -152,12 +204,17 @@ class StructuredOutputManager:
         parent = self._matcher(seq)
         if num_samples > 1:
             for k in range(1, num_samples):
-                self.matchers[(seq.request_id, seq.index + k)] = parent.deep_copy()
-            pairs = [(self.matchers[(seq.request_id, seq.index + k)], [t])
-                     for k, t in enumerate(tokens)]
+                sibling = (seq.request_id, seq.index + k)
+                self.matchers[sibling] = parent.deep_copy()
+                if _key(seq) in self.closers:
+                    self.closers[sibling] = self.closers[_key(seq)].copy()
+                    self.forced[sibling] = dict(self.forced.get(_key(seq), {}))
+            runs = [((seq.request_id, seq.index + k), [t]) for k, t in enumerate(tokens)]
         else:
-            pairs = [(parent, tokens)]
-        for matcher, toks in pairs:
+            runs = [(_key(seq), tokens)]
+        for key, toks in runs:
+            self._feed_closer(key, toks)
+            matcher = self.matchers[key]
             if matcher.is_stopped():                 # the grammar is complete: EOS follows
                 continue
             if not matcher.consume_tokens(toks):
@@ -165,9 +222,28 @@ class StructuredOutputManager:
                 self.errors.setdefault(seq.request_id, f"the grammar rejected token(s) {toks}: "
                                        f"{matcher.get_error().splitlines()[0]}")
 
+    def _feed_closer(self, key: Key, tokens: list[int]) -> None:
+        closer = self.closers.get(key)
+        if closer is None:
+            return
+        forced = self.forced.pop(key, {})
+        for i, token in enumerate(tokens):
+            if forced.get(i) == token:               # closing has begun: it goes on to the end
+                closer.forcing = True
+            closer.feed(self.compiler.token_bytes([token]))
+
     def take_errors(self) -> dict[str, str]:
         errors, self.errors = self.errors, {}
         return errors
+
+
+def _key(seq: Sequence) -> Key:
+    return (seq.request_id, seq.index)
+
+
+def _bit(i: int) -> int:
+    """Bit i of an int32 word, as the (signed) value torch stores."""
+    return (1 << i) - (1 << 32 if i == 31 else 0)
 
 
 def allows(row: torch.Tensor, token: int) -> bool:
