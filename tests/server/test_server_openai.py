@@ -197,6 +197,19 @@ def test_tokenize_and_detokenize(server, reference):
             [{"role": "user", "content": "hi"}])
 
 
+def test_tokenize_counts_a_chat_prompt_as_the_chat_request_renders_it(server, client):
+    """With tools (rendered into the prompt), the count is the chat request's prompt_tokens."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with httpx.Client(base_url=server.url, headers=server.headers) as http:
+        plain = http.post("/tokenize", json={"messages": messages}).json()["count"]
+        counted = http.post("/tokenize", json={"messages": messages, "tools": tools}).json()
+    used = client.chat.completions.create(model="tiny", messages=messages, tools=tools,
+                                          max_tokens=1).usage.prompt_tokens
+    assert counted["count"] == used > plain
+
+
 def test_sampling_extras_reach_the_engine(client, reference):
     """top_k=1 samples the argmax whatever the temperature; penalties change greedy output."""
     expected = reference.generate(PROMPTS[0], greedy(), use_tqdm=False)[0].outputs[0].text

@@ -124,7 +124,9 @@ def _api_routes(ctx: ServerContext) -> APIRouter:
     async def tokenize(body: TokenizeRequest):
         ctx.check_model(body.model)
         if body.messages is not None:
-            chat = ChatCompletionRequest(messages=[m.model_dump() for m in body.messages])
+            chat = ChatCompletionRequest(messages=[m.model_dump() for m in body.messages],
+                                         tools=body.tools, tool_choice=body.tool_choice,
+                                         add_generation_prompt=body.add_generation_prompt)
             tokens = render_prompt(ctx, chat)
         else:
             tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

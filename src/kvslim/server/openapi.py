@@ -21,6 +21,16 @@ STATUSES = {"400": "invalid request (OpenAI-style error body)",
             "404": "unknown model", "500": "the request failed inside the engine",
             "503": "the engine is not running"}
 OPEN_ROUTES = {"/health", "/metrics"}
+STREAMING = {"/v1/completions", "/v1/chat/completions"}
+# With stream=true: each server-sent event (OpenAPI 3.1: `schema` describes one event).
+SSE = {"schema": {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "a JSON chunk of the answer; the last event is [DONE]"}}}}
+# The rules between fields that JSON Schema cannot state: said in words, answered with a 400.
+RELATIONS = {"max_tokens": "The prompt's tokens, as the server renders it, plus max_tokens must "
+                           "not exceed max_model_len ({max_model_len}); a 400 otherwise.",
+             "min_tokens": "Must not exceed max_tokens; a 400 otherwise.",
+             "tools": "Each function named once; a named tool_choice names one of them.",
+             "tool_choice": "A named function must be one of tools' (a 400 otherwise)."}
 
 
 def truthful_openapi(app: FastAPI, vocab_size: dict[str, int], max_model_len: int,
@@ -48,10 +58,24 @@ def truthful_openapi(app: FastAPI, vocab_size: dict[str, int], max_model_len: in
                     "text/plain": {"schema": {"type": "string"}}}}
             else:
                 responses.update({status: _error(text) for status, text in STATUSES.items()})
+            if path in STREAMING:
+                responses["200"].setdefault("content", {})["text/event-stream"] = SSE
     schema["components"]["schemas"].pop("HTTPValidationError", None)
     schema["components"]["schemas"].pop("ValidationError", None)
     app.openapi_schema = schema
     return schema
+
+
+def decimal_below(n: int) -> str:
+    """A regex for the decimal integers 0..n-1 (leading zeros allowed, as int() reads them)."""
+    top = str(n - 1)
+    shorter = [f"[1-9][0-9]{{0,{len(top) - 2}}}"] if len(top) > 1 else []
+    same = []
+    for i, digit in enumerate(top):
+        low = 1 if i == 0 and len(top) > 1 else 0
+        if int(digit) > low:
+            same.append(f"{top[:i]}[{low}-{int(digit) - 1}][0-9]{{{len(top) - i - 1}}}")
+    return "^0*(" + "|".join(["0", *shorter, *same, top]) + ")$"
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -68,11 +92,17 @@ def _set_limits(node, limits: dict, key: str = "") -> None:
     vocab = node.pop("x-token-id", None)
     if vocab is not None:
         node["maximum"] = limits["vocab"][vocab] - 1
+    vocab = node.pop("x-token-id-key", None)
+    if vocab is not None:                          # a token id written as an object's key
+        node["pattern"] = decimal_below(limits["vocab"][vocab])
     if node.pop("x-max-num-seqs", False):
         node["maximum"] = limits["max_num_seqs"]
     if key in ("max_tokens", "max_completion_tokens"):
         for branch in node.get("anyOf", [node]):
             if branch.get("type") == "integer":
                 branch["maximum"] = limits["max_model_len"] - 1
+        node["description"] = RELATIONS["max_tokens"].format(**limits)
+    if key in ("min_tokens", "tools", "tool_choice") and "description" not in node:
+        node["description"] = RELATIONS[key]
     for k, v in node.items():
         _set_limits(v, limits, k if k not in ("anyOf", "allOf") else key)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
-                      field_validator, model_validator)
+                      WithJsonSchema, field_validator, model_validator)
 
 from kvslim.engine.sampling_params import (MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
                                            MIN_REPETITION_PENALTY, SEED_MAX, SEED_MIN,
@@ -17,6 +17,7 @@ from kvslim.engine.sampling_params import (MAX_LOGPROBS, MAX_PENALTY, MAX_REPETI
 from kvslim.errors import InvalidRequestError
 from kvslim.structured.params import StructuredOutputsParams
 from kvslim.tools.chat import ToolRequest
+from kvslim.tools.spec import TOOL_CHOICE_SCHEMA, TOOL_SCHEMA
 
 
 
@@ -41,6 +42,16 @@ NonEmpty = Annotated[str, Field(min_length=1)]
 # says so (server/openapi.py).
 TokenId = _int(ge=0, json_schema_extra={"x-token-id": "model"})
 TokenIds = list[TokenId]
+# Checked by tools/spec.py (errors naming tools or tool_choice); published as what it accepts.
+Tools = Annotated[Optional[list[dict[str, Any]]],
+                  WithJsonSchema({"anyOf": [{"type": "array", "items": TOOL_SCHEMA},
+                                            {"type": "null"}]})]
+ToolChoice = Annotated[Union[Literal["none", "auto", "required"], dict[str, Any], None],
+                       WithJsonSchema(TOOL_CHOICE_SCHEMA)]
+# tool_choice "required" or a named function needs tools.
+TOOLS_NEEDED = {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+    "anyOf": [{"const": "required"}, {"type": "object"}]}}},
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
 TextTokenIds = list[_int(ge=0, json_schema_extra={"x-token-id": "tokenizer"})]
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 
@@ -109,6 +120,10 @@ class ResponseFormat(_Request):
 
 class StructuredOutputsFields(_Request):
     """vLLM's structured_outputs: exactly one constraint."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": [k], "properties": {k: {"const": True} if k == "json_object" else
+                                         {"not": {"type": "null"}}}}
+        for k in ("json", "json_object", "regex", "choice", "grammar")]})
     json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
     json_object: Optional[bool] = None
     regex: Optional[NonEmpty] = None
@@ -143,7 +158,10 @@ class _SamplingFields(_Request):
     frequency_penalty: Penalty = 0.0
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
+    logit_bias: Optional[Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                                   Field(json_schema_extra={"propertyNames": {
+                                       "pattern": "^[0-9]+$", "x-token-id-key": "model"}})]] \
+        = None
     # extras
     top_k: Int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
@@ -170,7 +188,7 @@ class _SamplingFields(_Request):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, value):
-        if value and not all(k.strip().isdigit() for k in value):
+        if value and not all(k.isascii() and k.isdigit() for k in value):
             raise ValueError("logit_bias keys must be token ids (strings of digits)")
         return value
 
@@ -234,7 +252,9 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Optional[_int(ge=1)] = 16
     logprobs: Optional[_int(ge=0, le=MAX_LOGPROBS)] = None
     echo: bool = False
-    suffix: Optional[str] = None
+    suffix: Annotated[Optional[str], WithJsonSchema({
+        "anyOf": [{"const": ""}, {"type": "null"}], "description": "not supported: empty or null"})
+    ] = None
 
     _no_suffix = field_validator("suffix")(_unsupported("suffix is not supported"))
 
@@ -318,14 +338,15 @@ class ChatCompletionRequest(_SamplingFields):
                    "properties": {**FORCED_TOOLS, name: schema}}}
           for name, schema in CONSTRAINTS.items()],
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": SET}},
-         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}]})
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+        TOOLS_NEEDED]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[_int(ge=1)] = None
     max_completion_tokens: Optional[_int(ge=1)] = None
     logprobs: bool = False
     top_logprobs: Optional[_int(ge=0, le=MAX_LOGPROBS)] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    tools: Tools = None
+    tool_choice: ToolChoice = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
 
@@ -357,11 +378,16 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Request):
     # Exactly one of prompt and messages (neither may be null).
     model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]},
-                                                           {"required": ["messages"]}]})
+                                                           {"required": ["messages"]}],
+                                                 "allOf": [TOOLS_NEEDED]})
     model: Optional[str] = None
     prompt: str = None
     messages: list[ChatMessage] = Field(default=None, min_length=1)
     add_special_tokens: bool = True
+    # With messages, as a chat request renders them (the tools' system text included).
+    tools: Tools = None
+    tool_choice: ToolChoice = None
+    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -10,8 +10,24 @@ from typing import Any
 
 from kvslim.errors import InvalidRequestError
 
-NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
+NAME_PATTERN = "^[a-zA-Z0-9_.-]{1,64}$"
+NAME = re.compile(NAME_PATTERN)
 MODES = ("none", "auto", "required")
+
+# What the checks below accept, as JSON Schema (the server's OpenAPI schema publishes them).
+TOOL_SCHEMA = {"type": "object", "required": ["function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": NAME_PATTERN},
+        "description": {"type": ["string", "null"]},
+        "parameters": {"type": "object"}}}}}
+TOOL_CHOICE_SCHEMA = {"anyOf": [
+    {"enum": list(MODES)},
+    {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"],
+                     "properties": {"name": {"type": "string"}}}}},
+    {"type": "null"}]}
 
 
 @dataclass(frozen=True)
@@ -60,17 +76,17 @@ def tools_from_openai(tools: list[dict[str, Any]] | None) -> list[ToolSpec]:
         if not isinstance(function, dict):
             bad("a tool needs a 'function' object")
         name = function.get("name")
-        if not isinstance(name, str) or not NAME.match(name):
+        if not isinstance(name, str) or not NAME.fullmatch(name):
             bad("a function needs a name of 1-64 letters, digits, '_', '.' or '-'")
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
             bad(f"function {name!r}: parameters must be a JSON schema object")
-        description = function.get("description") or ""
-        if not isinstance(description, str):
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
             bad(f"function {name!r}: description must be a string")
         if any(s.name == name for s in specs):
             bad(f"function {name!r} is defined twice")
-        specs.append(ToolSpec(name, description, parameters))
+        specs.append(ToolSpec(name, description or "", parameters))
     return specs
 
 
