@@ -48,6 +48,7 @@ Tools = Annotated[Optional[list[dict[str, Any]]],
                                             {"type": "null"}]})]
 ToolChoice = Annotated[Union[Literal["none", "auto", "required"], dict[str, Any], None],
                        WithJsonSchema(TOOL_CHOICE_SCHEMA)]
+TOKEN_ID_KEYS = {"propertyNames": {"pattern": "^[0-9]+$", "x-token-id-key": "model"}}
 # tool_choice "required" or a named function needs tools.
 TOOLS_NEEDED = {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {
     "anyOf": [{"const": "required"}, {"type": "object"}]}}},
@@ -159,9 +160,7 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
-                                   Field(json_schema_extra={"propertyNames": {
-                                       "pattern": "^[0-9]+$", "x-token-id-key": "model"}})]] \
-        = None
+                                   Field(json_schema_extra=TOKEN_ID_KEYS)]] = None
     # extras
     top_k: Int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
