@@ -69,7 +69,7 @@ class StructuredOutputManager:
         return seq.request_id in self.grammars
 
     def release(self, seq: Sequence) -> None:
-        key = (seq.request_id, seq.index)
+        key = _key(seq)
         for table in (self.matchers, self.closers, self.forced):
             table.pop(key, None)
 
@@ -83,11 +83,11 @@ class StructuredOutputManager:
     def closed_for_budget(self, seq: Sequence) -> bool:
         """Whether the answer's JSON was closed because max_tokens was near (its finish is then
         "length": complete JSON, but not the answer the model would have given)."""
-        closer = self.closers.get((seq.request_id, seq.index))
+        closer = self.closers.get(_key(seq))
         return closer is not None and closer.forcing
 
     def _matcher(self, seq: Sequence):
-        key = (seq.request_id, seq.index)
+        key = _key(seq)
         matcher = self.matchers.get(key)
         if matcher is None:
             matcher = self.compiler.matcher(self.grammars[seq.request_id])
@@ -154,8 +154,9 @@ class StructuredOutputManager:
         return out
 
     def _draft_rows(self, seq: Sequence, matcher, drafts: list[int]) -> torch.Tensor:
-        """Row i: the mask after drafts[:i]. Once a draft is forbidden, the rows after it
-        can never be used (verification stops there): they allow everything."""
+        """Row i: the mask after drafts[:i] (closing JSON at that row's budget when due). Once a
+        draft is forbidden, the rows after it can never be used (verification stops there):
+        they allow everything."""
         rows = torch.full((len(drafts) + 1, self.words), -1, dtype=torch.int32)
         closer = self.closers.get(_key(seq))
         closer = closer.copy() if closer is not None else None
