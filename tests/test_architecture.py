@@ -52,7 +52,10 @@ ALLOWED = {
     "server": KERNELS | {"models", "formats", "engine", "structured", "tools"},
     # Corpus streams (tokenized windows) live in train/: calibration and perplexity read them.
     "surgery": KERNELS | {"quantization", "models", "formats", "train"},
-    "train": KERNELS | {"models", "formats"},
+    # Learned drafters (Medusa heads): modules and their files, on the model's hidden states.
+    "drafters": KERNELS | {"models"},
+    # Training a drafter distills the engine's own answers.
+    "train": KERNELS | {"models", "formats", "drafters", "engine"},
     "eval": KERNELS | {"models", "formats", "train"},
     # The quantization experiment times every mode it builds with the benchmarks; experiments
     # measure what the engine does with what surgery and training produce.

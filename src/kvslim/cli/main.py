@@ -19,7 +19,8 @@ if "OMP_WAIT_POLICY" not in os.environ:
 from kvslim.errors import KvslimError
 
 COMMAND_MODULES = ["train_cmds", "model_cmds", "generate_cmds", "demo_cmds", "surgery_cmds",
-                   "quantize_cmds", "experiment_cmds", "serve_cmds", "memory_cmds", "bench_cmds"]
+                   "quantize_cmds", "experiment_cmds", "serve_cmds", "memory_cmds", "bench_cmds",
+                   "drafter_cmds"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,170 @@
+"""`train_drafter`: Medusa heads trained by self-distillation on a frozen model.
+
+The targets are the model's own answers: prompts (lines of a text file, as plain prompts or as
+chat turns) are answered by kvslim's engine in one batch, half greedily and half sampled, and
+cached in OUT. The frozen model's last hidden states over prompt + answer are computed once;
+then head k learns to guess the answer's token k + 2 places after each position, against the
+answer itself (cross-entropy), while the model stays as it is."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvslim.drafters.medusa import MedusaConfig, MedusaHeads
+from kvslim.errors import KvslimError
+
+DATA_FILE = "self_distill.json"
+LOG_FILE = "train_log.json"
+
+
+def _opt(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class DrafterTrainConfig:
+    """The CLI's flags are these fields' (cli/drafter_cmds.py)."""
+    model: str | None                 # what the engine runs (None: the embedded default)
+    out: str
+    prompts: str                      # a text file: one prompt a line
+    kind: str = _opt("medusa", "the drafter: medusa (eagle: not built yet)")
+    chat: bool = _opt(True, "prompts as chat turns through the model's template (else plain)")
+    heads: int = _opt(3, "Medusa heads: head k guesses the token k + 2 ahead")
+    layers: int = _opt(1, "residual blocks per head")
+    share_lm_head: bool = _opt(True, "heads share the model's LM head (else each its own copy)")
+    tokens: int = _opt(100_000, "self-distilled answer tokens to generate, at most")
+    max_answer_tokens: int = _opt(128, "each answer's max_tokens")
+    sampled_fraction: float = _opt(0.5, "share of prompts answered at temperature 0.7")
+    steps: int = _opt(400, "optimizer steps")
+    batch_positions: int = _opt(256, "positions per step (each trains every head)")
+    lr: float = _opt(1e-3, "peak learning rate (cosine to 0)")
+    seed: int = _opt(0, "sampling and training seed")
+    log_every: int = _opt(20, "steps between log entries (loss, per-head accuracy)")
+
+    def __post_init__(self) -> None:
+        if self.kind != "medusa":
+            raise KvslimError(f"drafter kind {self.kind!r} is not built yet (medusa is)")
+
+
+def train_drafter(cfg: DrafterTrainConfig, show_progress: bool = True) -> dict:
+    from kvslim.engine.llm import LLM
+    from kvslim.formats.loader import load_model
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    llm = LLM(cfg.model, kv_cache_memory="256MiB")
+    sequences = _self_distilled(llm, cfg, out, show_progress)
+    model = load_model(llm.model_dir).eval()
+    hidden, targets, prompt_lens = _hidden_states(model, sequences, show_progress)
+    heads = MedusaHeads(MedusaConfig(cfg.heads, cfg.layers, model.config.hidden_size,
+                                     model.config.vocab_size, cfg.share_lm_head,
+                                     str(llm.model_dir)))
+    lm_head = _frozen_lm_head(model)
+    heads.init_own_lm_heads(lm_head.weight)
+    log = _fit(heads, lm_head, hidden, targets, prompt_lens, cfg, show_progress)
+    heads.save(out)
+    summary = {"config": asdict(cfg), "sequences": len(sequences),
+               "answer_tokens": sum(len(s) - p for s, p in zip(targets, prompt_lens)),
+               "log": log, "final": log[-1] if log else {}}
+    (out / LOG_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def _self_distilled(llm, cfg: DrafterTrainConfig, out: Path, show_progress: bool
+                    ) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) pairs, generated once and cached in OUT."""
+    from kvslim.engine.sampling_params import SamplingParams
+    cache = out / DATA_FILE
+    key = {"model": str(llm.model_dir), "prompts": str(cfg.prompts), "chat": cfg.chat,
+           "tokens": cfg.tokens, "max_answer_tokens": cfg.max_answer_tokens,
+           "sampled_fraction": cfg.sampled_fraction, "seed": cfg.seed}
+    if cache.is_file():
+        saved = json.loads(cache.read_text())
+        if saved["key"] == key:
+            return [tuple(pair) for pair in saved["pairs"]]
+    lines = [ln.strip() for ln in Path(cfg.prompts).read_text().splitlines() if ln.strip()]
+    lines = lines[:max(1, math.ceil(cfg.tokens / cfg.max_answer_tokens))]
+    if not lines:
+        raise KvslimError(f"{cfg.prompts}: no prompts (one a line)")
+    sampled = int(len(lines) * cfg.sampled_fraction)
+    params = [SamplingParams(max_tokens=cfg.max_answer_tokens, temperature=0.7 if i < sampled
+                             else 0.0, seed=cfg.seed + i) for i in range(len(lines))]
+    if cfg.chat:
+        outs = llm.chat([[{"role": "user", "content": ln}] for ln in lines], params,
+                        use_tqdm=show_progress)
+    else:
+        outs = llm.generate(lines, params, use_tqdm=show_progress)
+    pairs = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
+    cache.write_text(json.dumps({"key": key, "pairs": pairs}))
+    return pairs
+
+
+@torch.no_grad()
+def _hidden_states(model, pairs, show_progress: bool):
+    """The frozen model's last hidden state at every position of every prompt + answer."""
+    hidden, targets, prompt_lens = [], [], []
+    for prompt, answer in tqdm(pairs, desc="hidden states", disable=not show_progress):
+        ids = torch.tensor([list(prompt) + list(answer)])
+        hidden.append(model(ids)[0].float())
+        targets.append(ids[0])
+        prompt_lens.append(len(prompt))
+    return hidden, targets, prompt_lens
+
+
+@torch.no_grad()
+def _frozen_lm_head(model) -> torch.nn.Linear:
+    """The model's LM head as a plain float32 linear (a quantized one, dequantized once): the
+    heads' gradients flow through it, which a block-quantized kernel need not support."""
+    weight = model.lm_head(torch.eye(model.config.hidden_size)).T.float()
+    head = torch.nn.Linear(model.config.hidden_size, weight.shape[0], bias=False)
+    head.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+    return head
+
+
+def _positions(targets, prompt_lens, heads: int) -> list[tuple[int, int]]:
+    """(sequence, position) whose every head's target is an answer token: position t trains
+    head k on token t + k + 2, from the answer's first token on."""
+    return [(i, t) for i, (ids, p) in enumerate(zip(targets, prompt_lens))
+            for t in range(max(0, p - 2), len(ids) - heads - 1)]
+
+
+def _fit(heads: MedusaHeads, lm_head, hidden, targets, prompt_lens, cfg, show_progress):
+    positions = _positions(targets, prompt_lens, heads.num_heads)
+    if not positions:
+        raise KvslimError("the answers are too short to train the heads on")
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=0.0)
+    offsets = torch.arange(2, heads.num_heads + 2)
+    log, bar = [], tqdm(range(cfg.steps), desc="medusa heads", disable=not show_progress)
+    for step in bar:
+        batch = rng.sample(positions, min(cfg.batch_positions, len(positions)))
+        h = torch.stack([hidden[i][t] for i, t in batch])
+        want = torch.stack([targets[i][t + offsets] for i, t in batch]).T   # [heads, B]
+        lr = cfg.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        logits = heads(h, lm_head)                                           # [heads, B, V]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), want.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            entry = {"step": step + 1, "loss": round(loss.item(), 4),
+                     **_accuracies(logits.detach(), want)}
+            log.append(entry)
+            bar.set_postfix(loss=entry["loss"], top1=entry["top1"])
+    return log
+
+
+def _accuracies(logits: torch.Tensor, want: torch.Tensor) -> dict:
+    top5 = logits.topk(5, dim=-1).indices
+    return {"top1": [round(x, 3) for x in (top5[..., 0] == want).float().mean(1).tolist()],
+            "top5": [round(x, 3) for x in (top5 == want[..., None]).any(-1).float()
+                     .mean(1).tolist()]}
