@@ -45,7 +45,8 @@ ALLOWED = {
     # rendering, parsing and forcing grammar, for the server and LLM.chat.
     "structured": BASE | {"tokenizer"},
     "tools": BASE | {"tokenizer", "structured"},
-    "engine": KERNELS | {"models", "formats", "parallel", "kv_cache", "structured", "tools"},
+    "engine": KERNELS | {"models", "formats", "parallel", "kv_cache", "structured", "tools",
+                         "drafters"},
     # Tensor parallelism shards models (and prices a rank's share with the planner's formulas);
     # the engine runs its workers.
     "parallel": KERNELS | {"quantization", "models", "formats", "plan", "kv_cache"},

@@ -71,6 +71,10 @@ class ModelRunner:
         self.sampler = Sampler(mc.vocab_size, self.device, eos_token_ids, config.seed)
         self.decode_graphs = (self._decode_graphs(use_graphs, compiled)
                               if use_graphs or compiled else None)
+        # Medusa heads guess from the hidden state whose logits drew each sequence's latest
+        # token: kept per sequence when a proposer reads them (set by the engine).
+        self.keep_hidden = False
+        self.last_hidden: dict[int, torch.Tensor] = {}
 
     def _allocate_cache(self, reserved_blocks: int) -> None:
         """One K/V tensor per position in a KV-cache group, [K/V, blocks, block_size, kv_heads,
@@ -123,6 +127,7 @@ class ModelRunner:
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.block_tables.release(seq_id)
+            self.last_hidden.pop(seq_id, None)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, draft_probs: dict[int, torch.Tensor] | None = None,
@@ -164,6 +169,11 @@ class ModelRunner:
         if requests:
             sampled = self.sampler(logits[len(spec_rows):], requests)
             results.update((r.seq.seq_id, res) for r, res in zip(requests, sampled))
+        if self.keep_hidden:
+            rows = {entry.seq.seq_id: spec_rows[first + len(results[entry.seq.seq_id]) - 1]
+                    for entry, first in spec}
+            rows.update((r.seq.seq_id, row) for r, row in zip(requests, sample_rows))
+            self.last_hidden.update((seq_id, hidden[row].clone()) for seq_id, row in rows.items())
         return results
 
     @torch.inference_mode()

@@ -10,6 +10,7 @@ import torch
 from kvslim.engine.sequence import Sequence
 from kvslim.engine.speculative.draft import DraftModelProposer
 from kvslim.engine.speculative.config import SpeculativeConfig
+from kvslim.engine.speculative.medusa import MedusaProposer
 from kvslim.engine.speculative.ngram import NgramProposer
 from kvslim.errors import KvslimError
 
@@ -52,13 +53,17 @@ class _Backoff:
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: SpeculativeConfig, draft: DraftModelProposer | None = None):
+    def __init__(self, config: SpeculativeConfig, draft: DraftModelProposer | None = None,
+                 medusa: MedusaProposer | None = None):
         if config.method == "draft" and draft is None:
             raise KvslimError("speculative method 'draft' needs its draft model loaded")
+        if config.method == "medusa" and medusa is None:
+            raise KvslimError("speculative method 'medusa' needs its heads loaded")
         self.config = config
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
                                    config.num_speculative_tokens)
         self.draft = draft
+        self.medusa = medusa
         k = config.num_speculative_tokens
         self.stats = SpecDecodeStats(drafted_per_position=[0] * k, accepted_per_position=[0] * k)
         self.draft_probs: dict[int, torch.Tensor] = {}      # seq_id -> q of its drafts
@@ -75,9 +80,14 @@ class SpeculativeDecoder:
         if limit is not None and len(running) > limit:
             return
         seqs = [seq for seq in running if self._speculates(seq)]
+        by_id = {seq.seq_id: seq for seq in seqs}
         room = [self.config.num_speculative_tokens if seq.params.max_tokens is None
                 else min(self.config.num_speculative_tokens,
                          seq.params.max_tokens - seq.num_output_tokens - 1) for seq in seqs]
+        if self.medusa is not None:
+            for seq_id, drafts in self.medusa.propose(seqs, room).items():
+                by_id[seq_id].spec_token_ids = drafts
+            return
         if self.draft is None:
             for seq, k in zip(seqs, room):
                 seq.spec_token_ids = self.ngram.propose(seq.token_ids, k)

@@ -1,0 +1,43 @@
+"""`MedusaProposer`: drafts from Medusa heads (drafters/medusa.py) on the hidden state whose
+logits drew each sequence's latest token — head k's top token is the guess k + 1 places after
+that token. The drafts form a chain (the top-1 path of the heads' tree), verified by the
+target's ordinary rule, so greedy output is plain decoding's and sampling stays exact."""
+from __future__ import annotations
+
+import torch
+
+from kvslim.drafters.medusa import MedusaHeads
+from kvslim.engine.sequence import Sequence
+
+
+class MedusaProposer:
+    def __init__(self, heads_dir: str, model, last_hidden: dict[int, torch.Tensor]):
+        heads = MedusaHeads.load(heads_dir)
+        c = model.config
+        heads.check_fits(c.hidden_size, c.vocab_size, "the model")
+        param = next(model.parameters())
+        self.heads = heads.to(device=param.device).eval()
+        self.lm_head = model.lm_head
+        self.last_hidden = last_hidden          # the runner's, filled after each step
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads.num_heads
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], room: list[int]) -> dict[int, list[int]]:
+        """seq_id -> up to `room` drafts, for the sequences whose hidden state is kept (one
+        that was just admitted or preempted has none until its next step)."""
+        ready = [(seq, k) for seq, k in zip(seqs, room)
+                 if k > 0 and seq.seq_id in self.last_hidden]
+        if not ready:
+            return {}
+        hidden = torch.stack([self.last_hidden[seq.seq_id] for seq, _ in ready])
+        feats = self.heads.features(hidden.float()).to(hidden.dtype)     # [heads, B, hidden]
+        if self.heads.lm_heads is None:
+            guesses = self.lm_head(feats.flatten(0, 1)).argmax(-1).view(feats.shape[:2])
+        else:
+            guesses = torch.stack([h(f.float()) for h, f in zip(self.heads.lm_heads, feats)]
+                                  ).argmax(-1)
+        guesses = guesses.T.tolist()                                      # [B, heads]
+        return {seq.seq_id: row[:k] for (seq, k), row in zip(ready, guesses)}

@@ -1,0 +1,69 @@
+"""Medusa heads in the engine: greedy output identical to plain decoding (random and untrained
+heads, k up to the heads' number, preemption forced by a tiny cache, batched and alone), kept
+hidden states forgotten with their sequences, and heads that do not fit refused before serving."""
+import pytest
+import torch
+
+from engine.engine_helpers import GREEDY, engine, run, tokens
+from engine.speculative.test_spec_engine import PROMPTS
+from kvslim.drafters.medusa import MedusaConfig, MedusaHeads
+from kvslim.engine.sampling_params import SamplingParams
+from kvslim.errors import KvslimError
+from kvslim.models.config import ModelConfig
+
+
+def write_heads(path, model_dir, num_heads=3, scale=0.0, **config):
+    """Heads for `model_dir`: untrained (scale 0: each guesses what the LM head guesses) or
+    random (scale > 0)."""
+    mc = ModelConfig.from_dir(model_dir)
+    config = dict(dict(hidden_size=mc.hidden_size, vocab_size=mc.vocab_size), **config)
+    heads = MedusaHeads(MedusaConfig(medusa_num_heads=num_heads, **config))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(scale * torch.randn_like(p))
+    heads.save(path)
+    return str(path)
+
+
+def medusa(path, k, **extra):
+    return dict(method="medusa", model=path, num_speculative_tokens=k,
+                disable_by_batch_size=None, **extra)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("scale", [0.0, 0.5], ids=["untrained", "random"])
+@pytest.mark.parametrize("cache", ["ample", "tiny"])
+def test_greedy_output_equals_plain_decoding(hf_checkpoints, tmp_path, k, scale, cache):
+    model = hf_checkpoints["gqa"]
+    heads = write_heads(tmp_path / "heads", model, scale=scale)
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    memory = "8MiB"
+    if cache == "tiny":                   # 24 blocks of 4 tokens: preemptions must happen
+        memory = 24 * engine(model, block_size=4).runner.bytes_per_block
+    plain = engine(model, block_size=4, kv_cache_memory=memory)
+    fast = engine(model, block_size=4, kv_cache_memory=memory, speculative=medusa(heads, k))
+    expected = tokens(run(plain, PROMPTS, params))
+    assert tokens(run(fast, PROMPTS, params)) == expected
+    assert [tokens(run(fast, [p], params))[0] for p in PROMPTS] == expected
+    stats = fast.spec_decode_stats()
+    assert stats.num_draft_tokens > 0
+    if scale == 0.0:                      # "the next token again": right where the model repeats
+        assert stats.num_accepted_tokens > 0
+    if cache == "tiny":
+        assert fast.kv_cache_stats().num_preemptions > 0
+    assert not fast.runner.last_hidden    # forgotten with their finished sequences
+
+
+def test_heads_that_do_not_fit_are_refused_before_serving(hf_checkpoints, tmp_path):
+    model = hf_checkpoints["gqa"]
+    other = write_heads(tmp_path / "other", model, hidden_size=8)
+    with pytest.raises(KvslimError, match="trained for hidden size 8"):
+        engine(model, speculative=medusa(other, 1))
+    heads = write_heads(tmp_path / "heads", model, num_heads=2)
+    with pytest.raises(KvslimError, match="num_speculative_tokens 3 is more than the 2 Medusa"):
+        engine(model, speculative=medusa(heads, 3))
+    with pytest.raises(KvslimError, match="not a Medusa drafter"):
+        engine(model, speculative=medusa(str(tmp_path / "none"), 1))
+    with pytest.raises(KvslimError, match="needs 'model'"):
+        engine(model, speculative=dict(method="medusa"))
