@@ -1,0 +1,77 @@
+"""Medusa heads against plain decoding on free chat answers: the speculative study's sixteen
+questions (none of them in benchmarks/drafter_prompts.py's training prompts), greedy, at batch 1
+(one request at a time) and at batch 8; per run the wall time, the tokens, whether every answer
+equals plain decoding's token for token, the mean accepted length and each head's acceptance.
+
+    python benchmarks/medusa_speedup.py HEADS_DIR [--model NAME] [--k 1 2 3] [--max-tokens 64]
+        [--threads 2] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from kvslim import LLM, SamplingParams
+from kvslim.engine.speculative.decoder import SpecDecodeStats
+from kvslim.experiments.speculative.workloads import QUESTIONS
+
+
+def timed(llm: LLM, conversations, params, batch: int) -> tuple[float, list[list[int]]]:
+    start, answers = time.perf_counter(), []
+    for i in range(0, len(conversations), batch):
+        outs = llm.chat(conversations[i:i + batch], params, use_tqdm=False)
+        answers += [o.outputs[0].token_ids for o in outs]
+    return time.perf_counter() - start, answers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("heads")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    plain = LLM(args.model, kv_cache_memory="512MiB")
+    rows = []
+    for batch in args.batches:
+        timed(plain, conversations[:2], params, batch)                 # warm-up
+        base_s, expected = timed(plain, conversations, params, batch)
+        rows.append({"batch": batch, "method": "plain", "seconds": round(base_s, 2),
+                     "tokens": sum(map(len, expected))})
+        for k in args.k:
+            llm = LLM(args.model, kv_cache_memory="512MiB", speculative={
+                "method": "medusa", "model": args.heads, "num_speculative_tokens": k,
+                "disable_by_batch_size": None})
+            timed(llm, conversations[:2], params, batch)
+            llm.engine.spec.stats = SpecDecodeStats(drafted_per_position=[0] * k,
+                                                    accepted_per_position=[0] * k)  # no warm-up
+            seconds, answers = timed(llm, conversations, params, batch)
+            stats = llm.engine.spec.stats
+            rows.append({"batch": batch, "method": f"medusa k={k}", "seconds": round(seconds, 2),
+                         "tokens": sum(map(len, answers)), "identical": answers == expected,
+                         "speedup": round(base_s / seconds, 3),
+                         "mean_accepted_length": round(stats.mean_accepted_length, 3),
+                         "acceptance_per_head": [round(a, 3) for a in
+                                                 stats.acceptance_rate_per_position]})
+    if args.json:
+        print(json.dumps({"heads": args.heads, "max_tokens": args.max_tokens, "rows": rows}))
+        return
+    print("| batch | method | s | tokens | identical | speedup | mean accepted | per head |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['method']} | {r['seconds']} | {r['tokens']} | "
+              f"{r.get('identical', '')} | {r.get('speedup', '')} | "
+              f"{r.get('mean_accepted_length', '')} | {r.get('acceptance_per_head', '')} |")
+
+
+if __name__ == "__main__":
+    main()
