@@ -33,7 +33,8 @@ def test_the_suffix_itself_is_not_a_match():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"method": "medusa"}, "speculative method must be one of ngram, draft"),
+    ({"method": "eagle"}, "speculative method must be one of ngram, draft, medusa"),
+    ({"method": "medusa"}, "'medusa' needs 'model', the heads' directory"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be between 1 and 16"),
     ({"method": "draft"}, "needs 'model'"),
     ({"model": "x"}, "'ngram' takes no 'model'"),
