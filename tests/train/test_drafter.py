@@ -1,18 +1,26 @@
-"""train_drafter on a tiny model: its own answers generated once and cached, heads that learn
-them (loss falls, top-1 rises), a drafter directory MedusaHeads loads, and bad options refused."""
+"""train_drafter on a tiny model: its own answers generated once and cached, Medusa heads and an
+EAGLE head that learn them (loss falls, top-1 rises), drafter directories that load, the draft
+vocabulary's choice, and bad options refused."""
 import json
 
 import pytest
 
+from kvslim.drafters.eagle import EagleHead
 from kvslim.drafters.medusa import MedusaHeads
 from kvslim.errors import KvslimError
 from kvslim.train.drafter import DATA_FILE, DrafterTrainConfig, train_drafter
+from kvslim.train.eagle import draft_vocabulary
+
+
+def write_prompts(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"the kernel {i} memory" for i in range(12)))
+    return str(prompts)
 
 
 def test_heads_learn_the_models_own_answers(hf_checkpoints, tmp_path):
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(f"the kernel {i} memory" for i in range(12)))
-    cfg = DrafterTrainConfig(str(hf_checkpoints["gqa"]), str(tmp_path / "d"), str(prompts),
+    cfg = DrafterTrainConfig(str(hf_checkpoints["gqa"]), str(tmp_path / "d"),
+                             write_prompts(tmp_path),
                              chat=False, heads=2, tokens=12 * 24, max_answer_tokens=24,
                              steps=60, batch_positions=64, lr=3e-3, log_every=10)
     summary = train_drafter(cfg, show_progress=False)
@@ -28,6 +36,27 @@ def test_heads_learn_the_models_own_answers(hf_checkpoints, tmp_path):
     assert again["sequences"] == 3
 
 
-def test_an_unbuilt_kind_is_refused():
-    with pytest.raises(KvslimError, match="eagle"):
-        DrafterTrainConfig(None, "out", "p.txt", kind="eagle")
+def test_an_eagle_head_learns_the_models_own_answers(hf_checkpoints, tmp_path):
+    cfg = DrafterTrainConfig(str(hf_checkpoints["gqa"]), str(tmp_path / "e"),
+                             write_prompts(tmp_path), kind="eagle", chat=False,
+                             tokens=12 * 24, max_answer_tokens=24, window=8, draft_vocab=40,
+                             steps=60, batch_positions=64, lr=1e-2, log_every=10)
+    summary = train_drafter(cfg, show_progress=False)
+    first, last = summary["log"][0], summary["log"][-1]
+    assert last["loss"] < first["loss"] and last["top1"] > first["top1"]
+    head = EagleHead.load(tmp_path / "e")
+    assert head.config.window == 8 and len(head.draft_ids) == 40
+    answers = [a for _, a in json.loads((tmp_path / "e" / DATA_FILE).read_text())["pairs"]]
+    said = {t for a in answers for t in a}
+    assert said <= set(head.draft_ids.tolist()) or len(said) > 40
+
+
+def test_the_draft_vocabulary_is_the_most_said_tokens_then_the_lowest_ids():
+    answers = [[9, 9, 9, 4, 4, 7], [4, 9, 12]]
+    assert draft_vocabulary(answers, 3, 20, always=[2]).tolist() == [2, 9, 4]
+    assert draft_vocabulary(answers, 7, 20, always=[2]).tolist() == [2, 9, 4, 7, 12, 0, 1]
+
+
+def test_an_unknown_kind_is_refused():
+    with pytest.raises(KvslimError, match="drafter kind must be one of medusa, eagle"):
+        DrafterTrainConfig(None, "out", "p.txt", kind="hydra")

@@ -1,4 +1,4 @@
-"""`kvslim train-drafter`: Medusa heads for a model, trained on its own answers."""
+"""`kvslim train-drafter`: Medusa heads or an EAGLE head for a model, trained on its own answers."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ from dataclasses import MISSING, fields
 
 def register(sub) -> None:
     from kvslim.train.drafter import DrafterTrainConfig
-    p = sub.add_parser("train-drafter", help="train Medusa heads by self-distillation")
+    p = sub.add_parser("train-drafter", help="train Medusa heads or an EAGLE head by self-distillation")
     p.add_argument("model", help="the model (a directory, a .gguf, gemma3-270m, or 'default')")
     p.add_argument("out", help="the drafter's output directory")
     p.add_argument("--prompts", required=True, help="text file, one prompt a line")
@@ -41,7 +41,8 @@ def run_train_drafter(args) -> int:
         print(json.dumps(summary["final"] | {"answer_tokens": summary["answer_tokens"]}))
     else:
         final = summary["final"]
+        scores = (f"top-1 {final.get('top1')}" if args.kind == "eagle" else
+                  f"top-1 per head {final.get('top1')}, top-5 {final.get('top5')}")
         print(f"wrote {args.out}: {summary['sequences']} answers, {summary['answer_tokens']} "
-              f"tokens; final loss {final.get('loss')}, top-1 per head {final.get('top1')}, "
-              f"top-5 {final.get('top5')}")
+              f"tokens; final loss {final.get('loss')}, {scores}")
     return 0

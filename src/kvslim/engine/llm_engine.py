@@ -20,6 +20,7 @@ from kvslim.engine.scheduler import Scheduler
 from kvslim.engine.sequence import Sequence
 from kvslim.engine.speculative.decoder import SpecDecodeStats, SpeculativeDecoder
 from kvslim.engine.speculative.draft import DraftModelProposer
+from kvslim.engine.speculative.learned import LEARNED_METHODS, learned_proposer
 from kvslim.errors import EngineFailedError, InvalidRequestError, KvslimError
 from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
@@ -101,19 +102,14 @@ class LLMEngine:
             draft = DraftModelProposer(resolve_model(spec.model), self.config,
                                        self.runner.num_blocks, self.max_model_len,
                                        self.model_config.vocab_size, self.eos_token_ids)
-        medusa = None
-        if spec.method == "medusa":
+        learned = None
+        if spec.method in LEARNED_METHODS:
             if self.parallel is not None:
-                raise KvslimError("speculative method 'medusa' does not run with "
+                raise KvslimError(f"speculative method {spec.method!r} does not run with "
                                   "tensor_parallel_size > 1 yet")
-            from kvslim.engine.speculative.medusa import MedusaProposer
-            medusa = MedusaProposer(spec.model, self.model, self.runner.last_hidden)
-            if spec.num_speculative_tokens > medusa.num_heads:
-                raise KvslimError(f"num_speculative_tokens {spec.num_speculative_tokens} is "
-                                  f"more than the {medusa.num_heads} Medusa heads in "
-                                  f"{spec.model} guess")
-            self.runner.keep_hidden = True
-        return SpeculativeDecoder(spec, draft, medusa)
+            learned = learned_proposer(spec, self.model)
+            self.runner.hidden_windows = learned.windows
+        return SpeculativeDecoder(spec, draft, learned)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -257,7 +253,8 @@ class LLMEngine:
         """Forget a finished sequence's per-sequence state outside the scheduler (a draft
         model's K/V for it too: freed now, not at the next step)."""
         self.runner.sampler.release(seq)
-        self.runner.last_hidden.pop(seq.seq_id, None)
+        if self.runner.hidden_windows is not None:
+            self.runner.hidden_windows.pop(seq.seq_id)
         if self.spec is not None:
             self.spec.release([seq.seq_id])
 

@@ -15,6 +15,7 @@ from kvslim.device import host_tensor
 from kvslim.engine.block_table import BlockTables
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.decode_graphs import DecodeGraphs
+from kvslim.engine.hidden_window import HiddenWindows
 from kvslim.engine.prompt_logprobs import record_prompt_logprobs
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -71,10 +72,9 @@ class ModelRunner:
         self.sampler = Sampler(mc.vocab_size, self.device, eos_token_ids, config.seed)
         self.decode_graphs = (self._decode_graphs(use_graphs, compiled)
                               if use_graphs or compiled else None)
-        # Medusa heads guess from the hidden state whose logits drew each sequence's latest
-        # token: kept per sequence when a proposer reads them (set by the engine).
-        self.keep_hidden = False
-        self.last_hidden: dict[int, torch.Tensor] = {}
+        # Medusa and EAGLE guess from the hidden states that drew each sequence's latest
+        # tokens: kept per sequence when a proposer reads them (set by the engine).
+        self.hidden_windows: HiddenWindows | None = None
 
     def _allocate_cache(self, reserved_blocks: int) -> None:
         """One K/V tensor per position in a KV-cache group, [K/V, blocks, block_size, kv_heads,
@@ -127,7 +127,8 @@ class ModelRunner:
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.block_tables.release(seq_id)
-            self.last_hidden.pop(seq_id, None)
+            if self.hidden_windows is not None:
+                self.hidden_windows.pop(seq_id)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, draft_probs: dict[int, torch.Tensor] | None = None,
@@ -169,12 +170,20 @@ class ModelRunner:
         if requests:
             sampled = self.sampler(logits[len(spec_rows):], requests)
             results.update((r.seq.seq_id, res) for r, res in zip(requests, sampled))
-        if self.keep_hidden:
-            rows = {entry.seq.seq_id: spec_rows[first + len(results[entry.seq.seq_id]) - 1]
-                    for entry, first in spec}
-            rows.update((r.seq.seq_id, row) for r, row in zip(requests, sample_rows))
-            self.last_hidden.update((seq_id, hidden[row].clone()) for seq_id, row in rows.items())
+        if self.hidden_windows is not None:
+            self._keep_hidden(hidden, entries, query_starts, results)
         return results
+
+    def _keep_hidden(self, hidden, entries, query_starts, results) -> None:
+        """Each sequence's rows whose next token is now known: a prefill chunk's and a decode's
+        every row, a verification's rows up to the one that drew its last token."""
+        for entry, query_start in zip(entries, query_starts):
+            seq_id = entry.seq.seq_id
+            n = len(results[seq_id]) if entry.draft_token_ids else entry.num_tokens
+            if entry.num_samples > 1:
+                continue                     # forks: the children decode on their own
+            self.hidden_windows.keep(seq_id, entry.start,
+                                     hidden[query_start:query_start + n])
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput

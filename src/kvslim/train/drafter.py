@@ -1,10 +1,11 @@
-"""`train_drafter`: Medusa heads trained by self-distillation on a frozen model.
+"""`train_drafter`: Medusa heads or an EAGLE head trained by self-distillation on a frozen model.
 
 The targets are the model's own answers: prompts (lines of a text file, as plain prompts or as
 chat turns) are answered by kvslim's engine in one batch, half greedily and half sampled, and
 cached in OUT. The frozen model's last hidden states over prompt + answer are computed once;
-then head k learns to guess the answer's token k + 2 places after each position, against the
-answer itself (cross-entropy), while the model stays as it is."""
+then Medusa's head k learns to guess the answer's token k + 2 places after each position,
+against the answer itself (cross-entropy), or the EAGLE head learns to guess the next hidden
+state (train/eagle.py), while the model stays as it is."""
 from __future__ import annotations
 
 import json
@@ -16,9 +17,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvslim.drafters.eagle import EagleConfig, EagleHead
 from kvslim.drafters.medusa import MedusaConfig, MedusaHeads
 from kvslim.errors import KvslimError
 
+KINDS = ("medusa", "eagle")
 DATA_FILE = "self_distill.json"
 LOG_FILE = "train_log.json"
 
@@ -33,11 +36,15 @@ class DrafterTrainConfig:
     model: str | None                 # what the engine runs (None: the embedded default)
     out: str
     prompts: str                      # a text file: one prompt a line
-    kind: str = _opt("medusa", "the drafter: medusa (eagle: not built yet)")
+    kind: str = _opt("medusa", "the drafter: medusa (heads) or eagle (one decoder layer)")
     chat: bool = _opt(True, "prompts as chat turns through the model's template (else plain)")
     heads: int = _opt(3, "Medusa heads: head k guesses the token k + 2 ahead")
     layers: int = _opt(1, "residual blocks per head")
     share_lm_head: bool = _opt(True, "heads share the model's LM head (else each its own copy)")
+    window: int = _opt(64, "eagle: positions its layer attends over")
+    draft_vocab: int = _opt(8192, "eagle: the draft vocabulary's size (0: the model's)")
+    feature_noise: float = _opt(0.1, "eagle: uniform noise on its input hidden states, in "
+                                     "units of their root mean square")
     tokens: int = _opt(100_000, "self-distilled answer tokens to generate, at most")
     max_answer_tokens: int = _opt(128, "each answer's max_tokens")
     sampled_fraction: float = _opt(0.5, "share of prompts answered at temperature 0.7")
@@ -48,8 +55,9 @@ class DrafterTrainConfig:
     log_every: int = _opt(20, "steps between log entries (loss, per-head accuracy)")
 
     def __post_init__(self) -> None:
-        if self.kind != "medusa":
-            raise KvslimError(f"drafter kind {self.kind!r} is not built yet (medusa is)")
+        if self.kind not in KINDS:
+            raise KvslimError(f"drafter kind must be one of {', '.join(KINDS)}, got "
+                              f"{self.kind!r}")
 
 
 def train_drafter(cfg: DrafterTrainConfig, show_progress: bool = True) -> dict:
@@ -59,15 +67,22 @@ def train_drafter(cfg: DrafterTrainConfig, show_progress: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     llm = LLM(cfg.model, kv_cache_memory="256MiB")
     sequences = _self_distilled(llm, cfg, out, show_progress)
-    model = load_model(llm.model_dir).eval()
+    model_dir = llm.model_dir
+    eos = list(llm.engine.eos_token_ids)
+    del llm                                      # its KV cache: not needed from here on
+    model = load_model(model_dir).eval()
     hidden, targets, prompt_lens = _hidden_states(model, sequences, show_progress)
-    heads = MedusaHeads(MedusaConfig(cfg.heads, cfg.layers, model.config.hidden_size,
-                                     model.config.vocab_size, cfg.share_lm_head,
-                                     str(llm.model_dir)))
     lm_head = _frozen_lm_head(model)
-    heads.init_own_lm_heads(lm_head.weight)
-    log = _fit(heads, lm_head, hidden, targets, prompt_lens, cfg, show_progress)
-    heads.save(out)
+    if cfg.kind == "eagle":
+        drafter, log = _train_eagle(model, model_dir, lm_head, hidden, targets, sequences, eos,
+                                    cfg, show_progress)
+    else:
+        drafter = MedusaHeads(MedusaConfig(cfg.heads, cfg.layers, model.config.hidden_size,
+                                           model.config.vocab_size, cfg.share_lm_head,
+                                           str(model_dir)))
+        drafter.init_own_lm_heads(lm_head.weight)
+        log = _fit(drafter, lm_head, hidden, targets, prompt_lens, cfg, show_progress)
+    drafter.save(out)
     summary = {"config": asdict(cfg), "sequences": len(sequences),
                "answer_tokens": sum(len(s) - p for s, p in zip(targets, prompt_lens)),
                "log": log, "final": log[-1] if log else {}}
@@ -104,16 +119,26 @@ def _self_distilled(llm, cfg: DrafterTrainConfig, out: Path, show_progress: bool
     return pairs
 
 
+HIDDEN_BATCH = 8
+
+
 @torch.no_grad()
 def _hidden_states(model, pairs, show_progress: bool):
-    """The frozen model's last hidden state at every position of every prompt + answer."""
-    hidden, targets, prompt_lens = [], [], []
-    for prompt, answer in tqdm(pairs, desc="hidden states", disable=not show_progress):
-        ids = torch.tensor([list(prompt) + list(answer)])
-        hidden.append(model(ids)[0].float())
-        targets.append(ids[0])
-        prompt_lens.append(len(prompt))
-    return hidden, targets, prompt_lens
+    """The frozen model's last hidden state at every position of every prompt + answer, in
+    batches of similar lengths (right-padded: causal attention never reads the padding)."""
+    seqs = [torch.tensor(list(prompt) + list(answer)) for prompt, answer in pairs]
+    hidden: list[torch.Tensor | None] = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    bar = tqdm(total=len(seqs), desc="hidden states", disable=not show_progress)
+    for at in range(0, len(order), HIDDEN_BATCH):
+        batch = order[at:at + HIDDEN_BATCH]
+        ids = torch.nn.utils.rnn.pad_sequence([seqs[i] for i in batch], batch_first=True)
+        out = model(ids).float()
+        for row, i in enumerate(batch):
+            hidden[i] = out[row, :len(seqs[i])].clone()
+        bar.update(len(batch))
+    bar.close()
+    return hidden, seqs, [len(prompt) for prompt, _ in pairs]
 
 
 @torch.no_grad()
@@ -124,6 +149,19 @@ def _frozen_lm_head(model) -> torch.nn.Linear:
     head = torch.nn.Linear(model.config.hidden_size, weight.shape[0], bias=False)
     head.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
     return head
+
+
+def _train_eagle(model, model_dir, lm_head, hidden, targets, pairs, eos, cfg, show_progress):
+    from kvslim.train.eagle import draft_vocabulary, fit_eagle
+    mc = model.config
+    size = cfg.draft_vocab or mc.vocab_size
+    head = EagleHead(EagleConfig.for_model(mc, window=cfg.window, draft_vocab_size=size,
+                                           base_model_name_or_path=str(model_dir)))
+    head.set_draft_vocab(draft_vocabulary([list(a) for _, a in pairs], size, mc.vocab_size, eos))
+    lm_rows = lm_head.weight[head.draft_ids]
+    log = fit_eagle(head, lm_rows, model.model.embed_tokens, hidden, targets, cfg,
+                    show_progress)
+    return head, log
 
 
 def _positions(targets, prompt_lens, heads: int) -> list[tuple[int, int]]:

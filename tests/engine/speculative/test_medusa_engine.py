@@ -52,7 +52,7 @@ def test_greedy_output_equals_plain_decoding(hf_checkpoints, tmp_path, k, scale,
         assert stats.num_accepted_tokens > 0
     if cache == "tiny":
         assert fast.kv_cache_stats().num_preemptions > 0
-    assert not fast.runner.last_hidden    # forgotten with their finished sequences
+    assert not fast.runner.hidden_windows.windows     # forgotten with their sequences
 
 
 def test_heads_that_do_not_fit_are_refused_before_serving(hf_checkpoints, tmp_path):

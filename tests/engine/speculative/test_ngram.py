@@ -33,8 +33,9 @@ def test_the_suffix_itself_is_not_a_match():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"method": "eagle"}, "speculative method must be one of ngram, draft, medusa"),
-    ({"method": "medusa"}, "'medusa' needs 'model', the heads' directory"),
+    ({"method": "hydra"}, "speculative method must be one of ngram, draft, medusa, eagle"),
+    ({"method": "medusa"}, "'medusa' needs 'model', the drafter's directory"),
+    ({"method": "eagle"}, "'eagle' needs 'model', the drafter's directory"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be between 1 and 16"),
     ({"method": "draft"}, "needs 'model'"),
     ({"model": "x"}, "'ngram' takes no 'model'"),

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvslim.errors import KvslimError
 
-METHODS = ("ngram", "draft", "medusa")
+METHODS = ("ngram", "draft", "medusa", "eagle")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -16,7 +16,8 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 3          # k: tokens proposed per sequence and step
-    model: str | None = None                 # "draft": the draft model; "medusa": the heads' dir
+    model: str | None = None                 # "draft": the draft model; "medusa"/"eagle": the
+                                             # drafter's directory (kvslim train-drafter)
     prompt_lookup_min: int = 1               # method "ngram": shortest suffix that may match
     prompt_lookup_max: int = 4               # and the longest, tried first
     # No speculation in a step with more running sequences than this (None: always). The
@@ -39,9 +40,9 @@ class SpeculativeConfig:
                               f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
         if self.method == "draft" and not self.model:
             raise KvslimError("speculative method 'draft' needs 'model', the draft model")
-        if self.method == "medusa" and not self.model:
-            raise KvslimError("speculative method 'medusa' needs 'model', the heads' directory "
-                              "(kvslim train-drafter)")
+        if self.method in ("medusa", "eagle") and not self.model:
+            raise KvslimError(f"speculative method {self.method!r} needs 'model', the "
+                              "drafter's directory (kvslim train-drafter)")
         if self.method == "ngram" and self.model:
             raise KvslimError("speculative method 'ngram' takes no 'model'")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -10,6 +10,7 @@ import torch
 from kvslim.engine.sequence import Sequence
 from kvslim.engine.speculative.draft import DraftModelProposer
 from kvslim.engine.speculative.config import SpeculativeConfig
+from kvslim.engine.speculative.eagle import EagleProposer
 from kvslim.engine.speculative.medusa import MedusaProposer
 from kvslim.engine.speculative.ngram import NgramProposer
 from kvslim.errors import KvslimError
@@ -54,16 +55,18 @@ class _Backoff:
 
 class SpeculativeDecoder:
     def __init__(self, config: SpeculativeConfig, draft: DraftModelProposer | None = None,
-                 medusa: MedusaProposer | None = None):
+                 learned: MedusaProposer | EagleProposer | None = None):
+        """draft: the draft model's proposer (method "draft"); learned: the proposer of
+        heads on the target's hidden states (methods "medusa" and "eagle")."""
         if config.method == "draft" and draft is None:
             raise KvslimError("speculative method 'draft' needs its draft model loaded")
-        if config.method == "medusa" and medusa is None:
-            raise KvslimError("speculative method 'medusa' needs its heads loaded")
+        if config.method in ("medusa", "eagle") and learned is None:
+            raise KvslimError(f"speculative method {config.method!r} needs its drafter loaded")
         self.config = config
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
                                    config.num_speculative_tokens)
         self.draft = draft
-        self.medusa = medusa
+        self.learned = learned
         k = config.num_speculative_tokens
         self.stats = SpecDecodeStats(drafted_per_position=[0] * k, accepted_per_position=[0] * k)
         self.draft_probs: dict[int, torch.Tensor] = {}      # seq_id -> q of its drafts
@@ -84,8 +87,8 @@ class SpeculativeDecoder:
         room = [self.config.num_speculative_tokens if seq.params.max_tokens is None
                 else min(self.config.num_speculative_tokens,
                          seq.params.max_tokens - seq.num_output_tokens - 1) for seq in seqs]
-        if self.medusa is not None:
-            for seq_id, drafts in self.medusa.propose(seqs, room).items():
+        if self.learned is not None:
+            for seq_id, drafts in self.learned.propose(seqs, room).items():
                 by_id[seq_id].spec_token_ids = drafts
             return
         if self.draft is None:
@@ -148,5 +151,6 @@ class SpeculativeDecoder:
         """Forget finished or preempted sequences (a draft model frees their draft K/V)."""
         for seq_id in seq_ids:
             self._backoff.pop(seq_id, None)
-        if self.draft is not None:
-            self.draft.release(seq_ids)
+        for proposer in (self.draft, self.learned):
+            if proposer is not None:
+                proposer.release(seq_ids)

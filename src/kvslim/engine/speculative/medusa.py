@@ -7,18 +7,19 @@ from __future__ import annotations
 import torch
 
 from kvslim.drafters.medusa import MedusaHeads
+from kvslim.engine.hidden_window import HiddenWindows
 from kvslim.engine.sequence import Sequence
 
 
 class MedusaProposer:
-    def __init__(self, heads_dir: str, model, last_hidden: dict[int, torch.Tensor]):
+    def __init__(self, heads_dir: str, model):
         heads = MedusaHeads.load(heads_dir)
         c = model.config
         heads.check_fits(c.hidden_size, c.vocab_size, "the model")
         param = next(model.parameters())
         self.heads = heads.to(device=param.device).eval()
         self.lm_head = model.lm_head
-        self.last_hidden = last_hidden          # the runner's, filled after each step
+        self.windows = HiddenWindows(1)         # the runner fills it after each step
 
     @property
     def num_heads(self) -> int:
@@ -29,10 +30,10 @@ class MedusaProposer:
         """seq_id -> up to `room` drafts, for the sequences whose hidden state is kept (one
         that was just admitted or preempted has none until its next step)."""
         ready = [(seq, k) for seq, k in zip(seqs, room)
-                 if k > 0 and seq.seq_id in self.last_hidden]
+                 if k > 0 and seq.seq_id in self.windows]
         if not ready:
             return {}
-        hidden = torch.stack([self.last_hidden[seq.seq_id] for seq, _ in ready])
+        hidden = torch.stack([self.windows.get(seq.seq_id).rows[-1] for seq, _ in ready])
         feats = self.heads.features(hidden.float()).to(hidden.dtype)     # [heads, B, hidden]
         if self.heads.lm_heads is None:
             guesses = self.lm_head(feats.flatten(0, 1)).argmax(-1).view(feats.shape[:2])
@@ -41,3 +42,6 @@ class MedusaProposer:
                                   ).argmax(-1)
         guesses = guesses.T.tolist()                                      # [B, heads]
         return {seq.seq_id: row[:k] for (seq, k), row in zip(ready, guesses)}
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Nothing of its own: the hidden states are the runner's to forget."""

@@ -1,0 +1,20 @@
+"""The proposers that draft from the target's own hidden states (Medusa heads, an EAGLE head):
+which methods they are, and building one with its checks, before serving starts."""
+from __future__ import annotations
+
+from kvslim.engine.speculative.config import SpeculativeConfig
+from kvslim.engine.speculative.eagle import EagleProposer
+from kvslim.engine.speculative.medusa import MedusaProposer
+from kvslim.errors import KvslimError
+
+LEARNED_METHODS = ("medusa", "eagle")
+
+
+def learned_proposer(spec: SpeculativeConfig, model) -> MedusaProposer | EagleProposer:
+    if spec.method == "eagle":
+        return EagleProposer(spec.model, model)
+    medusa = MedusaProposer(spec.model, model)
+    if spec.num_speculative_tokens > medusa.num_heads:
+        raise KvslimError(f"num_speculative_tokens {spec.num_speculative_tokens} is more than "
+                          f"the {medusa.num_heads} Medusa heads in {spec.model} guess")
+    return medusa
