@@ -51,5 +51,12 @@ def test_completions_and_metrics_with_speculation(tiny_model):
         stats.num_accepted_tokens
     assert _metric(metrics, "kvslim_spec_decode_acceptance_rate") == \
         pytest.approx(stats.acceptance_rate, abs=1e-9)
+    for i, (drafted, accepted) in enumerate(zip(stats.drafted_per_position,
+                                                stats.accepted_per_position)):
+        label = '{position="%d"}' % i
+        assert _metric(metrics, "kvslim_spec_decode_draft_tokens_per_position_total"
+                       + re.escape(label)) == drafted
+        assert _metric(metrics, "kvslim_spec_decode_accepted_tokens_per_position_total"
+                       + re.escape(label)) == accepted
     assert engine.kv_cache_stats().num_used_blocks == 0
 

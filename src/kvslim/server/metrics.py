@@ -67,6 +67,11 @@ class ServerMetrics:
                                      namespace=ns, registry=r)
         self.spec_verifications = Counter("spec_decode_verifications", "Sequence-steps that "
                                           "verified drafts", namespace=ns, registry=r)
+        # By position in the draft (a Medusa head, an EAGLE depth): their ratio is that
+        # position's acceptance rate.
+        self.spec_drafted_per_pos = Counter(
+            "spec_decode_draft_tokens_per_position", "Draft tokens verified, by position in "
+            "the draft", ["position"], namespace=ns, registry=r)
         self.spec_accepted_per_pos = Counter(
             "spec_decode_accepted_tokens_per_position", "Draft tokens accepted, by position in "
             "the draft", ["position"], namespace=ns, registry=r)
@@ -75,7 +80,7 @@ class ServerMetrics:
         self.spec_mean_length = Gauge("spec_decode_mean_accepted_length", "Tokens per "
                                       "verification (accepted drafts + 1)", namespace=ns,
                                       registry=r)
-        self._spec_seen = (0, 0, 0, [])
+        self._spec_seen = (0, 0, 0, [], [])
 
     # ---- engine side (engine thread) -----------------------------------------------------
     def observe_engine(self, num_running: int, num_waiting: int, stats: KVCacheStats,
@@ -97,17 +102,21 @@ class ServerMetrics:
 
     def observe_speculation(self, stats) -> None:
         """Engine's SpecDecodeStats (running totals): counters advance by what is new."""
-        drafts, accepted, verifications, per_pos = self._spec_seen
+        drafts, accepted, verifications, drafted_at, accepted_at = self._spec_seen
         self.spec_draft.inc(stats.num_draft_tokens - drafts)
         self.spec_accepted.inc(stats.num_accepted_tokens - accepted)
         self.spec_verifications.inc(stats.num_verifications - verifications)
-        for i, total in enumerate(stats.accepted_per_position):
-            before = per_pos[i] if i < len(per_pos) else 0
-            self.spec_accepted_per_pos.labels(str(i)).inc(total - before)
+        for counter, totals, seen in ((self.spec_drafted_per_pos, stats.drafted_per_position,
+                                       drafted_at),
+                                      (self.spec_accepted_per_pos, stats.accepted_per_position,
+                                       accepted_at)):
+            for i, total in enumerate(totals):
+                counter.labels(str(i)).inc(total - (seen[i] if i < len(seen) else 0))
         self.spec_acceptance.set(stats.acceptance_rate)
         self.spec_mean_length.set(stats.mean_accepted_length)
         self._spec_seen = (stats.num_draft_tokens, stats.num_accepted_tokens,
-                           stats.num_verifications, list(stats.accepted_per_position))
+                           stats.num_verifications, list(stats.drafted_per_position),
+                           list(stats.accepted_per_position))
 
     # ---- exposition ----------------------------------------------------------------------
     def render(self) -> bytes:

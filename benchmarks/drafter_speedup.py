@@ -1,16 +1,18 @@
-"""Medusa heads against plain decoding on free chat answers: the speculative study's sixteen
-questions (none of them in benchmarks/drafter_prompts.py's training prompts), greedy, at batch 1
-(one request at a time) and at batch 8; per run the wall time, the tokens, whether every answer
-equals plain decoding's token for token, the mean accepted length and each head's acceptance.
+"""A learned drafter (Medusa heads or an EAGLE head, `kvslim train-drafter`) against plain
+decoding on free chat answers: the speculative study's sixteen questions (none of them in
+benchmarks/drafter_prompts.py's training prompts), greedy, at batch 1 (one request at a time)
+and at batch 8; per run the wall time, the tokens, whether every answer equals plain decoding's
+token for token, the mean accepted length and the acceptance at each draft position.
 
-    python benchmarks/medusa_speedup.py HEADS_DIR [--model NAME] [--k 1 2 3] [--max-tokens 64]
-        [--threads 2] [--json]
+    python benchmarks/drafter_speedup.py DRAFTER_DIR [--model NAME] [--k 1 2 3] [--max-tokens 64]
+        [--batches 1 8] [--threads 2] [--json]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,9 +29,14 @@ def timed(llm: LLM, conversations, params, batch: int) -> tuple[float, list[list
     return time.perf_counter() - start, answers
 
 
+def method_of(drafter: str) -> str:
+    """Medusa heads are medusa_lm_head.safetensors; anything else is taken for EAGLE."""
+    return "medusa" if (Path(drafter) / "medusa_lm_head.safetensors").is_file() else "eagle"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("heads")
+    ap.add_argument("drafter")
     ap.add_argument("--model", default=None)
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -40,6 +47,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    method = method_of(args.drafter)
     plain = LLM(args.model, kv_cache_memory="512MiB")
     rows = []
     for batch in args.batches:
@@ -49,28 +57,30 @@ def main() -> None:
                      "tokens": sum(map(len, expected))})
         for k in args.k:
             llm = LLM(args.model, kv_cache_memory="512MiB", speculative={
-                "method": "medusa", "model": args.heads, "num_speculative_tokens": k,
+                "method": method, "model": args.drafter, "num_speculative_tokens": k,
                 "disable_by_batch_size": None})
             timed(llm, conversations[:2], params, batch)
             llm.engine.spec.stats = SpecDecodeStats(drafted_per_position=[0] * k,
                                                     accepted_per_position=[0] * k)  # no warm-up
             seconds, answers = timed(llm, conversations, params, batch)
             stats = llm.engine.spec.stats
-            rows.append({"batch": batch, "method": f"medusa k={k}", "seconds": round(seconds, 2),
+            rows.append({"batch": batch, "method": f"{method} k={k}",
+                         "seconds": round(seconds, 2),
                          "tokens": sum(map(len, answers)), "identical": answers == expected,
                          "speedup": round(base_s / seconds, 3),
                          "mean_accepted_length": round(stats.mean_accepted_length, 3),
-                         "acceptance_per_head": [round(a, 3) for a in
+                         "acceptance_per_position": [round(a, 3) for a in
                                                  stats.acceptance_rate_per_position]})
     if args.json:
-        print(json.dumps({"heads": args.heads, "max_tokens": args.max_tokens, "rows": rows}))
+        print(json.dumps({"drafter": args.drafter, "method": method,
+                          "max_tokens": args.max_tokens, "rows": rows}))
         return
-    print("| batch | method | s | tokens | identical | speedup | mean accepted | per head |")
+    print("| batch | method | s | tokens | identical | speedup | mean accepted | per position |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['method']} | {r['seconds']} | {r['tokens']} | "
               f"{r.get('identical', '')} | {r.get('speedup', '')} | "
-              f"{r.get('mean_accepted_length', '')} | {r.get('acceptance_per_head', '')} |")
+              f"{r.get('mean_accepted_length', '')} | {r.get('acceptance_per_position', '')} |")
 
 
 if __name__ == "__main__":
