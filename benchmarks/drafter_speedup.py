@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
 from kvslim import LLM, SamplingParams
+from kvslim.drafters.kind import drafter_kind
 from kvslim.engine.speculative.decoder import SpecDecodeStats
 from kvslim.experiments.speculative.workloads import QUESTIONS
 
@@ -27,11 +27,6 @@ def timed(llm: LLM, conversations, params, batch: int) -> tuple[float, list[list
         outs = llm.chat(conversations[i:i + batch], params, use_tqdm=False)
         answers += [o.outputs[0].token_ids for o in outs]
     return time.perf_counter() - start, answers
-
-
-def method_of(drafter: str) -> str:
-    """Medusa heads are medusa_lm_head.safetensors; anything else is taken for EAGLE."""
-    return "medusa" if (Path(drafter) / "medusa_lm_head.safetensors").is_file() else "eagle"
 
 
 def main() -> None:
@@ -47,7 +42,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    method = method_of(args.drafter)
+    method = drafter_kind(args.drafter)
     plain = LLM(args.model, kv_cache_memory="512MiB")
     rows = []
     for batch in args.batches:

@@ -13,6 +13,9 @@ def register_speculative(esub) -> None:
     g.add_argument("--ref-model", default="models/ref-mha", help="'' to skip")
     g.add_argument("--ref-draft", default="models/ref-mha-draft")
     g.add_argument("--skip-smollm2", action="store_true")
+    g.add_argument("--drafters", nargs="*", default=[], metavar="DIR",
+                   help="SmolLM2 drafters made by kvslim train-drafter (Medusa or EAGLE), "
+                        "measured beside the other proposers")
     g.add_argument("--test", default="../shared/corpus/test.txt")
     g.add_argument("--calib", default="../shared/corpus/train.txt",
                    help="calibration text for SmolLM2's MQA conversion")
@@ -34,6 +37,7 @@ def register_speculative(esub) -> None:
 def _targets(args, work_dir):
     from pathlib import Path
 
+    from kvslim.drafters.kind import drafter_kind
     from kvslim.experiments.speculative.records import Target
     from kvslim.experiments.speculative.study import smollm2_variants
     k = args.num_speculative_tokens
@@ -49,9 +53,14 @@ def _targets(args, work_dir):
     if not args.skip_smollm2:
         dirs = smollm2_variants(Path(work_dir), args.calib, show_progress=not args.json)
         draft = {"method": "draft", "num_speculative_tokens": k}
-        targets.append(Target("SmolLM2-135M", str(dirs["f32"]), {
-            "ngram": ngram, "4-bit self": {**draft, "model": str(dirs["q4"])},
-            "MQA self": {**draft, "model": str(dirs["mqa"])}}, chat=True))
+        proposers = {"ngram": ngram, "4-bit self": {**draft, "model": str(dirs["q4"])},
+                     "MQA self": {**draft, "model": str(dirs["mqa"])}}
+        for path in args.drafters:
+            kind = drafter_kind(path)
+            heads = json.loads((Path(path) / "config.json").read_text()).get("medusa_num_heads")
+            proposers[f"{kind} {Path(path).name}"] = {"method": kind, "model": path,
+                                                      "num_speculative_tokens": min(k, heads or k)}
+        targets.append(Target("SmolLM2-135M", str(dirs["f32"]), proposers, chat=True))
     return targets
 
 

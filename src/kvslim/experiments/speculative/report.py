@@ -22,9 +22,12 @@ def goal_checks(exp: SpecExperiment, table: dict) -> list[tuple[str, bool, str]]
                                "input-grounded workload", cell["speedup"] >= 2,
                                f"{cell['speedup']:.2f}x"))
             cell = table.get((target.name, label, "free", 1, "spec"))
+            learned = target.proposers[label]["method"] in ("medusa", "eagle")
             if label != "ngram" and cell:
-                checks.append((f"{target.name}: draft {label} >= 1.5x batch-1 decode on free "
-                               "generation", cell["speedup"] >= 1.5, f"{cell['speedup']:.2f}x"))
+                # A learned drafter's goal is its own issue's: 2x where nothing can be copied.
+                goal, kind = (2.0, "learned drafter") if learned else (1.5, "draft")
+                checks.append((f"{target.name}: {kind} {label} >= {goal}x batch-1 decode on free "
+                               "generation", cell["speedup"] >= goal, f"{cell['speedup']:.2f}x"))
     adaptive = {k: v for k, v in table.items() if k[4] == "adaptive"}
     if adaptive:
         worst_key = min(adaptive, key=lambda k: adaptive[k]["speedup"])
