@@ -46,6 +46,10 @@ class DrafterTrainConfig:
     feature_noise: float = _opt(0.1, "eagle: uniform noise on its input hidden states, in "
                                      "units of their root mean square")
     tokens: int = _opt(100_000, "self-distilled answer tokens to generate, at most")
+    text: str = _opt("", "a plain-text file whose tokens are trained on too, beside the "
+                         "answers (the model's own next-token distribution is the target)")
+    text_tokens: int = _opt(0, "tokens of --text to use (in sequences of --text-length)")
+    text_length: int = _opt(192, "tokens per --text sequence")
     max_answer_tokens: int = _opt(128, "each answer's max_tokens")
     sampled_fraction: float = _opt(0.5, "share of prompts answered at temperature 0.7")
     steps: int = _opt(400, "optimizer steps")
@@ -66,7 +70,8 @@ def train_drafter(cfg: DrafterTrainConfig, show_progress: bool = True) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     llm = LLM(cfg.model, kv_cache_memory="256MiB")
-    sequences = _self_distilled(llm, cfg, out, show_progress)
+    answers, texts = _self_distilled(llm, cfg, out, show_progress), _text_sequences(llm, cfg)
+    sequences = answers + texts
     model_dir = llm.model_dir
     eos = list(llm.engine.eos_token_ids)
     del llm                                      # its KV cache: not needed from here on
@@ -84,7 +89,8 @@ def train_drafter(cfg: DrafterTrainConfig, show_progress: bool = True) -> dict:
         log = _fit(drafter, lm_head, hidden, targets, prompt_lens, cfg, show_progress)
     drafter.save(out)
     summary = {"config": asdict(cfg), "sequences": len(sequences),
-               "answer_tokens": sum(len(s) - p for s, p in zip(targets, prompt_lens)),
+               "answer_tokens": sum(len(a) for _, a in answers),
+               "text_tokens": sum(len(t) for _, t in texts),
                "log": log, "final": log[-1] if log else {}}
     (out / LOG_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     return summary
@@ -120,6 +126,22 @@ def _self_distilled(llm, cfg: DrafterTrainConfig, out: Path, show_progress: bool
 
 
 HIDDEN_BATCH = 8
+
+
+def _text_sequences(llm, cfg: DrafterTrainConfig) -> list[tuple[list[int], list[int]]]:
+    """(empty prompt, text tokens) pairs: --text-length token sequences read at evenly spaced
+    places of --text (a corpus's sources in turn, not its first one only)."""
+    if not cfg.text or cfg.text_tokens <= 0:
+        return []
+    if cfg.text_length < 8:
+        raise KvslimError(f"--text-length must be at least 8, got {cfg.text_length}")
+    chars = Path(cfg.text).read_text(encoding="utf-8")
+    count = max(1, cfg.text_tokens // cfg.text_length)
+    span = cfg.text_length * 8                      # characters: ample for the tokens
+    starts = [i * max(0, len(chars) - span) // count for i in range(count)]
+    pieces = [llm.tokenizer.encode(chars[s:s + span], add_special_tokens=False)[1:]
+              for s in starts]                      # [1:]: the first may be half a word
+    return [([], ids[:cfg.text_length]) for ids in pieces if len(ids) >= cfg.text_length]
 
 
 @torch.no_grad()

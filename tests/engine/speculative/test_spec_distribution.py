@@ -1,6 +1,7 @@
 """Sampling through the engine keeps the target's distribution: over many seeds, the joint
-distribution of the first tokens drawn with a draft model's speculation matches plain
-sampling's (two-sample chi-squared), and the same check fails with a broken acceptance rule."""
+distribution of the first tokens drawn with a draft model's speculation, or with a trained
+EAGLE head's, matches plain sampling's (two-sample chi-squared), and
+the same check fails with a broken acceptance rule."""
 from collections import Counter
 
 import pytest
@@ -75,6 +76,29 @@ def test_speculative_sampling_matches_plain_sampling(hf_checkpoints, plain_count
     stat, dof = _chi2(plain_counts, _pairs(eng))
     stats = eng.spec_decode_stats()
     assert 0.2 * stats.num_draft_tokens < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stat < chi2_critical(dof), (stat, dof)
+
+
+def test_an_eagle_heads_sampling_matches_plain_sampling(hf_checkpoints, plain_counts, tmp_path):
+    """A head trained on the target's own sampled continuations of PROMPT drafts tokens the
+    target often samples there (one-hot drafts): each accepted with the target's probability of
+    it, else a token drawn from the rest. (Medusa's drafts take the same path.)"""
+    from kvslim.train.drafter import DrafterTrainConfig, train_drafter
+    model = hf_checkpoints["gqa"]
+    text = engine(model).tokenizer.decode(PROMPT)          # ")*+,-": encodes back to PROMPT
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join([text] * 64))
+    train_drafter(DrafterTrainConfig(str(model), str(tmp_path / "e"), str(prompts),
+                                     kind="eagle", chat=False, tokens=64 * 4, max_answer_tokens=4,
+                                     sampled_fraction=1.0, window=8, draft_vocab=0, steps=60,
+                                     batch_positions=64, lr=1e-2), show_progress=False)
+    spec = {"method": "eagle", "model": str(tmp_path / "e"), "num_speculative_tokens": 2,
+            "disable_by_batch_size": None}
+    eng = engine(model, max_num_seqs=64, speculative=spec)
+    assert eng.tokenizer.encode(text) == PROMPT
+    stat, dof = _chi2(plain_counts, _pairs(eng))
+    stats = eng.spec_decode_stats()
+    assert 0.1 * stats.num_draft_tokens < stats.num_accepted_tokens < stats.num_draft_tokens
     assert stat < chi2_critical(dof), (stat, dof)
 
 
