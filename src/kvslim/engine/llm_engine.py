@@ -21,6 +21,7 @@ from kvslim.engine.sequence import Sequence
 from kvslim.engine.speculative.decoder import SpecDecodeStats, SpeculativeDecoder
 from kvslim.engine.speculative.draft import DraftModelProposer
 from kvslim.engine.speculative.learned import LEARNED_METHODS, learned_proposer
+from kvslim.engine.speculative.verify import TypicalAcceptance
 from kvslim.errors import EngineFailedError, InvalidRequestError, KvslimError
 from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
@@ -102,6 +103,9 @@ class LLMEngine:
             draft = DraftModelProposer(resolve_model(spec.model), self.config,
                                        self.runner.num_blocks, self.max_model_len,
                                        self.model_config.vocab_size, self.eos_token_ids)
+        if spec.acceptance == "typical":
+            self.runner.sampler.typical_acceptance = TypicalAcceptance(spec.typical_threshold,
+                                                                       spec.typical_alpha)
         learned = None
         if spec.method in LEARNED_METHODS:
             if self.parallel is not None:

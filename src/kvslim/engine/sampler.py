@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from kvslim.engine.sequence import Sequence, TokenLogprob
-from kvslim.engine.speculative.verify import verify_greedy, verify_sampled
+from kvslim.engine.speculative.verify import (TypicalAcceptance, verify_greedy, verify_sampled,
+                                              verify_typical)
 from kvslim.structured.manager import StructuredOutputManager, apply_bitmask
 
 
@@ -54,6 +55,9 @@ class Sampler:
         self.generators: dict[tuple[str, int], torch.Generator] = {}
         self.penalties: dict[int, PenaltyState] = {}
         self.structured: StructuredOutputManager | None = None     # set by the engine
+        # Set by the engine when speculation asks for Medusa's typical acceptance (not exact;
+        # one-hot drafts only: a draft model's q keeps the exact rule).
+        self.typical_acceptance: TypicalAcceptance | None = None
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished sequence's state."""
@@ -166,7 +170,10 @@ class Sampler:
                                  [p.top_p] * len(logits), [p.min_p] * len(logits))
             generator = (self._generator(seq, 0) if p.seed is not None
                          else self.default_generator)
-            tokens = verify_sampled(probs, drafts, draft_probs, generator)
+            if self.typical_acceptance is not None and draft_probs is None:
+                tokens = verify_typical(probs, drafts, self.typical_acceptance, generator)
+            else:
+                tokens = verify_sampled(probs, drafts, draft_probs, generator)
         state = self.penalties.get(seq.seq_id)
         for token in tokens:
             if state is not None:

@@ -81,3 +81,16 @@ def test_heads_that_do_not_fit_are_refused_before_serving(hf_checkpoints, tmp_pa
         engine(model, speculative=eagle(str(tmp_path / "none"), 1))
     with pytest.raises(KvslimError, match="'eagle' needs 'model'"):
         engine(model, speculative=dict(method="eagle"))
+
+
+def test_typical_acceptance_keeps_greedy_exact_and_samples(hf_checkpoints, tmp_path):
+    model = hf_checkpoints["gqa"]
+    head = write_eagle(tmp_path / "eagle", model)
+    spec = eagle(head, 2, acceptance="typical")
+    greedy_equals_plain(model, spec, "ample")
+    fast = engine(model, block_size=4, speculative=spec)
+    outs = run(fast, PROMPTS, SamplingParams(max_tokens=20, temperature=1.0, seed=3,
+                                             ignore_eos=True))
+    assert all(len(t) == 20 for t in tokens(outs))
+    assert fast.spec_decode_stats().num_draft_tokens > 0
+    assert fast.kv_cache_stats().num_used_blocks == 0

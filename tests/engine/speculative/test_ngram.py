@@ -37,6 +37,8 @@ def test_the_suffix_itself_is_not_a_match():
     ({"method": "medusa"}, "'medusa' needs 'model', the drafter's directory"),
     ({"method": "eagle"}, "'eagle' needs 'model', the drafter's directory"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be between 1 and 16"),
+    ({"acceptance": "fast"}, "speculative acceptance must be one of exact, typical"),
+    ({"acceptance": "typical", "typical_alpha": 0}, "typical_alpha must be in"),
     ({"method": "draft"}, "needs 'model'"),
     ({"model": "x"}, "'ngram' takes no 'model'"),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),

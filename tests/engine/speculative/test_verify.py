@@ -1,10 +1,12 @@
 """Exact acceptance: greedy keeps the argmax path; sampling keeps the target's distribution
-(checked with a chi-squared test that a deliberately broken rule fails)."""
+(checked with a chi-squared test that a deliberately broken rule fails). Typical acceptance: its
+entropy bar, and that it is not exact."""
 import pytest
 import torch
 
 from kvslim.engine.speculative import verify
-from kvslim.engine.speculative.verify import verify_greedy, verify_sampled
+from kvslim.engine.speculative.verify import (TypicalAcceptance, verify_greedy, verify_sampled,
+                                              verify_typical)
 
 VOCAB, LENGTH, RUNS = 5, 3, 4000
 CHI2_CRITICAL = 18.467          # chi-squared, 4 degrees of freedom, significance 0.001
@@ -75,3 +77,27 @@ def test_seeded_generators_reproduce():
     runs = [verify_sampled(p, [0, 1, 2], q[:3], torch.Generator().manual_seed(7))
             for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_typical_acceptance_keeps_drafts_above_the_entropy_bar():
+    """Bar = min(threshold, alpha * exp(-H(p))): a peaked row has a low entropy and a bar at the
+    threshold; a flat row over 4 tokens a bar of alpha / 4."""
+    rule = TypicalAcceptance(threshold=0.09, alpha=0.3)
+    flat = torch.full((4,), 0.25)
+    assert verify_typical(torch.stack([flat, flat]), [2], rule)[0] == 2       # 0.25 > 0.075
+    peaked = torch.tensor([0.92, 0.08, 0.0, 0.0])
+    g = torch.Generator().manual_seed(0)
+    rows = torch.stack([peaked, flat, flat])
+    for _ in range(50):                    # 0.08 <= 0.09: rejected, drawn from p itself
+        out = verify_typical(rows, [1, 3], rule, g)
+        assert len(out) == 1 and out[0] in (0, 1)
+    kept = verify_typical(torch.stack([peaked, flat, torch.eye(4)[3]]), [0, 1], rule, g)
+    assert kept == [0, 1, 3]               # every draft kept: the bonus from the last row
+
+
+def test_typical_acceptance_is_not_the_target_distribution():
+    """Why it is an option: a draft the target gives 30% is kept every time."""
+    p = torch.tensor([[0.3, 0.7], [0.5, 0.5]])
+    g = torch.Generator().manual_seed(0)
+    firsts = [verify_typical(p, [0], TypicalAcceptance(), g)[0] for _ in range(200)]
+    assert firsts.count(0) == 200

@@ -9,6 +9,7 @@ from typing import Any
 from kvslim.errors import KvslimError
 
 METHODS = ("ngram", "draft", "medusa", "eagle")
+ACCEPTANCE = ("exact", "typical")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -30,6 +31,12 @@ class SpeculativeConfig:
     backoff_acceptance: float = 0.0
     backoff_window: int = 8
     backoff_steps: int = 16
+    # Sampled requests: "exact" (rejection sampling, the target's distribution) or "typical"
+    # (Medusa's typical acceptance: more drafts kept, not exact; verify.py). Greedy requests are
+    # exact either way; a draft model's drafts always take the exact rule.
+    acceptance: str = "exact"
+    typical_threshold: float = 0.09
+    typical_alpha: float = 0.3
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -54,6 +61,11 @@ class SpeculativeConfig:
         if not 0.0 <= self.backoff_acceptance <= 1.0:
             raise KvslimError("backoff_acceptance must be in [0, 1], got "
                               f"{self.backoff_acceptance}")
+        if self.acceptance not in ACCEPTANCE:
+            raise KvslimError(f"speculative acceptance must be one of {', '.join(ACCEPTANCE)}, "
+                              f"got {self.acceptance!r}")
+        if not (0 < self.typical_threshold <= 1 and 0 < self.typical_alpha <= 1):
+            raise KvslimError("typical_threshold and typical_alpha must be in (0, 1]")
         if self.backoff_window < 1 or self.backoff_steps < 0:
             raise KvslimError("backoff_window must be >= 1 and backoff_steps >= 0")
 

@@ -8,8 +8,15 @@ accepted a bonus token is drawn from p_{k+1}. Every emitted token is then distri
 as a token drawn from the target. An n-gram draft is one-hot (q_i(d_i) = 1): the rule becomes
 "accept with probability p_i(d_i)", the residual is p_i without d_i. Greedy requests accept
 while the draft equals the target's argmax, then take the argmax: the output of plain greedy
-decoding."""
+decoding.
+
+Typical acceptance (Medusa, Cai et al. 2024) is the option that is not exact: draft i is kept
+while p_i(d_i) > min(threshold, alpha * exp(-H(p_i))) — likely enough, with the bar lowered where
+the target itself is unsure — and at the first draft below the bar the token is drawn from p_i
+itself. Emitted tokens are plausible but no longer distributed as the target's samples."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -64,3 +71,25 @@ def _residual(p: torch.Tensor, token: int, q: torch.Tensor | None) -> torch.Tens
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class TypicalAcceptance:
+    threshold: float = 0.09          # Medusa's posterior_threshold
+    alpha: float = 0.3               # and posterior_alpha (its sqrt, in some of its scripts)
+
+
+def verify_typical(target_probs: torch.Tensor, draft_tokens: list[int], rule: TypicalAcceptance,
+                   generator: torch.Generator | None = None) -> list[int]:
+    """target_probs [k+1, vocab]: the accepted drafts, then one token drawn from the target's
+    distribution where the first draft fell below the bar (or the bonus row)."""
+    k = len(draft_tokens)
+    entropy = -(target_probs[:k] * target_probs[:k].clamp_min(1e-30).log()).sum(-1)
+    bars = torch.clamp(rule.alpha * torch.exp(-entropy), max=rule.threshold).tolist()
+    out = []
+    for i, token in enumerate(draft_tokens):
+        if float(target_probs[i, token]) <= bars[i]:
+            break
+        out.append(token)
+    out.append(_draw(target_probs[len(out)], generator))
+    return out
