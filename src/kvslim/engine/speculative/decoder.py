@@ -3,6 +3,7 @@ for drafts for each generating sequence (unless the batch is too large or the se
 backed off); after the step it counts what the target accepted."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,8 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    num_proposals: int = 0               # steps that asked the proposer for drafts
+    propose_seconds: float = 0.0         # wall time spent drafting in them
 
     @property
     def acceptance_rate(self) -> float:
@@ -83,6 +86,14 @@ class SpeculativeDecoder:
         if limit is not None and len(running) > limit:
             return
         seqs = [seq for seq in running if self._speculates(seq)]
+        if not seqs:
+            return
+        start = time.perf_counter()
+        self._propose(seqs)
+        self.stats.num_proposals += 1
+        self.stats.propose_seconds += time.perf_counter() - start
+
+    def _propose(self, seqs: list[Sequence]) -> None:
         by_id = {seq.seq_id: seq for seq in seqs}
         room = [self.config.num_speculative_tokens if seq.params.max_tokens is None
                 else min(self.config.num_speculative_tokens,
