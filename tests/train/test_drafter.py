@@ -40,7 +40,7 @@ def test_an_eagle_head_learns_the_models_own_answers(hf_checkpoints, tmp_path):
     cfg = DrafterTrainConfig(str(hf_checkpoints["gqa"]), str(tmp_path / "e"),
                              write_prompts(tmp_path), kind="eagle", chat=False,
                              tokens=12 * 24, max_answer_tokens=24, window=8, draft_vocab=40,
-                             steps=60, batch_positions=64, lr=1e-2, log_every=10)
+                             unroll=2, steps=60, batch_positions=64, lr=1e-2, log_every=10)
     summary = train_drafter(cfg, show_progress=False)
     first, last = summary["log"][0], summary["log"][-1]
     assert last["loss"] < first["loss"] and last["top1"] > first["top1"]
@@ -57,6 +57,8 @@ def test_the_draft_vocabulary_is_the_most_said_tokens_then_the_lowest_ids():
     assert draft_vocabulary(answers, 7, 20, always=[2]).tolist() == [2, 9, 4, 7, 12, 0, 1]
 
 
-def test_an_unknown_kind_is_refused():
+def test_an_unknown_kind_and_no_pass_are_refused():
     with pytest.raises(KvslimError, match="drafter kind must be one of medusa, eagle"):
         DrafterTrainConfig(None, "out", "p.txt", kind="hydra")
+    with pytest.raises(KvslimError, match="--unroll must be at least 1, got 0"):
+        DrafterTrainConfig(None, "out", "p.txt", kind="eagle", unroll=0)

@@ -45,6 +45,7 @@ class DrafterTrainConfig:
     draft_vocab: int = _opt(8192, "eagle: the draft vocabulary's size (0: the model's)")
     feature_noise: float = _opt(0.1, "eagle: uniform noise on its input hidden states, in "
                                      "units of their root mean square")
+    unroll: int = _opt(1, "eagle: passes per step, each reading the last one's guesses")
     tokens: int = _opt(100_000, "self-distilled answer tokens to generate, at most")
     text: str = _opt("", "a plain-text file whose tokens are trained on too, beside the "
                          "answers (the model's own next-token distribution is the target)")
@@ -59,6 +60,8 @@ class DrafterTrainConfig:
     log_every: int = _opt(20, "steps between log entries (loss, per-head accuracy)")
 
     def __post_init__(self) -> None:
+        if self.unroll < 1:
+            raise KvslimError(f"--unroll must be at least 1, got {self.unroll}")
         if self.kind not in KINDS:
             raise KvslimError(f"drafter kind must be one of {', '.join(KINDS)}, got "
                               f"{self.kind!r}")

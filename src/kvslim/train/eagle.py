@@ -4,7 +4,10 @@ Each step takes whole self-distilled sequences: at position i the head reads the
 x_{i+1} and f_i (with uniform noise, as EAGLE trains, so that it copes with its own guesses fed
 back while drafting) and must give f_{i+1}: a smooth-L1 loss on the hidden state (in units of
 its root mean square) plus 0.1 x the cross-entropy of the draft vocabulary's logits against the
-model's own next-token distribution from f_{i+1} (EAGLE-1's loss)."""
+model's own next-token distribution from f_{i+1} (EAGLE-1's loss). With `unroll` > 1 the head
+also trains on its own guesses, as it drafts beyond the first token: pass r reads, in place of
+each f_i, pass r-1's guess of it (detached), against the same targets (training-time test, as
+HASS and EAGLE-3 do, here over whole sequences)."""
 from __future__ import annotations
 
 import math
@@ -56,17 +59,20 @@ def fit_eagle(head: EagleHead, lm_rows: torch.Tensor, embed, hidden, ids, cfg,
             want = F.softmax(target @ lm_rows.T, dim=-1)
         positions = torch.arange(feats.shape[1]).expand(feats.shape[:2])
         attn = WindowAttention(head.config.window, positions, key_valid=valid)
-        guess = head(embeds, feats + noise, positions, attn)
-        logits = guess @ lm_rows.T
-        regression = F.smooth_l1_loss(guess[valid] / rms, target[valid] / rms)
-        classification = -(want[valid] * F.log_softmax(logits[valid], -1)).sum(-1).mean()
-        loss = regression + CLASSIFICATION_WEIGHT * classification
+        inputs, loss = feats + noise, 0.0
+        for _ in range(cfg.unroll):
+            guess = head(embeds, inputs, positions, attn)
+            logits = guess @ lm_rows.T
+            regression = F.smooth_l1_loss(guess[valid] / rms, target[valid] / rms)
+            classification = -(want[valid] * F.log_softmax(logits[valid], -1)).sum(-1).mean()
+            loss = loss + regression + CLASSIFICATION_WEIGHT * classification
+            inputs = torch.cat([inputs[:, :1], guess[:, :-1].detach()], dim=1)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             top1 = (logits[valid].argmax(-1) == want[valid].argmax(-1)).float().mean().item()
-            entry = {"step": step + 1, "loss": round(loss.item(), 4),
+            entry = {"step": step + 1, "loss": round(loss.item(), 4),   # scores: the last pass
                      "regression": round(regression.item(), 4),
                      "classification": round(classification.item(), 4), "top1": round(top1, 3)}
             log.append(entry)
