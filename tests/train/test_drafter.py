@@ -2,12 +2,14 @@
 EAGLE head that learn them (loss falls, top-1 rises), drafter directories that load, the draft
 vocabulary's choice, and bad options refused."""
 import json
+from dataclasses import replace
 
 import pytest
 
 from kvslim.drafters.eagle import EagleHead
 from kvslim.drafters.medusa import MedusaHeads
 from kvslim.errors import KvslimError
+from kvslim.train import drafter
 from kvslim.train.drafter import DATA_FILE, DrafterTrainConfig, train_drafter
 from kvslim.train.eagle import draft_vocabulary
 
@@ -36,7 +38,7 @@ def test_heads_learn_the_models_own_answers(hf_checkpoints, tmp_path):
     assert again["sequences"] == 3
 
 
-def test_an_eagle_head_learns_the_models_own_answers(hf_checkpoints, tmp_path):
+def test_an_eagle_head_learns_the_models_own_answers(hf_checkpoints, tmp_path, monkeypatch):
     cfg = DrafterTrainConfig(str(hf_checkpoints["gqa"]), str(tmp_path / "e"),
                              write_prompts(tmp_path), kind="eagle", chat=False,
                              tokens=12 * 24, max_answer_tokens=24, window=8, draft_vocab=40,
@@ -49,6 +51,9 @@ def test_an_eagle_head_learns_the_models_own_answers(hf_checkpoints, tmp_path):
     answers = [a for _, a in json.loads((tmp_path / "e" / DATA_FILE).read_text())["pairs"]]
     said = {t for a in answers for t in a}
     assert said <= set(head.draft_ids.tolist()) or len(said) > 40
+    # Another try on the same sequences reads the model's hidden states back from OUT.
+    monkeypatch.setattr(drafter, "_hidden_states", None)
+    assert train_drafter(replace(cfg, steps=2, log_every=1), show_progress=False)["log"]
 
 
 def test_the_draft_vocabulary_is_the_most_said_tokens_then_the_lowest_ids():

@@ -8,6 +8,7 @@ against the answer itself (cross-entropy), or the EAGLE head learns to guess the
 state (train/eagle.py), while the model stays as it is."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -79,7 +80,7 @@ def train_drafter(cfg: DrafterTrainConfig, show_progress: bool = True) -> dict:
     eos = list(llm.engine.eos_token_ids)
     del llm                                      # its KV cache: not needed from here on
     model = load_model(model_dir).eval()
-    hidden, targets, prompt_lens = _hidden_states(model, sequences, show_progress)
+    hidden, targets, prompt_lens = _cached_hidden_states(model, sequences, out, show_progress)
     lm_head = _frozen_lm_head(model)
     if cfg.kind == "eagle":
         drafter, log = _train_eagle(model, model_dir, lm_head, hidden, targets, sequences, eos,
@@ -129,6 +130,30 @@ def _self_distilled(llm, cfg: DrafterTrainConfig, out: Path, show_progress: bool
 
 
 HIDDEN_BATCH = 8
+HIDDEN_FILE = "hidden_states.safetensors"
+
+
+def _cached_hidden_states(model, pairs, out: Path, show_progress: bool):
+    """_hidden_states, kept in OUT (bfloat16) for the next run on the same sequences: a
+    drafter's second try at other training options skips the model's passes."""
+    from safetensors.torch import load_file, save_file
+    key = hashlib.sha256(json.dumps([list(p) + [-1] + list(a) for p, a in pairs]).encode()
+                         ).hexdigest()
+    path = out / HIDDEN_FILE
+    if path.is_file():
+        from safetensors import safe_open
+        with safe_open(path, "pt") as f:
+            same = f.metadata().get("sequences") == key
+        if same:
+            flat = load_file(path)["hidden"].float()
+            seqs = [torch.tensor(list(p) + list(a)) for p, a in pairs]
+            hidden = list(flat.split([len(s) for s in seqs]))
+            return hidden, seqs, [len(p) for p, _ in pairs]
+    hidden, seqs, prompt_lens = _hidden_states(model, pairs, show_progress)
+    flat = torch.cat(hidden).to(torch.bfloat16)
+    save_file({"hidden": flat}, path, metadata={"sequences": key})
+    # The numbers a later run reads back: both runs train on the same ones.
+    return list(flat.float().split([len(s) for s in seqs])), seqs, prompt_lens
 
 
 def _text_sequences(llm, cfg: DrafterTrainConfig) -> list[tuple[list[int], list[int]]]:
