@@ -65,7 +65,8 @@ def test_kept_keys_and_values_give_the_dense_pass(tmp_path):
             out.append(h(emb[:, t:t + 1], feats[:, t:t + 1], positions[:, t:t + 1],
                          WindowAttention(3, positions[:, t:t + 1], torch.tensor([[t]]),
                                          k_buf, v_buf, key_pos)))
-    assert torch.allclose(torch.cat(out, dim=1), dense, atol=1e-5)
+    # Values of order 10 (random weights of std 0.3), summed in other orders: float32 error.
+    torch.testing.assert_close(torch.cat(out, dim=1), dense, rtol=1e-5, atol=1e-4)
 
 
 def test_the_window_limits_what_a_position_sees():

@@ -60,7 +60,11 @@ class ServerMetrics:
         Gauge("model_info", "The served model", ["model_name"], namespace=ns,
               registry=r).labels(model_name).set(1)
         self._peak = 0
-        # Speculative decoding (present, at zero, when the engine does not speculate).
+        self._speculation_metrics(ns, r)
+        self._spec_seen = (0, 0, 0, [], [])
+
+    def _speculation_metrics(self, ns: str, r: CollectorRegistry) -> None:
+        """Speculative decoding's (present, at zero, when the engine does not speculate)."""
         self.spec_draft = Counter("spec_decode_draft_tokens", "Draft tokens verified",
                                   namespace=ns, registry=r)
         self.spec_accepted = Counter("spec_decode_accepted_tokens", "Draft tokens accepted",
@@ -80,7 +84,6 @@ class ServerMetrics:
         self.spec_mean_length = Gauge("spec_decode_mean_accepted_length", "Tokens per "
                                       "verification (accepted drafts + 1)", namespace=ns,
                                       registry=r)
-        self._spec_seen = (0, 0, 0, [], [])
 
     # ---- engine side (engine thread) -----------------------------------------------------
     def observe_engine(self, num_running: int, num_waiting: int, stats: KVCacheStats,

@@ -42,9 +42,8 @@ def eagle(path, k, **extra):
                 disable_by_batch_size=None, **extra)
 
 
-@pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("kind, window, draft_vocab", [("copy", 64, 0), ("random", 4, 0),
-                                                       ("random", 16, 100)])
+@pytest.mark.parametrize("kind, window, draft_vocab, k", [("copy", 64, 0, 3), ("random", 4, 0, 1),
+                                                          ("random", 16, 100, 3)])
 @pytest.mark.parametrize("cache", ["ample", "tiny"])
 def test_greedy_output_equals_plain_decoding(hf_checkpoints, tmp_path, k, kind, window,
                                              draft_vocab, cache):
