@@ -93,3 +93,11 @@ def test_typical_acceptance_keeps_greedy_exact_and_samples(hf_checkpoints, tmp_p
     assert all(len(t) == 20 for t in tokens(outs))
     assert fast.spec_decode_stats().num_draft_tokens > 0
     assert fast.kv_cache_stats().num_used_blocks == 0
+
+
+def test_gemma3_greedy_output_equals_plain_decoding(hf_checkpoints, tmp_path):
+    """Gemma 3's shapes (a head_dim apart from hidden / heads, scaled embeddings, local and
+    global layers): the head reads them from the model's config."""
+    model = hf_checkpoints["gemma3"]
+    head = write_eagle(tmp_path / "eagle", model, "random", window=16, draft_vocab=64)
+    greedy_equals_plain(model, eagle(head, 2), "ample")
