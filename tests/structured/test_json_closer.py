@@ -72,3 +72,14 @@ def test_utf8_tails_complete_every_lead_byte():
     for lead in range(0xC2, 0xF5):
         char = bytes([lead]) + utf8_tail(lead)
         char.decode("utf-8")                              # raises if the tail were wrong
+
+
+def test_a_token_that_goes_on_inside_a_literal_is_bounded():
+    """Found by the property above: a token that finishes a `null` begun by the last one, closes
+    the array and asks for another member grows the closing by 5 (`l]}` -> `"":null}`)."""
+    token = b"l,\n   null\n  ],"
+    closer = JsonCloser()
+    closer.feed(b'{"a": [false, nul')
+    before = len(closer.closing())
+    closer.feed(token)
+    assert len(closer.closing()) - before <= max_growth([token])

@@ -174,9 +174,13 @@ def utf8_tail(lead: int) -> bytes:
 
 
 # Where a token can start, by the innermost container: every mode the scanner has.
+# Every place inside a literal too: a token may go on with any of them ("l," after "nul").
+_LITERAL_PARTS = [word[:i] for word in (b"true", b"false", b"null") for i in range(1, len(word))]
 OBJECT_STATES = [b"{", b'{"a":1', b'{"a":"x', b'{"x', b'{"a"', b'{"a":', b'{"a":1,',
-                 b'{"a":-', b'{"a":1.', b'{"a":t', b'{"a":"\\', b'{"a":"\\u0', b'{"\\']
-ARRAY_STATES = [b"[", b"[1", b"[1,", b'["x', b"[-", b"[1e", b"[t", b'["\\', b'["\\u']
+                 b'{"a":-', b'{"a":1.', b'{"a":"\\', b'{"a":"\\u0', b'{"\\'] + [
+                     b'{"a":' + part for part in _LITERAL_PARTS]
+ARRAY_STATES = [b"[", b"[1", b"[1,", b'["x', b"[-", b"[1e", b'["\\', b'["\\u'] + [
+    b"[" + part for part in _LITERAL_PARTS]
 OUTER = {ord("{"): b'{"z":', ord("["): b"["}
 
 
