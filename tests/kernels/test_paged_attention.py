@@ -84,3 +84,62 @@ def test_bad_inputs_are_refused():
                                      tables, lens, 0, None, 1.0)
     assert paged_attention.supports(torch.int8, torch.float32, torch.device("cpu"))
     assert not paged_attention.supports(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+
+
+def tree_rows(prefix: int, parents: list[int]):
+    """Rows of a tree of drafts laid after `prefix` cached keys: parents[i] is node i's parent
+    (-1: the root, row 0). Returns (lens, base, bits) per row."""
+    bits, depth = [], []
+    for i, parent in enumerate(parents):
+        bits.append((1 << i) | (bits[parent] if parent >= 0 else 0))
+        depth.append(depth[parent] + 1 if parent >= 0 else 0)
+    n = len(parents)
+    return (torch.tensor([prefix + d + 1 for d in depth]), torch.full((n,), prefix),
+            torch.tensor(bits))
+
+
+TREE = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7]       # a root, three children, then a path of four
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("prefix,window", [(0, None), (5, None), (61, None), (70, 6)])
+def test_tree_rows_match_the_reference(int8, prefix, window):
+    """Each row over the keys before `prefix` and its own path; the reference picks the same
+    positions out by hand. Prefix 61 puts a path across the first partition's end."""
+    kv = caches(3, 64, int8)
+    lens, base, bits = tree_rows(prefix, TREE)
+    q, tables, _ = step(len(TREE), 9, 64, width=25)
+    got = paged_attention.paged_decode(q, *kv, tables, lens, 0, window, 0.125, base, bits)
+    ref = paged_attention.reference_paged_decode(q, *kv, tables, lens, 0, window, 0.125, base,
+                                                 bits)
+    assert (got.double() - ref).abs().max() / ref.abs().max() < BOUND
+
+
+@pytest.mark.parametrize("prefix", [3, 62])
+def test_a_tree_row_is_bit_for_bit_the_plain_decode_of_its_path(prefix):
+    """The same query over a cache holding its path contiguously (what plain decoding would
+    have written) gives the same bits: the tree changes where keys are read, not the sums."""
+    k, v, _, _ = caches(3, 64, int8=False)
+    lens, base, bits = tree_rows(prefix, TREE)
+    q, tables, _ = step(len(TREE), 9, 64, width=20)
+    tree = paged_attention.paged_decode(q, k, v, None, None, tables, lens, 0, None, 0.125, base,
+                                        bits)
+    for row in range(len(TREE)):
+        path = [prefix + i for i in range(len(TREE)) if int(bits[row]) >> i & 1]
+        k2, v2 = k.clone(), v.clone()
+        for d, src in enumerate(path):                      # the path moved into place
+            dst = prefix + d
+            for c, c2 in ((k, k2), (v, v2)):
+                c2[tables[row, dst // BS], dst % BS] = c[tables[row, src // BS], src % BS]
+        plain = paged_attention.paged_decode(q[row:row + 1], k2, v2, None, None,
+                                             tables[row:row + 1], lens[row:row + 1], 0, None,
+                                             0.125)
+        assert torch.equal(plain[0], tree[row])
+
+
+def test_tree_arguments_come_together():
+    k, v, _, _ = caches(2, 16, int8=False)
+    q, tables, lens = step(2, 4, 16, width=2)
+    with pytest.raises(RuntimeError, match="come together"):
+        paged_attention.paged_decode(q, k, v, None, None, tables, lens, 0, None, 1.0,
+                                     torch.zeros(2, dtype=torch.long), None)

@@ -1,7 +1,9 @@
 """Decode attention reading the paged KV cache in place: `torch.ops.kvslim.paged_decode`
 (csrc/paged_attention.cpp says the arithmetic): each KV head's keys and values read once for its
 group of query heads, float32, a sequence's result independent of the batch and of the tables'
-padding. float32 caches, and int8 ones with their float16 scales; `supports` says which.
+padding. float32 caches, and int8 ones with their float16 scales; `supports` says which. A row
+may instead read a tree's path (`tree_base`, `tree_bits`: the keys before base, then base + i for
+each set bit i), the verification of a tree of drafts.
 
 `reference_paged_decode` is the same attention in plain torch (float64), which the tests hold
 the kernel to."""
@@ -20,26 +22,39 @@ def supports(cache_dtype: torch.dtype, query_dtype: torch.dtype, device: torch.d
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_scales: torch.Tensor | None, v_scales: torch.Tensor | None,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, key_start: int,
-                 window: int | None, scale: float) -> torch.Tensor:
+                 window: int | None, scale: float, tree_base: torch.Tensor | None = None,
+                 tree_bits: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]: each decode over the keys before its length (and inside its
-    window) of the blocks its table lists, from position `key_start` on."""
+    window) of the blocks its table lists, from position `key_start` on. With tree_base and
+    tree_bits [B] (int64), a row's keys from its base on are its path's (the length counts
+    them: base + number of set bits)."""
     return torch.ops.kvslim.paged_decode(q, k_cache, v_cache, k_scales, v_scales, block_tables,
-                                         context_lens, key_start, window or 0, scale)
+                                         context_lens, key_start, window or 0, scale,
+                                         tree_base, tree_bits)
 
 
 def reference_paged_decode(q, k_cache, v_cache, k_scales, v_scales, block_tables,
-                           context_lens, key_start, window, scale) -> torch.Tensor:
+                           context_lens, key_start, window, scale, tree_base=None,
+                           tree_bits=None) -> torch.Tensor:
+    """The kernel's attention in float64, each row's keys picked out by their positions (a
+    tree row's path from its ancestor bits)."""
     b, h, d = q.shape
     kvh = k_cache.shape[2]
     out = torch.zeros(b, h, d, dtype=torch.float64)
     for i in range(b):
         keys, values = (_rows(c, s, block_tables[i]) for c, s in ((k_cache, k_scales),
                                                                   (v_cache, v_scales)))
-        pos = torch.arange(key_start, key_start + keys.shape[0])
-        seen = pos < int(context_lens[i])
+        logical = torch.arange(int(context_lens[i]))
         if window:
-            seen &= pos >= int(context_lens[i]) - window
-        if not seen.any():
+            logical = logical[logical >= int(context_lens[i]) - window]
+        if tree_bits is not None and int(tree_bits[i]):
+            base, bits = int(tree_base[i]), int(tree_bits[i])
+            path = [base + j for j in range(64) if bits >> j & 1]
+            logical = torch.tensor([p if p < base else path[p - base] for p in logical.tolist()],
+                                   dtype=torch.long)
+        seen = logical - key_start
+        seen = seen[(seen >= 0) & (seen < keys.shape[0])]
+        if not seen.numel():
             continue
         keys, values = keys[seen], values[seen]                  # [n, KVH, D]
         qi = q[i].double().view(kvh, h // kvh, d)

@@ -9,6 +9,12 @@
 // depends on its own query and cache only, not on the batch, the padding of the tables or the
 // threads.
 //
+// A query may read a tree's path instead of a contiguous prefix (speculative verification of a
+// tree of drafts): its keys are positions [0, base) and then the positions base + i of the set
+// bits i of its ancestor mask, in order. Every sum still runs over the logical keys 0, 1, 2, ...
+// in the same partitions, so a tree row computes exactly what a plain decode with the same
+// context computes.
+//
 // Cache layout: [blocks, block_size, kv_heads, head_dim], float32, or int8 with a float16
 // scale per (slot, kv head) ([blocks, block_size, kv_heads]): an element is int8 * scale, as
 // attention/kv_cache.py dequantizes it.
@@ -76,6 +82,14 @@ Cache cache_of(const at::Tensor& cache, const std::optional<at::Tensor>& scales)
   return c;
 }
 
+// Where a row's logical key positions lie: [0, base) in place, then base + path[i] for the i-th
+// key at or after base (a tree row; base is past every key for any other row).
+struct Path {
+  int64_t base = std::numeric_limits<int64_t>::max();
+  const int64_t* path = nullptr;
+  int64_t at(int64_t pos) const { return pos < base ? pos : base + path[pos - base]; }
+};
+
 // A thread's working memory: scores [G][n] and a dequantized row (int8 caches).
 struct Scratch {
   std::vector<float> scores, row;
@@ -84,13 +98,14 @@ struct Scratch {
 // One partition of a (sequence, KV head)'s keys, positions [lo, hi): per query head its
 // largest score m, the sum l of exp(score - m) and the unnormalized sum of values acc[D].
 void attend_partition(const Cache& kc, const Cache& vc, const float* q, const int64_t* table,
-                      int64_t h, int64_t G, int64_t D, int64_t BS, int64_t key_start, int64_t lo,
-                      int64_t hi, float sc, float* m, float* l, float* acc, Scratch& t) {
+                      const Path& path, int64_t h, int64_t G, int64_t D, int64_t BS,
+                      int64_t key_start, int64_t lo, int64_t hi, float sc, float* m, float* l,
+                      float* acc, Scratch& t) {
   const int64_t n = hi - lo;
   std::vector<float>& scores = t.scores;
   scores.assign(G * n, 0.f);
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t pos = lo + j - key_start;
+    const int64_t pos = path.at(lo + j) - key_start;
     const float* k = kc.row(table[pos / BS], pos % BS, h, t.row.data());
     for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot(q + g * D, k, D) * sc;
   }
@@ -105,7 +120,7 @@ void attend_partition(const Cache& kc, const Cache& vc, const float* q, const in
   }
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t pos = lo + j - key_start;
+    const int64_t pos = path.at(lo + j) - key_start;
     const float* v = vc.row(table[pos / BS], pos % BS, h, t.row.data());
     for (int64_t g = 0; g < G; ++g) {
       float* o = acc + g * D;
@@ -113,6 +128,32 @@ void attend_partition(const Cache& kc, const Cache& vc, const float* q, const in
       for (int64_t d = 0; d < D; ++d) o[d] += w * v[d];
     }
   }
+}
+
+// Per row, its Path: tree_base [B] and tree_bits [B] (bit i: position base + i is on the row's
+// path), both given or both absent; the paths point into `offsets`.
+std::vector<Path> tree_paths(const std::optional<at::Tensor>& tree_base,
+                             const std::optional<at::Tensor>& tree_bits, int64_t B,
+                             std::vector<int64_t>& offsets) {
+  std::vector<Path> paths(B);
+  TORCH_CHECK(tree_base.has_value() == tree_bits.has_value(),
+              "paged_decode: tree_base and tree_bits come together");
+  if (!tree_base.has_value()) return paths;
+  TORCH_CHECK(tree_base->numel() == B && tree_bits->numel() == B,
+              "paged_decode: one tree base and one ancestor mask per query");
+  const at::Tensor base = tree_base->to(at::kLong).contiguous();
+  const at::Tensor bits = tree_bits->to(at::kLong).contiguous();
+  offsets.assign(B * 64, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const uint64_t mask = (uint64_t)bits.data_ptr<int64_t>()[b];
+    if (mask == 0) continue;
+    int64_t n = 0;
+    for (int64_t i = 0; i < 64; ++i)
+      if (mask >> i & 1) offsets[b * 64 + n++] = i;
+    paths[b].base = base.data_ptr<int64_t>()[b];
+    paths[b].path = offsets.data() + b * 64;
+  }
+  return paths;
 }
 
 }  // namespace
@@ -127,7 +168,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const std::optional<at::Tensor>& k_scales,
                         const std::optional<at::Tensor>& v_scales, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, int64_t key_start, int64_t window,
-                        double scale) {
+                        double scale, const std::optional<at::Tensor>& tree_base,
+                        const std::optional<at::Tensor>& tree_bits) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "paged_decode: q must be float32 [B, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
@@ -144,6 +186,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(D == kc.head_dim && H % KVH == 0, "paged_decode: q's heads do not fit the cache");
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
+  std::vector<int64_t> offsets;
+  const std::vector<Path> paths = tree_paths(tree_base, tree_bits, B, offsets);
   // Each sequence's visible keys [lo, hi) and its partitions, numbered across the batch.
   std::vector<int64_t> lo(B), hi(B), first(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
@@ -167,8 +211,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       const int64_t c = lo[b] / PART + (p - first[b]);
       const int64_t a = std::max(lo[b], c * PART), z = std::min(hi[b], (c + 1) * PART);
       const int64_t at = p * H + h * G;
-      attend_partition(kc, vc, qp + (b * H + h * G) * D, tp + b * W, h, G, D, BS, key_start, a,
-                       z, sc, m.data() + at, l.data() + at, acc.data() + at * D, scratch);
+      attend_partition(kc, vc, qp + (b * H + h * G) * D, tp + b * W, paths[b], h, G, D, BS,
+                       key_start, a, z, sc, m.data() + at, l.data() + at, acc.data() + at * D, scratch);
     }
   });
   float* op = out.data_ptr<float>();
@@ -195,7 +239,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scales, Tensor? v_scales, "
-        "Tensor block_tables, Tensor context_lens, int key_start, int window, float scale) -> Tensor");
+        "Tensor block_tables, Tensor context_lens, int key_start, int window, float scale, "
+        "Tensor? tree_base=None, Tensor? tree_bits=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("paged_decode", &paged_decode); }
