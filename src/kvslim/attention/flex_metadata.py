@@ -35,6 +35,8 @@ class FlexStepTensors:
     slot_mapping: torch.Tensor    # [N] cache slot of each new token
     q_seq: torch.Tensor           # [N] each token's sequence
     q_pos: torch.Tensor           # [N] each token's position
+    q_base: torch.Tensor          # [N] it reads keys before this position, then its tree path:
+    q_bits: torch.Tensor          # [N] the positions base + i of its set bits (0: no tree)
     seq_first_pos: torch.Tensor   # [S] position of the sequence's first query this step
     seq_num_blocks: torch.Tensor  # [S] logical blocks its context fills after this step
     entry_seq: torch.Tensor       # [E] every block-table entry of the step: its sequence,
@@ -100,7 +102,8 @@ def _decode_part(layout: PagedStepLayout, block_size: int) -> dict[str, torch.Te
     seqs = torch.arange(nd, device=dev)
     entry_seq = seqs[:, None].expand(nd, width).reshape(-1)
     first = layout.decode_key_start // block_size
-    return dict(q_seq=seqs, q_pos=lens - 1, seq_first_pos=lens - 1,
+    return dict(q_seq=seqs, q_pos=lens - 1, q_base=lens, q_bits=torch.zeros_like(lens),
+                seq_first_pos=lens - 1,
                 seq_num_blocks=(lens + block_size - 1) // block_size,
                 entry_seq=entry_seq,
                 entry_logical=torch.arange(first, first + width, device=dev).repeat(nd),
@@ -115,14 +118,22 @@ def _prefill_part(layout: PagedStepLayout, block_size: int) -> dict[str, torch.T
     dev = layout.slot_mapping.device
     nd = layout.num_decode_tokens
     decode_entries = layout.decode_block_tables.numel() if nd else 0
-    q_seq, q_pos, first_pos, num_blocks, entry_seq, entry_logical = [], [], [], [], [], []
+    q_seq, q_pos, q_base, q_bits, first_pos, num_blocks = [], [], [], [], [], []
+    entry_seq, entry_logical = [], []
     blocks, pair_tile, pair_entry = [], [], []
     entry = decode_entries
     for i, chunk in enumerate(layout.prefills):
-        start, n = chunk.context_len - chunk.query_len, chunk.block_table.shape[0]
+        start, n = chunk.start, chunk.block_table.shape[0]
         first = chunk.key_start // block_size
         q_seq += [nd + i] * chunk.query_len
-        q_pos += range(start, chunk.context_len)
+        if chunk.tree is None:
+            q_pos += range(start, chunk.context_len)
+            q_base += range(start + 1, chunk.context_len + 1)
+            q_bits += [0] * chunk.query_len
+        else:
+            q_pos += [start + d for d in chunk.tree.depths]
+            q_base += [start] * chunk.query_len
+            q_bits += chunk.tree.bits
         first_pos.append(start)
         num_blocks.append(-(-chunk.context_len // block_size))
         entry_seq += [nd + i] * n
@@ -134,9 +145,10 @@ def _prefill_part(layout: PagedStepLayout, block_size: int) -> dict[str, torch.T
         pair_tile.append(tiles[:, None].expand(-1, n).reshape(-1))
         pair_entry.append(torch.arange(entry, entry + n, device=dev).repeat(hi - lo + 1))
         entry += n
-    host = [q_seq, q_pos, first_pos, num_blocks, entry_seq, entry_logical]
+    host = [q_seq, q_pos, q_base, q_bits, first_pos, num_blocks, entry_seq, entry_logical]
     flat = host_tensor([v for values in host for v in values], torch.long, dev)
-    names = ("q_seq", "q_pos", "seq_first_pos", "seq_num_blocks", "entry_seq", "entry_logical")
+    names = ("q_seq", "q_pos", "q_base", "q_bits", "seq_first_pos", "seq_num_blocks",
+             "entry_seq", "entry_logical")
     out = dict(zip(names, flat.split([len(values) for values in host])))
     return dict(out, entry_block=torch.cat(blocks), pair_tile=torch.cat(pair_tile),
                 pair_entry=torch.cat(pair_entry))
@@ -165,7 +177,7 @@ def build_flex_metadata(step: FlexStepTensors, block_size: int, pool_blocks: int
                                   pool_blocks, width)
     block_mask = BlockMask.from_kv_blocks(
         counts[None, None], indices[None, None], BLOCK_SIZE=(Q_TILE, block_size),
-        mask_mod=paged_mask_mod(step.q_seq, step.q_pos, logical_of, block_size, window),
+        mask_mod=paged_mask_mod(step, logical_of, block_size, window),
         seq_lengths=(step.num_tokens, pool_blocks * block_size), compute_q_blocks=False)
     return FlexAttentionMetadata(step, window, logical_of, block_mask)
 
@@ -190,15 +202,20 @@ def tile_blocks(tile: torch.Tensor, block: torch.Tensor, num_tiles: int, pool_bl
     return counts.to(torch.int32), indices[:, :width]
 
 
-def paged_mask_mod(q_seq: torch.Tensor, q_pos: torch.Tensor, logical_of: torch.Tensor,
-                   block_size: int, window: int | None):
-    """FlexAttention's mask_mod: query row q_idx may read pool slot kv_idx."""
+def paged_mask_mod(step: FlexStepTensors, logical_of: torch.Tensor, block_size: int,
+                   window: int | None):
+    """FlexAttention's mask_mod: query row q_idx may read pool slot kv_idx (the keys before
+    its base, inside its window; then those on its tree path, a plain row having none)."""
+    q_seq, q_pos, q_base, q_bits = step.q_seq, step.q_pos, step.q_base, step.q_bits
+
     def mask_mod(b, h, q_idx, kv_idx):
         logical = logical_of[q_seq[q_idx], kv_idx // block_size]
         kv_pos = logical * block_size + kv_idx % block_size
-        pos = q_pos[q_idx]
-        allowed = (logical >= 0) & (kv_pos <= pos)
+        base = q_base[q_idx]
+        in_prefix = kv_pos < base
         if window is not None:
-            allowed = allowed & (kv_pos > pos - window)
-        return allowed
+            in_prefix = in_prefix & (kv_pos > q_pos[q_idx] - window)
+        shift = (kv_pos - base).clamp(0, 63)
+        on_path = (kv_pos >= base) & ((q_bits[q_idx] >> shift) & 1 == 1)
+        return (logical >= 0) & (in_prefix | on_path)
     return mask_mod

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvslim.attention.grouped import causal_mask
+from kvslim.attention.tree import TreeRows
 
 
 @dataclass
@@ -27,6 +28,12 @@ class PrefillChunk:
     context_len: int          # cached prefix + query_len
     block_table: torch.Tensor  # [num_blocks] block ids covering the context (from key_start)
     key_start: int = 0        # position of the table's first key (a multiple of block_size)
+    tree: TreeRows | None = None   # the rows are a tree of drafts, not consecutive tokens
+
+    @property
+    def start(self) -> int:
+        """Slot position of the chunk's first row (a tree's root)."""
+        return self.context_len - self.query_len
 
 
 @dataclass
@@ -78,6 +85,8 @@ def _decode_allowed(layout: PagedStepLayout, block_size: int,
 
 def _prefill_allowed(chunk: PrefillChunk, device: torch.device,
                      sliding_window: int | None) -> torch.Tensor | None:
+    if chunk.tree is not None:
+        return tree_allowed(chunk, device, sliding_window)[None]
     # A chunk with nothing cached before it and no window is plain causal attention: no mask.
     if chunk.query_len == chunk.context_len and sliding_window is None:
         return None
@@ -108,3 +117,17 @@ def share_per_layer(layouts: PagedStepLayout | list[PagedStepLayout],
     keys = list(zip(layer_group, layer_windows))
     built = {(g, w): build(layouts[g], g, w) for g, w in dict.fromkeys(keys)}
     return [built[key] for key in keys]
+
+
+def tree_allowed(chunk: PrefillChunk, device: torch.device,
+                 sliding_window: int | None) -> torch.Tensor:
+    """[rows, keys] bool for a tree chunk: each row sees the keys before the chunk (inside the
+    window of its own position, start + depth) and its ancestors. A window is longer than any
+    tree (SpeculativeConfig), so a row's ancestors are always inside it."""
+    tree = chunk.tree
+    keys = torch.arange(chunk.key_start, chunk.start, device=device)[None, :]
+    prefix = torch.ones(len(tree), keys.shape[1], dtype=torch.bool, device=device)
+    if sliding_window is not None:
+        depth = torch.tensor(tree.depths, device=device)[:, None]
+        prefix &= keys > chunk.start + depth - sliding_window
+    return torch.cat([prefix, tree.ancestors(device)], dim=1)

@@ -71,11 +71,11 @@ class PagedAttention:
         key = id(meta)
         if key not in self.kernel_rows:
             self.kernel_rows[key] = _rows_of_tokens(meta.layout, cache.block_size)
-        tables, lens, key_start = self.kernel_rows[key]
+        tables, lens, key_start, tree_base, tree_bits = self.kernel_rows[key]
         return paged_attention.paged_decode(
             q, cache.k_cache, cache.v_cache, getattr(cache, "k_scales", None),
             getattr(cache, "v_scales", None), tables, lens, key_start, meta.sliding_window,
-            scale)
+            scale, tree_base, tree_bits)
 
     @staticmethod
     def _attend_prefills(meta: PagedAttentionMetadata, masks: MaskCache, cache: KVCacheLayer,
@@ -98,13 +98,15 @@ class PagedAttention:
 
 
 def _rows_of_tokens(layout: PagedStepLayout, block_size: int):
-    """(tables [N, W], lens [N], key_start) giving every token of the step its sequence's
-    blocks and its own context length (its position + 1). A pure decode step is its layout;
-    with prefill chunks every table is shifted to start at position 0 (left-padded with block
-    0, which no query reads: a table starts past key 0 only for a sliding window, whose keys
-    lie after it)."""
+    """(tables [N, W], lens [N], key_start, tree_base, tree_bits) giving every token of the
+    step its sequence's blocks and its own context length (its position + 1); the tree
+    tensors (None when the step has no tree) give a tree row its path. A pure decode step is
+    its layout; with prefill chunks every table is shifted to start at position 0 (left-padded
+    with block 0, which no query reads: a table starts past key 0 only for a sliding window,
+    whose keys lie after it)."""
     if not layout.prefills:
-        return layout.decode_block_tables, layout.decode_context_lens, layout.decode_key_start
+        return (layout.decode_block_tables, layout.decode_context_lens,
+                layout.decode_key_start, None, None)
     nd = layout.num_decode_tokens
     parts = []                                   # (pad blocks, table [rows, w], lens [rows])
     if nd:
@@ -112,8 +114,10 @@ def _rows_of_tokens(layout: PagedStepLayout, block_size: int):
                       layout.decode_context_lens))
     for chunk in layout.prefills:
         table = chunk.block_table
-        first = chunk.context_len - chunk.query_len + 1
-        lens = torch.arange(first, chunk.context_len + 1, device=table.device)
+        if chunk.tree is None:
+            lens = torch.arange(chunk.start + 1, chunk.context_len + 1, device=table.device)
+        else:
+            lens = chunk.start + 1 + torch.tensor(chunk.tree.depths, device=table.device)
         parts.append((chunk.key_start // block_size, table[None].expand(chunk.query_len, -1),
                       lens))
     width = max(pad + t.shape[1] for pad, t, _ in parts)
@@ -125,4 +129,19 @@ def _rows_of_tokens(layout: PagedStepLayout, block_size: int):
         tables[row:row + t.shape[0], pad:pad + t.shape[1]] = t
         row += t.shape[0]
     lens = torch.cat([n.to(torch.int32) for _, _, n in parts])
-    return tables, lens, 0
+    return (tables, lens, 0) + _tree_paths(layout, tables.shape[0], device)
+
+
+def _tree_paths(layout: PagedStepLayout, rows: int, device: torch.device):
+    """(tree_base [N], tree_bits [N]) for the kernel when a chunk of the step is a tree; any
+    other row gets no bits (its keys are its prefix)."""
+    if all(chunk.tree is None for chunk in layout.prefills):
+        return None, None
+    base, bits = [0] * rows, [0] * rows
+    row = layout.num_decode_tokens
+    for chunk in layout.prefills:
+        if chunk.tree is not None:
+            base[row:row + chunk.query_len] = [chunk.start] * chunk.query_len
+            bits[row:row + chunk.query_len] = chunk.tree.bits
+        row += chunk.query_len
+    return tuple(torch.tensor(v, dtype=torch.long, device=device) for v in (base, bits))

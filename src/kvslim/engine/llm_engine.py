@@ -84,6 +84,8 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.grammar_compiler,
                                                   self.model_config.vocab_size)
         self.runner.sampler.structured = self.structured
+        if self.spec is not None:        # its grammar masks follow chains of drafts only
+            self.spec.verifies_chains_only = self.structured.is_constrained
         self.beams = BeamSearch(self.scheduler, eos, self._release)
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
@@ -212,7 +214,8 @@ class LLMEngine:
             return
         for entry in out.scheduled:
             if entry.draft_token_ids:
-                self.spec.record(entry.seq, entry.draft_token_ids, sampled[entry.seq.seq_id])
+                self.spec.record(entry.seq, entry.draft_token_ids, sampled[entry.seq.seq_id],
+                                 entry.draft_parents)
 
     def _advance(self, state: RequestState, seq: Sequence) -> None:
         """Detokenize what the step appended to `seq`; a stop string finishes it."""

@@ -161,29 +161,59 @@ class ModelRunner:
         if not sample:
             return {}
         results: dict[int, list[SampleResult]] = {}
+        paths: dict[int, list[int]] = {}     # a tree's accepted rows, by seq_id
         for entry, first in spec:
             seq, drafts = entry.seq, entry.draft_token_ids
+            rows = logits[first:first + entry.num_tokens]
+            if entry.draft_parents is not None:
+                results[seq.seq_id], paths[seq.seq_id] = self.sampler.verify_tree(
+                    rows, seq, drafts, entry.draft_parents)
+                continue
             q = draft_probs.get(seq.seq_id)
-            results[seq.seq_id] = self.sampler.verify(
-                logits[first:first + entry.num_tokens], seq, drafts,
-                None if q is None else q[:len(drafts)])
+            results[seq.seq_id] = self.sampler.verify(rows, seq, drafts,
+                                                      None if q is None else q[:len(drafts)])
         if requests:
             sampled = self.sampler(logits[len(spec_rows):], requests)
             results.update((r.seq.seq_id, res) for r, res in zip(requests, sampled))
+        if paths:
+            self._move_accepted_paths(entries, paths)
         if self.hidden_windows is not None:
-            self._keep_hidden(hidden, entries, query_starts, results)
+            self._keep_hidden(hidden, entries, query_starts, results, paths)
         return results
 
-    def _keep_hidden(self, hidden, entries, query_starts, results) -> None:
+    def _move_accepted_paths(self, entries: list[ScheduledSequence],
+                             paths: dict[int, list[int]]) -> None:
+        """A tree's accepted rows hold their K/V in the slots the tree gave them: move them to
+        the positions they now have (row path[j] -> start + j), in every layer and group, so
+        the sequence's cache is what plain decoding would have written."""
+        moves = [(entry.seq, entry.start + r, entry.start + j) for entry in entries
+                 for j, r in enumerate(paths.get(entry.seq.seq_id, ())) if r != j]
+        if not moves:
+            return
+        seqs, src, dst = zip(*moves)
+        rows = torch.tensor(self.block_tables.rows_for(list(seqs)), device=self.device)
+        src, dst = (torch.tensor(p, device=self.device) for p in (src, dst))
+        for group in range(len(self.kv_groups.groups)):
+            from_slots = self.block_tables.slots(group, rows, src, self.block_size)
+            to_slots = self.block_tables.slots(group, rows, dst, self.block_size)
+            for tensor in self.kv_cache + (self.kv_scales or []):
+                flat = tensor.view(2, -1, *tensor.shape[3:])
+                flat[:, to_slots] = flat[:, from_slots]        # gathered before written
+
+    def _keep_hidden(self, hidden, entries, query_starts, results, paths) -> None:
         """Each sequence's rows whose next token is now known: a prefill chunk's and a decode's
-        every row, a verification's rows up to the one that drew its last token."""
+        every row, a verification's rows up to the one that drew its last token (a tree's:
+        those on its accepted path)."""
         for entry, query_start in zip(entries, query_starts):
             seq_id = entry.seq.seq_id
-            n = len(results[seq_id]) if entry.draft_token_ids else entry.num_tokens
             if entry.num_samples > 1:
                 continue                     # forks: the children decode on their own
-            self.hidden_windows.keep(seq_id, entry.start,
-                                     hidden[query_start:query_start + n])
+            if seq_id in paths:
+                kept = hidden[[query_start + r for r in paths[seq_id]]]
+            else:
+                n = len(results[seq_id]) if entry.draft_token_ids else entry.num_tokens
+                kept = hidden[query_start:query_start + n]
+            self.hidden_windows.keep(seq_id, entry.start, kept)
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput
@@ -228,25 +258,32 @@ class ModelRunner:
         tokens = [e.seq.token_ids[e.start] for e in entries[:nd]]
         positions = [e.start for e in entries[:nd]]
         token_rows = rows[:nd]
-        for entry, row in zip(entries[nd:], rows[nd:]):
+        trees = [e.tree for e in entries[nd:]]
+        for entry, row, tree in zip(entries[nd:], rows[nd:], trees):
             tokens += entry.input_token_ids
-            positions += range(entry.start, entry.start + entry.num_tokens)
+            positions += (range(entry.start, entry.start + entry.num_tokens) if tree is None
+                          else [entry.start + d for d in tree.depths])
             token_rows += [row] * entry.num_tokens
         rows_of_inputs = [tokens, positions, token_rows]
         if self.has_long_rope:
             rows_of_inputs.append([int(e.seq.long_rope) for e in entries
                                    for _ in range(e.num_tokens)])
-        input_ids, pos, rows_t, *long_rope = host_tensor(rows_of_inputs, torch.long, self.device)
-        long_rope = long_rope[0].bool() if long_rope else None
-        layouts = [self._layout(g, pos, rows_t, entries, rows, nd)
+        if any(trees):        # a tree's rows sit in consecutive slots, not at their positions
+            rows_of_inputs.append(positions[:nd] + [p for e in entries[nd:] for p in range(
+                e.start, e.start + e.num_tokens)])
+        input_ids, pos, rows_t, *extra = host_tensor(rows_of_inputs, torch.long, self.device)
+        long_rope = extra.pop(0).bool() if self.has_long_rope else None
+        slot_pos = extra[0] if extra else pos
+        layouts = [self._layout(g, slot_pos, rows_t, entries, rows, nd, trees)
                    for g in range(len(self.kv_groups.groups))]
         query_starts = list(itertools.accumulate((e.num_tokens for e in entries[:-1]), initial=0))
         return input_ids, pos, long_rope, layouts, query_starts
 
     def _layout(self, group: int, pos: torch.Tensor, rows_t: torch.Tensor,
-                entries: list[ScheduledSequence], rows: list[int], nd: int) -> PagedStepLayout:
-        """One KV-cache group's layout of the step; pos and rows_t are every token's position
-        and block-table row, on the device."""
+                entries: list[ScheduledSequence], rows: list[int], nd: int,
+                trees: list) -> PagedStepLayout:
+        """One KV-cache group's layout of the step; pos and rows_t are every token's slot
+        position and block-table row, on the device; trees: each chunk's TreeRows or None."""
         bs, table = self.block_size, self.block_tables.table[group]
         layout = PagedStepLayout(slot_mapping=self.block_tables.slots(group, rows_t, pos, bs))
         if nd:
@@ -257,12 +294,12 @@ class ModelRunner:
             layout.decode_key_start = first * bs
             layout.decode_context_lens = pos[:nd] + 1
         query_start = nd
-        for entry, row in zip(entries[nd:], rows[nd:]):
+        for entry, row, tree in zip(entries[nd:], rows[nd:], trees):
             end = entry.start + entry.num_tokens
             first = self._first_block(group, entry.start)
             layout.prefills.append(PrefillChunk(
                 query_start=query_start, query_len=entry.num_tokens, context_len=end,
-                block_table=table[row, first:-(-end // bs)], key_start=first * bs))
+                block_table=table[row, first:-(-end // bs)], key_start=first * bs, tree=tree))
             query_start += entry.num_tokens
         return layout
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from kvslim.engine.sequence import Sequence, TokenLogprob
-from kvslim.engine.speculative.verify import (TypicalAcceptance, verify_greedy, verify_sampled,
+from kvslim.engine.speculative.verify import (TypicalAcceptance, pick_greedy, pick_sampled,
+                                              pick_typical, verify_greedy, verify_sampled,
                                               verify_typical)
 from kvslim.structured.manager import StructuredOutputManager, apply_bitmask
 
@@ -182,6 +183,45 @@ class Sampler:
             self.structured.accept(seq, tokens)
         return [SampleResult(t, None if raw is None else self._logprob(raw, i, t, seq))
                 for i, t in enumerate(tokens)]
+
+    def verify_tree(self, logits: torch.Tensor, seq: Sequence, drafts: list[int],
+                    parents: list[int]) -> tuple[list[SampleResult], list[int]]:
+        """logits [1 + len(drafts), vocab] of a tree of drafts (row 0 the sequence's last
+        token, row i + 1 draft i, parents as Sequence.spec_parents): the tokens the target
+        takes walking down from the root, and the rows they were drawn from (the accepted
+        path). Each row on the path is processed as plain sampling would process it after the
+        path's drafts before it (bias, penalties, min_tokens); grammar-constrained sequences
+        verify chains only (SpeculativeDecoder)."""
+        logits = logits.to(torch.float32)
+        p = seq.params
+        raw = torch.log_softmax(logits, dim=-1) if p.needs_logprob else None
+        children: dict[int, list[tuple[int, int]]] = {}
+        for i, (parent, draft) in enumerate(zip(parents, drafts)):
+            children.setdefault(parent + 1, []).append((i + 1, draft))
+        generator = self._generator(seq, 0) if p.seed is not None else self.default_generator
+        path, tokens = [0], []
+        while True:
+            rows = logits[path].clone()
+            self._process_draft_rows(rows, seq, tokens)
+            row, kids = rows[-1], children.get(path[-1], [])
+            if p.greedy:
+                token, child = pick_greedy(row, kids)
+            else:
+                probs = filter_probs(row[None] / p.temperature, [p.top_k], [p.top_p],
+                                     [p.min_p])[0]
+                token, child = (pick_sampled(probs, kids, generator)
+                                if self.typical_acceptance is None
+                                else pick_typical(probs, kids, self.typical_acceptance,
+                                                  generator))
+            tokens.append(token)
+            if child is None:
+                break
+            path.append(child)
+        state = self.penalties.get(seq.seq_id)
+        for token in tokens if state is not None else ():
+            state.add(token)
+        return [SampleResult(t, None if raw is None else self._logprob(raw, row, t, seq))
+                for row, t in zip(path, tokens)], path
 
     def _process_draft_rows(self, logits: torch.Tensor, seq: Sequence, drafts: list[int]
                             ) -> None:

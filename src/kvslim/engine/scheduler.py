@@ -20,6 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvslim.attention.tree import TreeRows
 from kvslim.engine.block_manager import BlockManager
 from kvslim.engine.sequence import Sequence, SequenceStatus
 
@@ -32,8 +33,17 @@ class ScheduledSequence:
     num_samples: int = 1                 # an n > 1 parent draws all n first tokens at once
     start: int = 0                       # position of the first of them
     block_copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write, before
-    # Speculative tokens fed after the sequence's last token, to be verified by this step.
+    # Speculative tokens fed after the sequence's last token, to be verified by this step,
+    # and for a tree each one's parent (Sequence.spec_parents; None: a chain).
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_parents: list[int] | None = None
+
+    @property
+    def tree(self) -> TreeRows | None:
+        """The step's rows as a tree (row 0 the sequence's last token), for a tree of drafts."""
+        if self.draft_parents is None:
+            return None
+        return draft_tree_rows(self.draft_parents)
 
     @property
     def input_token_ids(self) -> list[int]:
@@ -50,6 +60,10 @@ class ScheduledSequence:
             return range(0)
         first = max(self.start, len(seq.prompt_logprobs) - 1)
         return range(first, min(self.start + self.num_tokens, seq.num_prompt_tokens - 1))
+
+
+def draft_tree_rows(parents: list[int]) -> TreeRows:
+    return TreeRows((-1, *(p + 1 for p in parents)))
 
 
 @dataclass
@@ -148,9 +162,9 @@ class Scheduler:
                 continue
             if seq.num_uncomputed_tokens == 0:      # a beam waiting for its siblings
                 continue
-            drafts = self._take_drafts(seq, budget)
+            drafts, parents = self._take_drafts(seq, budget)
             n = min(seq.num_uncomputed_tokens, budget) + len(drafts)
-            entry, refund = self._reserve(seq, n, out, drafts)
+            entry, refund = self._reserve(seq, n, out, drafts, parents)
             budget += refund
             if entry is None:
                 continue
@@ -161,26 +175,34 @@ class Scheduler:
         out.released_seq_ids, self._released = self._released, []
         return out
 
-    def _take_drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """The sequence's proposed tokens to verify this step: only while it generates, within
-        the token budget and max_tokens, and only when their slots are free without preempting
-        anyone (speculation never costs another sequence its place)."""
+    def _take_drafts(self, seq: Sequence, budget: int) -> tuple[list[int], list[int] | None]:
+        """The sequence's proposed tokens (and a tree's parents) to verify this step: only
+        while it generates, as deep as max_tokens allows, as many as the token budget allows,
+        and only when their slots are free without preempting anyone (speculation never costs
+        another sequence its place)."""
         drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        parents, seq.spec_parents = seq.spec_parents, None
         if not drafts or seq.num_uncomputed_tokens != 1 or seq.fork_pending:
-            return []
-        room = budget - 1
+            return [], None
+        depth = len(drafts)
         if seq.params.max_tokens is not None:
-            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+            depth = min(depth, seq.params.max_tokens - seq.num_output_tokens - 1)
         if self.long_rope_from is not None and not seq.long_rope:
             # verify short-rotated positions only: the original context's last one at most
-            room = min(room, self.long_rope_from - seq.num_tokens)
-        drafts = drafts[:max(0, room)]
-        if drafts and not self.bm.can_append(seq, 1 + len(drafts)):
-            return []
-        return drafts
+            depth = min(depth, self.long_rope_from - seq.num_tokens)
+        if parents is None:
+            keep = max(0, min(depth, budget - 1))
+        else:       # a tree lists its drafts by depth: what is cut is a deeper part
+            depths = draft_tree_rows(parents).depths[1:]
+            keep = max(0, min(sum(d <= depth for d in depths), budget - 1))
+            parents = parents[:keep]
+        drafts = drafts[:keep]
+        if not drafts or not self.bm.can_append(seq, 1 + len(drafts)):
+            return [], None
+        return drafts, parents
 
-    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput, drafts: list[int] = ()
-                 ) -> tuple[ScheduledSequence | None, int]:
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput, drafts: list[int] = (),
+                 parents: list[int] | None = None) -> tuple[ScheduledSequence | None, int]:
         """Blocks for `n` more tokens of `seq`, preempting the newest sequences if needed.
         Returns its entry (None when `seq` itself had to be preempted) and the tokens that
         preempted sequences had been given this step, which go back to the budget."""
@@ -195,7 +217,9 @@ class Scheduler:
             if victim is seq:
                 return None, refund
         copies = self.bm.append_slots(seq, n)
-        return self._entry(seq, n, copies, list(drafts)), refund
+        entry = self._entry(seq, n, copies, list(drafts))
+        entry.draft_parents = parents
+        return entry, refund
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:

@@ -55,6 +55,9 @@ class Sequence:
     # Speculative decoding: tokens proposed for the next step, not part of token_ids until
     # the target model has verified them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # and, for a tree of drafts, each one's parent (an index into spec_token_ids; -1: the
+    # sequence's last token). None: a chain, each draft after the one before.
+    spec_parents: list[int] | None = None
     # Beam search: this step's best next tokens (SampleResults), until the request advances.
     beam_candidates: list = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)

@@ -1,11 +1,12 @@
 """`SpeculativeConfig`: how the engine speculates, with vLLM's option names where they exist
 (`method`, `model`, `num_speculative_tokens`, `prompt_lookup_min/max`,
-`disable_by_batch_size`)."""
+`disable_by_batch_size`), and `tree`, the shape of a learned drafter's candidates (tree.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvslim.engine.speculative.tree import DraftTree
 from kvslim.errors import KvslimError
 
 METHODS = ("ngram", "draft", "medusa", "eagle")
@@ -16,7 +17,8 @@ MAX_SPECULATIVE_TOKENS = 16
 @dataclass
 class SpeculativeConfig:
     method: str = "ngram"
-    num_speculative_tokens: int = 3          # k: tokens proposed per sequence and step
+    # k: tokens proposed per sequence and step (3; with a tree, its depth)
+    num_speculative_tokens: int | None = None
     model: str | None = None                 # "draft": the draft model; "medusa"/"eagle": the
                                              # drafter's directory (kvslim train-drafter)
     prompt_lookup_min: int = 1               # method "ngram": shortest suffix that may match
@@ -37,11 +39,15 @@ class SpeculativeConfig:
     acceptance: str = "exact"
     typical_threshold: float = 0.09
     typical_alpha: float = 0.3
+    # Methods "medusa" and "eagle": the candidates as a tree of rank paths, e.g. [[0], [1],
+    # [0, 0]] (tree.py); None: one chain of num_speculative_tokens.
+    tree: list[list[int]] | DraftTree | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise KvslimError(f"speculative method must be one of {', '.join(METHODS)}, "
                               f"got {self.method!r}")
+        self._resolve_tree()
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise KvslimError("num_speculative_tokens must be between 1 and "
                               f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
@@ -68,6 +74,31 @@ class SpeculativeConfig:
             raise KvslimError("typical_threshold and typical_alpha must be in (0, 1]")
         if self.backoff_window < 1 or self.backoff_steps < 0:
             raise KvslimError("backoff_window must be >= 1 and backoff_steps >= 0")
+
+    def _resolve_tree(self) -> None:
+        if self.tree is None:
+            if self.num_speculative_tokens is None:
+                self.num_speculative_tokens = 3
+            return
+        if self.method not in ("medusa", "eagle"):
+            raise KvslimError(f"a draft tree needs a learned drafter (method medusa or eagle), "
+                              f"not {self.method!r}")
+        if not isinstance(self.tree, DraftTree):
+            self.tree = DraftTree.from_value(self.tree)
+        if self.method == "eagle" and not self.tree.follows_best_chain:
+            raise KvslimError("an EAGLE head guesses each depth after its best guess only: "
+                              "every rank of a tree node but its last must be 0")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = self.tree.depth
+        elif self.num_speculative_tokens != self.tree.depth:
+            raise KvslimError(f"num_speculative_tokens {self.num_speculative_tokens} differs "
+                              f"from the draft tree's depth {self.tree.depth} (leave it out)")
+
+    @property
+    def draft_tree(self) -> DraftTree:
+        """The shape of a learned drafter's candidates: the tree, or a chain of k."""
+        return self.tree if self.tree is not None else DraftTree.chain(
+            self.num_speculative_tokens)
 
     @classmethod
     def from_value(cls, value: "SpeculativeConfig | dict[str, Any] | None"

@@ -4,10 +4,12 @@ backed off); after the step it counts what the target accepted."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from kvslim.engine.scheduler import draft_tree_rows
 from kvslim.engine.sequence import Sequence
 from kvslim.engine.speculative.draft import DraftModelProposer
 from kvslim.engine.speculative.config import SpeculativeConfig
@@ -28,6 +30,9 @@ class SpecDecodeStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     num_proposals: int = 0               # steps that asked the proposer for drafts
+    # Trees: accepted tokens past where the path left the proposer's best chain (what the
+    # tree's other candidates added).
+    num_accepted_off_chain: int = 0
     propose_seconds: float = 0.0         # wall time spent drafting in them
 
     @property
@@ -76,6 +81,9 @@ class SpeculativeDecoder:
         self._backoff: dict[int, _Backoff] = {}
         self._engine_wide = _Backoff()       # the same windows over every sequence's drafts
         self._step = 0
+        # Sequences that take a tree's best chain instead of the tree (set by the engine:
+        # those whose grammar masks are computed along a chain of drafts).
+        self.verifies_chains_only: Callable[[Sequence], bool] = lambda seq: False
 
     def propose(self, running: list[Sequence]) -> None:
         """Set spec_token_ids (and, for a draft model, draft_probs) on the generating
@@ -99,8 +107,13 @@ class SpeculativeDecoder:
                 else min(self.config.num_speculative_tokens,
                          seq.params.max_tokens - seq.num_output_tokens - 1) for seq in seqs]
         if self.learned is not None:
-            for seq_id, drafts in self.learned.propose(seqs, room).items():
-                by_id[seq_id].spec_token_ids = drafts
+            tree = self.config.draft_tree
+            for seq_id, guesses in self.learned.propose(seqs, room, tree.width).items():
+                seq = by_id[seq_id]
+                if tree.is_chain or self.verifies_chains_only(seq):
+                    seq.spec_token_ids = [ranked[0] for ranked in guesses]
+                else:
+                    seq.spec_token_ids, seq.spec_parents = tree.drafts(guesses)
             return
         if self.draft is None:
             for seq, k in zip(seqs, room):
@@ -125,18 +138,23 @@ class SpeculativeDecoder:
     def _pause(self, pauses_before: int) -> int:
         return self.config.backoff_steps * 2 ** min(pauses_before, MAX_DOUBLINGS)
 
-    def record(self, seq: Sequence, drafts: list[int], results: list) -> None:
-        """One sequence's verification: its drafts and the tokens the target returned (the
-        accepted drafts, then its own token)."""
+    def record(self, seq: Sequence, drafts: list[int], results: list,
+               parents: list[int] | None = None) -> None:
+        """One sequence's verification: its drafts (a tree's with their parents) and the
+        tokens the target returned (the accepted drafts, then its own token). Positions count
+        depths: a tree drafts every one of its depths once, however many nodes it has there."""
         accepted = len(results) - 1
+        depth = len(drafts) if parents is None else max(draft_tree_rows(parents).depths)
         s = self.stats
         s.num_verifications += 1
         s.num_draft_tokens += len(drafts)
         s.num_accepted_tokens += accepted
-        for i in range(len(drafts)):
+        for i in range(depth):
             s.drafted_per_position[i] += 1
             s.accepted_per_position[i] += i < accepted
-        self._update_backoff(seq, len(drafts), accepted)
+        if parents is not None:
+            s.num_accepted_off_chain += accepted - _on_best_chain(drafts, parents, results)
+        self._update_backoff(seq, depth, accepted)
 
     def _update_backoff(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A sequence whose acceptance over the last `backoff_window` drafted tokens is below
@@ -165,3 +183,18 @@ class SpeculativeDecoder:
         for proposer in (self.draft, self.learned):
             if proposer is not None:
                 proposer.release(seq_ids)
+
+
+def _on_best_chain(drafts: list[int], parents: list[int], results: list) -> int:
+    """How many of the accepted tokens follow the tree's best chain (each node's first child,
+    the proposer's best guess after it)."""
+    first_child: dict[int, int] = {}
+    for i, parent in enumerate(parents):
+        first_child.setdefault(parent, i)
+    node, n = -1, 0
+    for result in results[:-1]:
+        node = first_child.get(node, -2)
+        if node < 0 or drafts[node] != result.token_id:
+            break
+        n += 1
+    return n

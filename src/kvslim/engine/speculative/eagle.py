@@ -2,8 +2,9 @@
 states. Per sequence it keeps the head's K/V over the last `window` positions; each step it
 catches up on the positions the target computed since (their hidden states are the runner's
 `HiddenWindows`), then runs the head once per draft token, every sequence batched, feeding each
-guess and its guessed hidden state back in. The drafts form a chain (the top-1 path), verified by
-the target's ordinary rule: greedy output is plain decoding's and sampling stays exact."""
+guess and its guessed hidden state back in. The drafts form a chain (the top-1 path), with each
+depth's next best guesses as a tree's other candidates (tree.py), verified by the target's
+ordinary rules: greedy output is plain decoding's and sampling stays exact."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,9 +55,11 @@ class EagleProposer:
         self.states: dict[int, _HeadKV] = {}
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], room: list[int]) -> dict[int, list[int]]:
-        """seq_id -> up to `room` drafts, for the sequences whose hidden states are kept (one
-        that was just admitted or preempted has none until its next step)."""
+    def propose(self, seqs: list[Sequence], room: list[int], width: int = 1
+                ) -> dict[int, list[list[int]]]:
+        """seq_id -> per depth up to `room`, the head's `width` best guesses, best first (each
+        depth after the chain of best guesses), for the sequences whose hidden states are kept
+        (one that was just admitted or preempted has none until its next step)."""
         parts = [self._catchup(seq, k, self.windows.get(seq.seq_id))
                  for seq, k in zip(seqs, room) if k > 0]
         parts = [p for p in parts if p is not None]
@@ -64,7 +67,7 @@ class EagleProposer:
             return {}
         buffers = self._buffers(parts, max(p.room for p in parts))
         feat = self._run_catchup(parts, *buffers)
-        drafts = self._draft_chain(parts, feat, *buffers)
+        drafts = self._draft_chain(parts, feat, width, *buffers)
         return {p.seq.seq_id: row[:p.room] for p, row in zip(parts, drafts)}
 
     def _catchup(self, seq: Sequence, room: int, window: HiddenWindow | None) -> _Catchup | None:
@@ -127,9 +130,9 @@ class EagleProposer:
             last.append(out[b, p.feats.shape[0] - 1])
         return torch.stack(last)
 
-    def _draft_chain(self, parts, feat, k_buf, v_buf, key_pos) -> list[list[int]]:
-        """k drafts per sequence: the draft vocabulary's best token from the guessed hidden
-        state, then that token and state fed back in."""
+    def _draft_chain(self, parts, feat, width, k_buf, v_buf, key_pos) -> list[list[list[int]]]:
+        """k depths per sequence, `width` guesses each: the draft vocabulary's best tokens
+        from the guessed hidden state, then the best one and that state fed back in."""
         k = max(p.room for p in parts)
         device = feat.device
         pos = torch.tensor([p.first + p.feats.shape[0] for p in parts], device=device)
@@ -137,8 +140,9 @@ class EagleProposer:
         rows = torch.arange(len(parts), device=device)
         drafts = []
         for j in range(k):
-            token = self.draft_ids[(feat @ self.lm_rows.T).argmax(-1)]
-            drafts.append(token)
+            ranked = self.draft_ids[(feat @ self.lm_rows.T).topk(width, dim=-1).indices]
+            drafts.append(ranked)
+            token = ranked[:, 0]
             if j == k - 1:
                 break
             key_pos[rows, slot] = pos

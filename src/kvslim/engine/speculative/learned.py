@@ -11,6 +11,11 @@ LEARNED_METHODS = ("medusa", "eagle")
 
 
 def learned_proposer(spec: SpeculativeConfig, model) -> MedusaProposer | EagleProposer:
+    windows = [w for w in model.config.layer_sliding_windows if w]
+    if windows and spec.num_speculative_tokens >= min(windows):
+        # a tree row's ancestors are always inside its window (attention/tree.py)
+        raise KvslimError(f"num_speculative_tokens {spec.num_speculative_tokens} reaches the "
+                          f"model's sliding window of {min(windows)}")
     if spec.method == "eagle":
         return EagleProposer(spec.model, model)
     medusa = MedusaProposer(spec.model, model)

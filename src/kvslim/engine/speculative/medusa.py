@@ -1,7 +1,8 @@
 """`MedusaProposer`: drafts from Medusa heads (drafters/medusa.py) on the hidden state whose
 logits drew each sequence's latest token — head k's top token is the guess k + 1 places after
-that token. The drafts form a chain (the top-1 path of the heads' tree), verified by the
-target's ordinary rule, so greedy output is plain decoding's and sampling stays exact."""
+that token; its next best guesses are the tree's other candidates at that depth (tree.py).
+Verified by the target's ordinary rules: greedy output is plain decoding's and sampling stays
+exact."""
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,11 @@ class MedusaProposer:
         return self.heads.num_heads
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], room: list[int]) -> dict[int, list[int]]:
-        """seq_id -> up to `room` drafts, for the sequences whose hidden state is kept (one
-        that was just admitted or preempted has none until its next step)."""
+    def propose(self, seqs: list[Sequence], room: list[int], width: int = 1
+                ) -> dict[int, list[list[int]]]:
+        """seq_id -> per depth up to `room`, the heads' `width` best guesses, best first, for
+        the sequences whose hidden state is kept (one that was just admitted or preempted has
+        none until its next step)."""
         ready = [(seq, k) for seq, k in zip(seqs, room)
                  if k > 0 and seq.seq_id in self.windows]
         if not ready:
@@ -36,11 +39,10 @@ class MedusaProposer:
         hidden = torch.stack([self.windows.get(seq.seq_id).rows[-1] for seq, _ in ready])
         feats = self.heads.features(hidden.float()).to(hidden.dtype)     # [heads, B, hidden]
         if self.heads.lm_heads is None:
-            guesses = self.lm_head(feats.flatten(0, 1)).argmax(-1).view(feats.shape[:2])
+            logits = self.lm_head(feats.flatten(0, 1)).view(*feats.shape[:2], -1)
         else:
-            guesses = torch.stack([h(f.float()) for h, f in zip(self.heads.lm_heads, feats)]
-                                  ).argmax(-1)
-        guesses = guesses.T.tolist()                                      # [B, heads]
+            logits = torch.stack([h(f.float()) for h, f in zip(self.heads.lm_heads, feats)])
+        guesses = logits.topk(width, dim=-1).indices.transpose(0, 1).tolist()  # [B, heads, w]
         return {seq.seq_id: row[:k] for (seq, k), row in zip(ready, guesses)}
 
     def release(self, seq_ids: list[int]) -> None:

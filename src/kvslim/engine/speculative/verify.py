@@ -93,3 +93,50 @@ def verify_typical(target_probs: torch.Tensor, draft_tokens: list[int], rule: Ty
         out.append(token)
     out.append(_draw(target_probs[len(out)], generator))
     return out
+
+
+# ---- a tree of drafts --------------------------------------------------------------------
+# At each row of the path walked so far, the target picks the next token among the row's
+# children (their drafts, one-hot, in the proposer's order of preference); the walk goes on
+# into the child whose draft it picked, and ends at a row where it picked none of them.
+# Children: (row, draft token) pairs.
+
+def pick_greedy(logits_row: torch.Tensor, children: list[tuple[int, int]]
+                ) -> tuple[int, int | None]:
+    """The target's argmax, and the child that drafted it (None: no child did)."""
+    token = int(logits_row.argmax())
+    return token, next((row for row, draft in children if draft == token), None)
+
+
+def pick_sampled(probs_row: torch.Tensor, children: list[tuple[int, int]],
+                 generator: torch.Generator | None = None) -> tuple[int, int | None]:
+    """Exact: each child's draft in turn is kept with the probability the target's remaining
+    distribution gives it, and removed from that distribution when rejected; after the last,
+    a draw from what remains. Draft i is emitted with probability p_i (rejected drafts before
+    it leave p_i / (1 - theirs) to a draw that happens with probability 1 - theirs), and every
+    other token with its p: the target's distribution (SpecInfer's multi-draft rule for
+    one-hot drafts)."""
+    p = probs_row.clone()
+    for row, draft in children:
+        total = float(p.sum())
+        if total <= 0:
+            break
+        if float(torch.rand(1, generator=generator, device=p.device)) * total < float(p[draft]):
+            return draft, row
+        p[draft] = 0.0
+    if float(p.sum()) <= 0:          # rounding left no mass: the target's own distribution
+        p = probs_row
+    return _draw(p / p.sum(), generator), None
+
+
+def pick_typical(probs_row: torch.Tensor, children: list[tuple[int, int]],
+                 rule: TypicalAcceptance, generator: torch.Generator | None = None
+                 ) -> tuple[int, int | None]:
+    """Not exact: the first child whose draft clears the typical bar (as verify_typical),
+    else a draw from the target's distribution."""
+    entropy = -(probs_row * probs_row.clamp_min(1e-30).log()).sum()
+    bar = min(rule.threshold, rule.alpha * float(torch.exp(-entropy)))
+    for row, draft in children:
+        if float(probs_row[draft]) > bar:
+            return draft, row
+    return _draw(probs_row, generator), None
