@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kvslim.engine.speculative import verify
-from kvslim.engine.speculative.verify import (TypicalAcceptance, verify_greedy, verify_sampled,
-                                              verify_typical)
+from kvslim.engine.speculative.verify import (TypicalAcceptance, pick_greedy, pick_sampled,
+                                              verify_greedy, verify_sampled, verify_typical)
 
 VOCAB, LENGTH, RUNS = 5, 3, 4000
 CHI2_CRITICAL = 18.467          # chi-squared, 4 degrees of freedom, significance 0.001
@@ -101,3 +101,35 @@ def test_typical_acceptance_is_not_the_target_distribution():
     g = torch.Generator().manual_seed(0)
     firsts = [verify_typical(p, [0], TypicalAcceptance(), g)[0] for _ in range(200)]
     assert firsts.count(0) == 200
+
+
+def test_a_tree_row_takes_the_child_whose_draft_is_the_argmax():
+    row = torch.tensor([0., 3, 9, 1])
+    assert pick_greedy(row, [(5, 1), (6, 2)]) == (2, 6)
+    assert pick_greedy(row, [(5, 1), (6, 3)]) == (2, None)       # no child drafted it
+    assert pick_greedy(row, []) == (2, None)                     # a leaf: the bonus token
+
+
+def _tree_row_counts(p: torch.Tensor, children, runs: int, exact: bool = True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    counts = torch.zeros(VOCAB)
+    for _ in range(runs):
+        token, child = pick_sampled(p, children, g)
+        if exact:                        # a draft is only ever taken as its child's
+            assert child == dict((d, r) for r, d in children).get(token)
+        counts[token] += 1
+    return counts
+
+
+def test_a_tree_rows_sampled_token_follows_the_target_distribution(monkeypatch):
+    """Three children tried in turn, each rejection taken out of the distribution: the token
+    is a draw from p (chi-squared over the 5 tokens); drawing after the last rejection from p
+    itself instead of what remains of it fails the same check."""
+    p = _positional(3, 1)[0]
+    children = [(1, 3), (2, 0), (3, 4)]
+    counts = _tree_row_counts(p, children, RUNS)
+    assert ((counts - p * RUNS) ** 2 / (p * RUNS)).sum() < CHI2_CRITICAL
+    monkeypatch.setattr(verify, "_draw", lambda probs, g: int(torch.multinomial(p, 1,
+                                                                                generator=g)))
+    broken = _tree_row_counts(p, children, RUNS, exact=False)
+    assert ((broken - p * RUNS) ** 2 / (p * RUNS)).sum() > CHI2_CRITICAL
