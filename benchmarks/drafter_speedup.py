@@ -18,7 +18,6 @@ from tqdm import tqdm
 
 from kvslim import LLM, SamplingParams
 from kvslim.drafters.kind import drafter_kind
-from kvslim.engine.speculative.decoder import SpecDecodeStats
 from kvslim.experiments.speculative.workloads import QUESTIONS
 
 
@@ -33,13 +32,14 @@ def timed(llm: LLM, conversations, params, batch: int) -> tuple[float, list[list
 def spec_row(llm: LLM, label: str, conversations, params, batch: int, base_s: float,
              expected) -> dict:
     """One speculating engine's run, its warm-up's counts left out."""
-    k = llm.engine.config.speculative.num_speculative_tokens
     timed(llm, conversations[:2], params, batch)
-    llm.engine.spec.stats = SpecDecodeStats(drafted_per_position=[0] * k,
-                                            accepted_per_position=[0] * k)
+    llm.engine.spec.reset_stats()
     seconds, answers = timed(llm, conversations, params, batch)
     stats = llm.engine.spec.stats
-    return {"batch": batch, "method": label, "seconds": round(seconds, 2),
+    tree = {} if not stats.accepted_per_node else {
+        "verifications": stats.num_verifications, "accepted_per_node": stats.accepted_per_node,
+        "accepted_off_chain": stats.num_accepted_off_chain}
+    return tree | {"batch": batch, "method": label, "seconds": round(seconds, 2),
             "tokens": sum(map(len, answers)), "identical": answers == expected,
             "speedup": round(base_s / seconds, 3),
             "mean_accepted_length": round(stats.mean_accepted_length, 3),

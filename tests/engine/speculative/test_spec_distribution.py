@@ -1,6 +1,6 @@
 """Sampling through the engine keeps the target's distribution: over many seeds, the joint
-distribution of the first tokens drawn with a draft model's speculation, or with a trained
-EAGLE head's, matches plain sampling's (two-sample chi-squared), and
+distribution of the first tokens drawn with a draft model's speculation, a trained EAGLE
+head's, or a tree of Medusa candidates, matches plain sampling's (two-sample chi-squared), and
 the same check fails with a broken acceptance rule."""
 from collections import Counter
 
@@ -99,6 +99,23 @@ def test_an_eagle_heads_sampling_matches_plain_sampling(hf_checkpoints, plain_co
     stat, dof = _chi2(plain_counts, _pairs(eng))
     stats = eng.spec_decode_stats()
     assert 0.1 * stats.num_draft_tokens < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stat < chi2_critical(dof), (stat, dof)
+
+
+def test_a_medusa_trees_sampling_matches_plain_sampling(hf_checkpoints, plain_counts,
+                                                       tmp_path):
+    """Untrained Medusa heads guess the target's own best tokens of the position before: with
+    four of them (max_tokens 3 leaves one depth), siblings are tried in turn and rejections
+    taken out of p."""
+    from engine.speculative.test_medusa_engine import write_heads
+    model = hf_checkpoints["gqa"]
+    heads = write_heads(tmp_path / "heads", model, scale=0.0)
+    spec = {"method": "medusa", "model": heads, "disable_by_batch_size": None,
+            "tree": [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [2, 0]]}
+    eng = engine(model, max_num_seqs=64, speculative=spec)
+    stat, dof = _chi2(plain_counts, _pairs(eng))
+    stats = eng.spec_decode_stats()
+    assert 0 < stats.num_accepted_off_chain < stats.num_draft_tokens
     assert stat < chi2_critical(dof), (stat, dof)
 
 

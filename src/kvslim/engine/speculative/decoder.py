@@ -30,8 +30,11 @@ class SpecDecodeStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     num_proposals: int = 0               # steps that asked the proposer for drafts
-    # Trees: accepted tokens past where the path left the proposer's best chain (what the
-    # tree's other candidates added).
+    # Trees: per node of the configured tree, how often it was fed and how often it lay on
+    # the accepted path (what a tree's shape is chosen from: benchmarks/tree_shape.py), and
+    # the accepted tokens off the proposer's best chain (what the other candidates added).
+    drafted_per_node: list[int] = field(default_factory=list)
+    accepted_per_node: list[int] = field(default_factory=list)
     num_accepted_off_chain: int = 0
     propose_seconds: float = 0.0         # wall time spent drafting in them
 
@@ -75,8 +78,7 @@ class SpeculativeDecoder:
                                    config.num_speculative_tokens)
         self.draft = draft
         self.learned = learned
-        k = config.num_speculative_tokens
-        self.stats = SpecDecodeStats(drafted_per_position=[0] * k, accepted_per_position=[0] * k)
+        self.reset_stats()
         self.draft_probs: dict[int, torch.Tensor] = {}      # seq_id -> q of its drafts
         self._backoff: dict[int, _Backoff] = {}
         self._engine_wide = _Backoff()       # the same windows over every sequence's drafts
@@ -84,6 +86,13 @@ class SpeculativeDecoder:
         # Sequences that take a tree's best chain instead of the tree (set by the engine:
         # those whose grammar masks are computed along a chain of drafts).
         self.verifies_chains_only: Callable[[Sequence], bool] = lambda seq: False
+
+    def reset_stats(self) -> None:
+        """Counts from zero (a benchmark leaves its warm-up out)."""
+        k = self.config.num_speculative_tokens
+        nodes = 0 if self.config.tree is None else len(self.config.tree.paths)
+        self.stats = SpecDecodeStats(drafted_per_position=[0] * k, accepted_per_position=[0] * k,
+                                     drafted_per_node=[0] * nodes, accepted_per_node=[0] * nodes)
 
     def propose(self, running: list[Sequence]) -> None:
         """Set spec_token_ids (and, for a draft model, draft_probs) on the generating
@@ -153,8 +162,21 @@ class SpeculativeDecoder:
             s.drafted_per_position[i] += 1
             s.accepted_per_position[i] += i < accepted
         if parents is not None:
-            s.num_accepted_off_chain += accepted - _on_best_chain(drafts, parents, results)
+            self._record_nodes(drafts, parents, results)
         self._update_backoff(seq, depth, accepted)
+
+    def _record_nodes(self, drafts: list[int], parents: list[int], results: list) -> None:
+        """The accepted path through the tree, found from the tokens (siblings draft distinct
+        tokens); the drafts are the tree's first nodes (a cut tree has fewer)."""
+        s, paths = self.stats, self.config.tree.paths
+        for i in range(len(drafts)):
+            s.drafted_per_node[i] += 1
+        node = -1
+        for result in results[:-1]:
+            node = next(i for i, p in enumerate(parents)
+                        if p == node and drafts[i] == result.token_id)
+            s.accepted_per_node[node] += 1
+            s.num_accepted_off_chain += any(paths[node])
 
     def _update_backoff(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A sequence whose acceptance over the last `backoff_window` drafted tokens is below
@@ -184,17 +206,3 @@ class SpeculativeDecoder:
             if proposer is not None:
                 proposer.release(seq_ids)
 
-
-def _on_best_chain(drafts: list[int], parents: list[int], results: list) -> int:
-    """How many of the accepted tokens follow the tree's best chain (each node's first child,
-    the proposer's best guess after it)."""
-    first_child: dict[int, int] = {}
-    for i, parent in enumerate(parents):
-        first_child.setdefault(parent, i)
-    node, n = -1, 0
-    for result in results[:-1]:
-        node = first_child.get(node, -2)
-        if node < 0 or drafts[node] != result.token_id:
-            break
-        n += 1
-    return n
