@@ -34,11 +34,16 @@ MAX_NODES = 63
 
 def probe_tree(method: str, width: int, depth: int) -> list[list[int]]:
     if method == "eagle":
-        return [[0] * d + [r] for d in range(depth) for r in range(width)]
+        return by_depth([[0] * d + [r] for d in range(depth) for r in range(width)])
     paths = [list(p) for n in range(1, depth + 1)
              for p in itertools.product(range(width), repeat=n)]
     paths.sort(key=lambda p: (sum(p), len(p), p))     # a path's prefixes sort before it
-    return paths[:MAX_NODES]
+    return by_depth(paths[:MAX_NODES])
+
+
+def by_depth(paths: list[list[int]]) -> list[list[int]]:
+    """The order of DraftTree's nodes, which the per-node counts follow."""
+    return sorted(paths, key=lambda p: (len(p), p))
 
 
 def best_trees(paths: list[list[int]], accepted: list[int], verifications: int,
@@ -47,7 +52,7 @@ def best_trees(paths: list[list[int]], accepted: list[int], verifications: int,
     before a child accepted as often) and the accepted length they are expected to give."""
     rate = [a / max(1, verifications) for a in accepted]
     order = sorted(range(len(paths)), key=lambda i: (-rate[i], len(paths[i]), paths[i]))
-    return [{"size": n, "tree": sorted((paths[i] for i in order[:n]), key=lambda p: (len(p), p)),
+    return [{"size": n, "tree": by_depth([paths[i] for i in order[:n]]),
              "expected_accepted_length": round(1 + sum(rate[i] for i in order[:n]), 3)}
             for n in sizes if n <= len(paths)]
 

@@ -16,6 +16,9 @@ def register_speculative(esub) -> None:
     g.add_argument("--drafters", nargs="*", default=[], metavar="DIR",
                    help="SmolLM2 drafters made by kvslim train-drafter (Medusa or EAGLE), "
                         "measured beside the other proposers")
+    g.add_argument("--drafter-tree", default="", metavar="JSON",
+                   help="also each drafter with this tree of candidates, e.g. '[[0], [1]]' "
+                        "(benchmarks/tree_shape.py measures which)")
     g.add_argument("--test", default="../shared/corpus/test.txt")
     g.add_argument("--calib", default="../shared/corpus/train.txt",
                    help="calibration text for SmolLM2's MQA conversion")
@@ -60,6 +63,9 @@ def _targets(args, work_dir):
             heads = json.loads((Path(path) / "config.json").read_text()).get("medusa_num_heads")
             proposers[f"{kind} {Path(path).name}"] = {"method": kind, "model": path,
                                                       "num_speculative_tokens": min(k, heads or k)}
+            if args.drafter_tree:
+                proposers[f"{kind} {Path(path).name} tree"] = {
+                    "method": kind, "model": path, "tree": args.drafter_tree}
         targets.append(Target("SmolLM2-135M", str(dirs["f32"]), proposers, chat=True))
     return targets
 
@@ -85,9 +91,11 @@ def run_speculative(args) -> int:
         torch.set_num_threads(args.threads)
     try:
         adaptive = json.loads(args.adaptive)
+        args.drafter_tree = json.loads(args.drafter_tree) if args.drafter_tree else None
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError as e:
-        raise KvslimError(f"--adaptive must be JSON and --batches integers: {e}") from None
+        raise KvslimError(f"--adaptive and --drafter-tree must be JSON and --batches "
+                          f"integers: {e}") from None
     cfg = SpecExperimentConfig(_targets(args, args.work_dir), args.test, args.work_dir,
                                batches, args.max_tokens, repeats=args.repeats, adaptive=adaptive)
     exp = SpecExperiment(cfg, show_progress=not args.json)
