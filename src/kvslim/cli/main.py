@@ -20,7 +20,7 @@ from kvslim.errors import KvslimError
 
 COMMAND_MODULES = ["train_cmds", "model_cmds", "generate_cmds", "demo_cmds", "surgery_cmds",
                    "quantize_cmds", "experiment_cmds", "serve_cmds", "memory_cmds", "bench_cmds",
-                   "drafter_cmds"]
+                   "drafter_cmds", "prune_cmds"]
 
 
 def build_parser() -> argparse.ArgumentParser:

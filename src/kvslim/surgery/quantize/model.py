@@ -115,7 +115,7 @@ def layer0_inputs(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: in
 
 
 @torch.no_grad()
-def _hessian(layer: torch.nn.Module, linear: torch.nn.Module, inputs: list[tuple]) -> Hessian:
+def layer_hessian(layer: torch.nn.Module, linear: torch.nn.Module, inputs: list[tuple]) -> Hessian:
     hessian = Hessian(linear.in_features)
     hook = linear.register_forward_pre_hook(lambda module, args: hessian.add(args[0]))
     try:
@@ -172,8 +172,9 @@ def quantize_layers(model: LlamaForCausalLM, spec: QuantSpec, windows: torch.Ten
             elif method in ("rtn", "awq"):
                 result = rtn_quantize(linear.weight, spec.bits, spec.group_size, spec.sym)
             else:
-                result = gptq_quantize(linear.weight, _hessian(layer, linear, inputs).matrix,
-                                       spec.bits, spec.group_size, spec.sym, spec.desc_act)
+                hessian = layer_hessian(layer, linear, inputs).matrix
+                result = gptq_quantize(linear.weight, hessian, spec.bits, spec.group_size,
+                                       spec.sym, spec.desc_act)
             linear.weight.copy_(result.dequantize().to(linear.weight.dtype))
             out[f"model.layers.{i}.{sub}"] = result
         if inputs is not None:
