@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from kvslim.attention.tree import TreeRows
 from kvslim.engine.block_manager import BlockManager
@@ -38,9 +39,10 @@ class ScheduledSequence:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_parents: list[int] | None = None
 
-    @property
+    @cached_property
     def tree(self) -> TreeRows | None:
-        """The step's rows as a tree (row 0 the sequence's last token), for a tree of drafts."""
+        """The step's rows as a tree (row 0 the sequence's last token), for a tree of drafts;
+        built once, read by the runner and the attention metadata."""
         if self.draft_parents is None:
             return None
         return draft_tree_rows(self.draft_parents)
@@ -217,9 +219,7 @@ class Scheduler:
             if victim is seq:
                 return None, refund
         copies = self.bm.append_slots(seq, n)
-        entry = self._entry(seq, n, copies, list(drafts))
-        entry.draft_parents = parents
-        return entry, refund
+        return self._entry(seq, n, copies, list(drafts), parents), refund
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
@@ -254,11 +254,13 @@ class Scheduler:
 
     @staticmethod
     def _entry(seq: Sequence, n: int, copies: list[tuple[int, int]],
-               drafts: list[int] | None = None) -> ScheduledSequence:
+               drafts: list[int] | None = None, parents: list[int] | None = None
+               ) -> ScheduledSequence:
         start = seq.num_computed_tokens
         sample = start + n - len(drafts or ()) == seq.num_tokens
         num_samples = seq.params.num_sequences if sample and seq.fork_pending else 1
-        return ScheduledSequence(seq, n, sample, num_samples, start, copies, drafts or [])
+        return ScheduledSequence(seq, n, sample, num_samples, start, copies, drafts or [],
+                                 parents)
 
     # ---- after the model ran -------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, list]) -> list[Sequence]:
