@@ -31,6 +31,11 @@ def attend(step, backend: str, window):
     return attn.attend(0, step.q, step.k, step.v, 0.3), kv
 
 
+def path(tree: TreeRows, row: int) -> list[int]:
+    """The rows from the root to `row`, in order."""
+    return path(tree, tree.parents[row]) + [row] if row >= 0 else []
+
+
 def reference_row(kv, q_row, slots: list[int], kvh: int) -> torch.Tensor:
     flat = kv.double().flatten(1, 2)                       # [K/V, pool slots, kvh, D]
     keys, values = flat[0, slots], flat[1, slots]          # [n, kvh, D]
@@ -60,7 +65,7 @@ def test_tree_rows_read_their_prefix_and_ancestors(backend, cached, window):
     for row in range(len(PARENTS)):
         position = cached + tree.depths[row]
         lo = 0 if window is None else max(0, position - window + 1)
-        slots = [slot(p) for p in range(lo, cached)] + [slot(cached + a) for a in tree.path(row)]
+        slots = [slot(p) for p in range(lo, cached)] + [slot(cached + a) for a in path(tree, row)]
         ref = reference_row(kv, step.q[first + row], slots, kvh)
         torch.testing.assert_close(out[first + row].double(), ref, atol=1e-5, rtol=1e-5)
 

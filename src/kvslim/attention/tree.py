@@ -45,11 +45,3 @@ class TreeRows:
         bits = torch.tensor(self.bits, dtype=torch.long, device=device)
         shifts = torch.arange(n, device=device)
         return (bits[:, None] >> shifts[None, :]) & 1 == 1
-
-    def path(self, row: int) -> list[int]:
-        """The rows from the root to `row`, in order."""
-        out = []
-        while row >= 0:
-            out.append(row)
-            row = self.parents[row]
-        return out[::-1]
