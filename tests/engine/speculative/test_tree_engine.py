@@ -97,3 +97,14 @@ def test_trees_that_cannot_be_served_are_refused(hf_checkpoints, tmp_path):
     with pytest.raises(KvslimError, match="1 to 63 nodes"):
         engine(model, speculative=dict(method="medusa", model=heads,
                                        tree=[[i] for i in range(64)]))
+
+
+def test_gemma3_trees_keep_greedy_output_and_windows_bound_the_depth(hf_checkpoints, tmp_path):
+    """Local layers with a window of 7 between global ones: a tree's rows read their own
+    window; a depth reaching the window is refused (a row's ancestors must lie inside it)."""
+    model = hf_checkpoints["gemma3"]
+    head = write_eagle(tmp_path / "eagle", model, "random", window=16, draft_vocab=64)
+    greedy_equals_plain(model, tree_spec(eagle, head, BEST_CHAIN), "ample")
+    with pytest.raises(KvslimError, match="num_speculative_tokens 7 reaches the model's "
+                                          "sliding window of 7"):
+        engine(model, speculative=eagle(head, 7))
