@@ -30,6 +30,9 @@ DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+# The config.json key `kvslim prune` records what it did under: a pruned model is not pruned
+# again, and uptraining keeps its zeros.
+PRUNING_KEY = "kvslim_pruning"
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -115,6 +118,11 @@ class ModelConfig:
         """How the decoder's linear layers are quantized (config.json `quantization_config`)."""
         cfg = self.raw.get("quantization_config")
         return None if cfg is None else QuantSpec.from_hf(cfg)
+
+    @property
+    def pruning(self) -> dict | None:
+        """What `kvslim prune` did to the decoder's linears (method, sparsity, pattern)."""
+        return self.raw.get(PRUNING_KEY)
 
     @property
     def v_head_dim(self) -> int:

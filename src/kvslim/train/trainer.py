@@ -21,6 +21,7 @@ from kvslim.formats.writer import copy_tokenizer_files, save_model
 from kvslim.train.distill import Distiller, load_teacher
 from kvslim.train.data import eval_windows, random_windows, tokenize_file
 from kvslim.train.legacy_state import fuse_optimizer_state, is_unfused_state
+from kvslim.train.pruned_masks import PrunedMasks
 from kvslim.train.tokenizer_train import train_tokenizer
 from kvslim.train.train_config import TrainConfig
 
@@ -96,6 +97,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     torch.manual_seed(cfg.seed)
     model, optimizer, start = _model_and_optimizer(cfg, tokenizer, out, device)
     loss_fn = make_loss(cfg, model, tokenizer, device)
+    pruned = PrunedMasks.of(model)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
                 if cfg.dtype == "bfloat16" else contextlib.nullcontext())
     progress = _Progress(cfg, out, start, show_progress)
@@ -103,7 +105,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     for step in range(start, cfg.steps):
         lr = cfg.lr_at(step)
         loss_sum, grad_norm = _train_step(model, optimizer, cfg, train_tokens, step, lr,
-                                          device, autocast, loss_fn)
+                                          device, autocast, loss_fn, pruned)
         done = step + 1
         metrics = {"step": done, "loss": round(loss_sum, 5), "lr": lr,
                    "grad_norm": round(grad_norm, 4)}
@@ -151,9 +153,10 @@ def make_loss(cfg: TrainConfig, model: LlamaForCausalLM, tokenizer: Tokenizer,
 
 
 def _train_step(model: LlamaForCausalLM, optimizer, cfg: TrainConfig, train_tokens, step: int,
-                lr: float, device: torch.device, autocast, loss_fn=lm_loss
-                ) -> tuple[float, float]:
-    """One optimizer step over `grad_accum` micro-batches; returns (loss, gradient norm)."""
+                lr: float, device: torch.device, autocast, loss_fn=lm_loss,
+                pruned: PrunedMasks | None = None) -> tuple[float, float]:
+    """One optimizer step over `grad_accum` micro-batches; returns (loss, gradient norm). A
+    pruned model's zeros stay zero (`pruned`)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss_sum = 0.0
@@ -164,8 +167,12 @@ def _train_step(model: LlamaForCausalLM, optimizer, cfg: TrainConfig, train_toke
             loss = loss_fn(model, batch) / cfg.grad_accum
         loss.backward()
         loss_sum += loss.item()
+    if pruned is not None:
+        pruned.mask_gradients()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
     optimizer.step()
+    if pruned is not None:
+        pruned.mask_weights()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 
