@@ -1,9 +1,11 @@
 """`kvslim experiment gqa` (the GQA uptraining experiment) and `kvslim experiment quant` (every
-quantization mode beside its peers), each writing its report."""
+quantization mode beside its peers), each writing its report; `speculative` and `prune` are
+registered from their own files."""
 from __future__ import annotations
 
-import shlex
 import sys
+
+from kvslim.cli.report_command import report_args as _report_args
 
 
 def register(sub) -> None:
@@ -42,6 +44,8 @@ def register(sub) -> None:
     _register_quant(esub)
     from kvslim.cli.experiment_spec_cmds import register_speculative
     register_speculative(esub)
+    from kvslim.cli.experiment_prune_cmds import register_prune
+    register_prune(esub)
 
 
 def _ints(text: str) -> list[int]:
@@ -191,23 +195,3 @@ def _parse_shard(text: str) -> tuple[int, int]:
     if not 0 <= i < n:
         raise KvslimError(f"--shard {text}: need 0 <= I < N")
     return i, n
-
-
-def _report_args(argv: list[str],
-                 drop: tuple[str, ...] = ("--shard", "--threads")) -> list[str]:
-    """The command line to print in the report: without --report-only, --json, --quiet and the
-    options in `drop` (how the work was split and shown does not change the numbers; the gqa
-    experiment's perplexities do not depend on --threads either)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in drop:
-            skip = True
-            continue
-        if a in ("--report-only", "--json", "--quiet") or a.startswith(
-                tuple(f"{d}=" for d in drop)):
-            continue
-        out.append(shlex.quote(a))
-    return out

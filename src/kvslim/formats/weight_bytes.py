@@ -38,8 +38,13 @@ def stored_weight_bytes(model_dir: str | Path) -> WeightBytes:
         for name, size in _safetensors_sizes(path).items():
             if name != skip:
                 total += size
-                linear += size if _LINEAR.fullmatch(name) else 0
+                linear += size if is_linear_tensor(name) else 0
     return WeightBytes(total, linear)
+
+
+def is_linear_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor belongs to one of the decoder's linear layers."""
+    return _LINEAR.fullmatch(name) is not None
 
 
 def gguf_weight_bytes(path: str | Path) -> WeightBytes:

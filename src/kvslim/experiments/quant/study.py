@@ -23,9 +23,10 @@ from kvslim.experiments.quant.arms import (Arm, Ctx, ModelSource, NotAvailable, 
                                            cli_build, plan)
 from kvslim.bench.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
 from kvslim.experiments.quant.measure import measure
+from kvslim.experiments.sources import float_model_source
+from kvslim.experiments.sources import model_key as _model_key
 
 RESULTS = "results.json"
-DEFAULT_MODEL_ALIASES = ("smollm2", "default")
 
 
 @dataclass
@@ -154,26 +155,8 @@ class QuantExperiment:
     def _source(self, model: str) -> ModelSource:
         """A directory is taken as it is; "smollm2" is the embedded model's GGUF and a .gguf
         path a file: both imported to float32 once (their arm "gguf-shipped" keeps the file)."""
-        key = _model_key(model)
-        gguf = None
-        if model in DEFAULT_MODEL_ALIASES:
-            from kvslim.formats.registry import default_model_gguf
-            gguf = default_model_gguf()
-        elif model.endswith(".gguf"):
-            gguf = Path(model)
-        if gguf is None:
-            if not (Path(model) / "config.json").is_file():
-                raise KvslimError(f"model not found: {model} (a model directory, a .gguf file "
-                                  "or smollm2)")
-            return ModelSource(key, Path(model))
-        float_dir = self.work / key / "float32-import"
-        if not (float_dir / "config.json").is_file():
-            import shutil
-            from kvslim.formats.gguf.importer import import_gguf
-            tmp = float_dir.with_name(float_dir.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            import_gguf(gguf, tmp, show_progress=self.cfg.show_progress).rename(float_dir)
-        return ModelSource(key, float_dir, gguf)
+        float_dir, gguf = float_model_source(model, self.work, self.cfg.show_progress)
+        return ModelSource(_model_key(model), float_dir, gguf)
 
     # ---- llama.cpp -----------------------------------------------------------------------
     def peer_gguf(self, kind: str) -> Path:
@@ -224,12 +207,6 @@ class QuantExperiment:
         from kvslim.tokenizer.tokenizer import Tokenizer
         from kvslim.train.data import tokenize_file
         return tokenize_file(self.cfg.test, Tokenizer.from_dir(model_dir), show_progress=False)
-
-
-def _model_key(model: str) -> str:
-    if model in DEFAULT_MODEL_ALIASES:
-        return "smollm2"
-    return Path(model).stem if model.endswith(".gguf") else Path(model).name
 
 
 def _summary(r: ArmResult) -> str:
