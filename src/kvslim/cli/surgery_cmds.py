@@ -37,7 +37,8 @@ def register(sub) -> None:
                    help="print the result (per-layer KV heads, measured losses) as JSON")
     p.set_defaults(func=run_convert)
 
-    p = sub.add_parser("uptrain", help="continue training a converted model")
+    p = sub.add_parser("uptrain", help="continue training a converted or pruned model (a "
+                                       "pruned model's zeros stay zero)")
     p.add_argument("model", metavar="MODEL", help="model directory to start from")
     p.add_argument("--data", required=True)
     p.add_argument("--valid")
