@@ -87,3 +87,37 @@ def to_gptq(prefix: str, tensors: dict[str, torch.Tensor], spec: QuantSpec
             "scales": scales,
             "g_idx": (group_index(in_features, spec.group_size) if g_idx is None
                       else g_idx.to(torch.int32))}
+
+
+def from_gptq(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Tensor]:
+    """The inverse of `to_gptq`, for writing: one layer's GPTQ tensors (`pack_gptq`'s, no
+    act-order) as pack-quantized ones. Symmetric: no zero point is stored, every group's must
+    be 2^(bits-1)."""
+    zeros = spec.zeros_from_stored(unpack_int32(tensors["qzeros"], spec.bits, dim=1))
+    if spec.desc_act or (spec.sym and bool((zeros != 2 ** (spec.bits - 1)).any())):
+        raise ValueError("pack-quantized is written for groups in input order, symmetric "
+                         "ones with their zero point at 2^(bits-1)")
+    packed = tensors["qweight"].t().contiguous()
+    out = {"weight_packed": packed,
+           "weight_scale": tensors["scales"].t().contiguous(),
+           "weight_shape": torch.tensor([packed.shape[0], packed.shape[1] * spec.pack])}
+    if not spec.sym:
+        out["weight_zero_point"] = pack_int32(zeros, spec.bits, dim=1).t().contiguous()
+    return out
+
+
+def quantization_config_pack(spec: QuantSpec) -> dict:
+    """config.json's quantization_config for `spec` in format "pack-quantized", the fields
+    llm-compressor writes for its W4A16 schemes (one group for every Linear, lm_head left
+    out)."""
+    channel = spec.group_size == -1
+    weights = {"num_bits": spec.bits, "type": "int", "symmetric": spec.sym,
+               "strategy": "channel" if channel else "group",
+               "group_size": None if channel else spec.group_size, "dynamic": False,
+               "actorder": None, "block_structure": None, "observer": "minmax",
+               "observer_kwargs": {}}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed", "kv_cache_scheme": None, "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": None,
+                                          "output_activations": None}}}

@@ -2,11 +2,13 @@
 
 The model is built on the meta device, its parameters are then allocated once in their final
 dtype and device, and each tensor read from the safetensors file is copied into its place
-(`LlamaForCausalLM.load_weights`), so no second full copy of the weights exists."""
+(`LlamaForCausalLM.load_weights`), so no second full copy of the weights exists. Weights stored
+sparse (compressed-tensors' bitmask layouts) are made dense as they are read."""
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from safetensors import safe_open
 from kvslim.errors import WeightsError
 from kvslim.formats.quant_layouts import LAYOUTS, gptq_weights
 from kvslim.formats.compressed_tensors_int import is_symmetric_zero_point
+from kvslim.formats.compressed_tensors_sparse import dense_weights, stored_sparsity
 from kvslim.models.config import ModelConfig, parse_dtype
 from kvslim.models.families import family_of, model_class
 from kvslim.models.llama import LlamaForCausalLM
@@ -111,20 +114,35 @@ def _checked_weights(model_dir: Path, config: ModelConfig, expected: dict[str, t
     if spec is not None and family.quantized_unsupported:
         raise WeightsError(f"{model_dir}: quantized {config.architecture} checkpoints are not "
                            f"supported yet ({family.quantized_unsupported})")
+    entries = _entries(model_dir, config)
     if spec is not None and spec.method in LAYOUTS:
-        stored = ((path, name, f.get_tensor(name)) for path, f, name in _stored(model_dir, config))
+        stored = ((path, name, read()) for path, name, _, read in entries)
         for path, name, tensor in gptq_weights(spec, stored, expected):
             _check(path, name, tuple(tensor.shape), config, expected)
             yield name, tensor
         return
-    for path, f, name in _stored(model_dir, config):
+    for path, name, shape, read in entries:
         if family.translates(name):                  # e.g. Phi-3's fused qkv_proj
-            for part, tensor in family.from_checkpoint(name, f.get_tensor(name), config):
+            for part, tensor in family.from_checkpoint(name, read(), config):
                 _check(path, part, tuple(tensor.shape), config, expected)
                 yield part, tensor
             continue
-        _check(path, name, tuple(f.get_slice(name).get_shape()), config, expected)
-        yield name, f.get_tensor(name)
+        _check(path, name, shape, config, expected)
+        yield name, read()
+
+
+def _entries(model_dir: Path, config: ModelConfig) -> Iterator[tuple[Path, str, tuple, Any]]:
+    """(file, name, shape, read) for every weight the loader reads, `read()` giving the tensor:
+    read lazily, after its shape is checked, unless the checkpoint stores weights sparse
+    (compressed-tensors' bitmask layouts), whose tensors are read and made dense first."""
+    fmt = stored_sparsity(config)
+    if fmt is None:
+        for path, f, name in _stored(model_dir, config):
+            yield path, name, tuple(f.get_slice(name).get_shape()), partial(f.get_tensor, name)
+        return
+    stored = ((path, name, f.get_tensor(name)) for path, f, name in _stored(model_dir, config))
+    for path, name, tensor in dense_weights(fmt, stored):
+        yield path, name, tuple(tensor.shape), partial(lambda t: t, tensor)
 
 
 def _stored(model_dir: Path, config: ModelConfig) -> Iterator[tuple[Path, Any, str]]:

@@ -5,7 +5,9 @@ A config names a storage `format` (at the top, or per config group) and per conf
 scheme: which modules (`targets`), how their weights are quantized (`weights`) and whether their
 activations are (`input_activations`). `FORMATS` maps each storage format kvslim reads to the
 function that checks a scheme stored in it; a format missing there is refused with its name, and
-a new one is one more entry. "pack-quantized" tensors are converted to GPTQ's at load
+a new one is one more entry. A `sparsity_config` names how the linears' weights are stored
+sparse (`SPARSITY_FORMATS`; the tensors: formats/compressed_tensors_sparse.py); without
+config_groups the weights are float. "pack-quantized" tensors are converted to GPTQ's at load
 (formats/compressed_tensors.py), so those layers are `GPTQLinear`s; "int-quantized" is W8A8
 (w8a8.py). Field meanings and defaults follow compressed-tensors' `QuantizationArgs`
 (quantization/quant_args.py)."""
@@ -22,12 +24,14 @@ from kvslim.quantization.w8a8 import INPUTS, W8A8_SPEC, WEIGHTS
 PREFIX = "config.json: quantization_config"
 # Features of a config kvslim would silently get wrong if it ignored them.
 UNSUPPORTED_KEYS = {"kv_cache_scheme": "KV-cache quantization scales",
-                    "sparsity_config": "sparse weights",
                     "transform_config": "weight transforms"}
 # actorder values (aliases included): "group" stores weight_g_idx, "weight" only changed the
 # order GPTQ quantized the columns in, which the stored tensors do not show.
 ACTORDER_GROUP = (True, "group", "dynamic")
 ACTORDER_NONE = (None, False, "weight", "static")
+# sparsity_config formats read: bitmask-compressed weights, decompressed at load, or "dense"
+# (weights stored as without sparsity; the config only records it).
+SPARSITY_FORMATS = ("sparse-bitmask", "sparse-24-bitmask", "dense")
 
 
 def weight_only_int(scheme: dict[str, Any], where: str) -> QuantSpec:
@@ -110,11 +114,28 @@ FORMATS: dict[str, Callable[[dict[str, Any], str], QuantSpec]] = {
 }
 
 
-def compressed_tensors_spec(cfg: dict[str, Any]) -> QuantSpec:
-    """The one QuantSpec every quantized linear layer of the model follows."""
+def sparsity_format(cfg: dict[str, Any]) -> str | None:
+    """The storage format of the config's `sparsity_config`, None without one."""
+    sparsity = cfg.get("sparsity_config")
+    if not sparsity:
+        return None
+    if not isinstance(sparsity, dict):
+        raise ConfigError(f"{PREFIX} sparsity_config must be an object")
+    fmt = sparsity.get("format")
+    if fmt not in SPARSITY_FORMATS:
+        raise ConfigError(f"{PREFIX} sparsity_config.format {fmt!r} is not supported "
+                          f"({', '.join(map(repr, SPARSITY_FORMATS))})")
+    return fmt
+
+
+def compressed_tensors_spec(cfg: dict[str, Any]) -> QuantSpec | None:
+    """The one QuantSpec every quantized linear layer of the model follows; None for a
+    sparse-only checkpoint (a sparsity_config, no config_groups: float weights)."""
     for key, what in UNSUPPORTED_KEYS.items():
         if cfg.get(key):
             raise ConfigError(f"{PREFIX} {key} is set: {what} are not supported")
+    if sparsity_format(cfg) is not None and not cfg.get("config_groups"):
+        return None
     status = cfg.get("quantization_status", "compressed")
     if status != "compressed":
         raise ConfigError(f"{PREFIX} quantization_status {status!r} is not supported "
