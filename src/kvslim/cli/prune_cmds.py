@@ -23,6 +23,11 @@ def register(sub) -> None:
                    help="with --bits: input channels per scale (-1: one per output row)")
     p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
                    help="with --bits: symmetric grid")
+    p.add_argument("--format", default="dense", choices=("dense", "compressed-tensors"),
+                   help="dense: float weights (with --bits: the GPTQ layout); "
+                        "compressed-tensors: bitmask-compressed (sparse-24-bitmask for 2:4, "
+                        "sparse-bitmask otherwise), with --bits 8 --group-size -1 as W8A8 "
+                        "int-quantized, with --bits 4 pack-quantized")
     p.add_argument("--calib", help="calibration text file (wanda and sparsegpt)")
     p.add_argument("--calib-samples", type=int, default=128, help="calibration windows")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
@@ -41,9 +46,10 @@ def run_prune(args) -> int:
         spec = QuantSpec(args.bits, args.group_size, False, args.sym,
                          "gptq" if args.sym else "gptq_v2")
     out = prune_model(args.src, args.dst, args.method, target, spec, args.calib,
-                      args.calib_samples, args.seq_len, show_progress=not args.quiet)
+                      args.calib_samples, args.seq_len, show_progress=not args.quiet,
+                      output_format=args.format)
     summary = {"out": str(out), "method": args.method, "target": str(target),
-               "bits": args.bits}
+               "bits": args.bits, "format": args.format}
     if args.json:
         print(json.dumps(summary))
     else:

@@ -92,3 +92,20 @@ def test_pruned_or_quantized_sources_are_refused(hf_checkpoints, tmp_path, capsy
         assert main(["prune", str(tmp_path / source), str(tmp_path / "y"), *args]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
+
+
+def test_compressed_tensors_format_from_the_cli(hf_checkpoints, tmp_path, capsys):
+    """--format compressed-tensors: 2:4 weights stored sparse-24-bitmask (every decoder linear
+    compressed), loaded dense; the output is recognised as pruned."""
+    dst = tmp_path / "ct"
+    args = ["--method", "magnitude", "--pattern", "2:4", "--quiet"]
+    assert main(["prune", str(hf_checkpoints["gqa"]), str(dst), *args, "--format",
+                 "compressed-tensors", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "compressed-tensors"
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["quantization_config"]["sparsity_config"]["format"] == "sparse-24-bitmask"
+    assert cfg["kvslim_pruning"]["pattern"] == "2:4" and not linear_weights(dst)
+    w = load_model(dst, dtype=torch.float32).model.layers[0].mlp.down_proj.weight
+    assert ((w.view(-1, 4) == 0).sum(-1) >= 2).all()
+    assert main(["prune", str(dst), str(tmp_path / "again"), *args]) == 2
+    assert "already pruned" in capsys.readouterr().err

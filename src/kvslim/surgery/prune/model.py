@@ -6,7 +6,10 @@ whole Hessian. With `bits`, the kept weights are quantized too: SparseGPT jointl
 rounding errors fed forward with the pruning errors), magnitude and Wanda by round-to-nearest
 after pruning (a pruned weight lands on the grid's zero point: exactly zero). Written dense
 (float, loads in transformers) or, with `bits`, in the GPTQ layout; config.json records the
-pruning (`kvslim_pruning`), so a pruned model is not pruned again."""
+pruning (`kvslim_pruning`), so a pruned model is not pruned again. `output_format`
+"compressed-tensors" writes the same weights in compressed-tensors' sparse layouts instead
+(formats/compressed_tensors_sparse.py: bitmask-compressed, W8A8 with 8 bits, pack-quantized with
+4)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from kvslim.errors import KvslimError
+from kvslim.formats.compressed_tensors_sparse import check_sparse_output, sparse_checkpoint
 from kvslim.formats.gptq import QuantizedWeight, quantization_config
 from kvslim.formats.loader import load_model
 from kvslim.formats.writer import save_model
@@ -28,6 +32,7 @@ from kvslim.surgery.quantize.model import (LINEARS, check_options, layer0_inputs
 from kvslim.surgery.quantize.rtn import rtn_quantize
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
+OUTPUT_FORMATS = ("dense", "compressed-tensors")
 CONFIG_KEY = "kvslim_pruning"
 
 
@@ -104,8 +109,13 @@ def prune_layers(model: LlamaForCausalLM, method: str, target: SparsityTarget,
 def prune_model(src: str | Path, dst: str | Path, method: str, target: SparsityTarget,
                 spec: QuantSpec | None = None, calib: str | Path | None = None,
                 calib_samples: int = 128, seq_len: int = 512,
-                show_progress: bool = True) -> Path:
+                show_progress: bool = True, output_format: str = "dense") -> Path:
     """Write `dst`: the model at `src` with its decoder linears pruned (and quantized)."""
+    if output_format not in OUTPUT_FORMATS:
+        raise KvslimError(f"unknown --format {output_format!r}; choose one of "
+                          f"{', '.join(OUTPUT_FORMATS)}")
+    if output_format == "compressed-tensors":
+        check_sparse_output(spec)
     check_prune_options(ModelConfig.from_dir(src), method, target, calib, spec)
     model = load_model(src, dtype=torch.float32)
     windows = None
@@ -124,4 +134,7 @@ def prune_model(src: str | Path, dst: str | Path, method: str, target: SparsityT
     else:
         state = quantized_state_dict(model, results, spec)
         raw["quantization_config"] = quantization_config(spec)
+    if output_format == "compressed-tensors":
+        state, raw["quantization_config"] = sparse_checkpoint(
+            state, spec, record["pattern"] or "unstructured", record["sparsity"])
     return save_model(state, model.config.replace(raw=raw), dst, tokenizer_from=src)
