@@ -16,6 +16,11 @@ def register_speculative(esub) -> None:
     g.add_argument("--drafters", nargs="*", default=[], metavar="DIR",
                    help="SmolLM2 drafters made by kvslim train-drafter (Medusa or EAGLE), "
                         "measured beside the other proposers")
+    g.add_argument("--gemma3", default="", metavar="MODEL",
+                   help="also Gemma 3 (e.g. gemma3-270m, a base model: plain prompts) with "
+                        "n-gram and --gemma3-drafters; '' (default) skips it")
+    g.add_argument("--gemma3-drafters", nargs="*", default=[], metavar="DIR",
+                   help="Gemma 3 drafters made by kvslim train-drafter")
     g.add_argument("--drafter-tree", default="", metavar="JSON",
                    help="also each drafter with this tree of candidates, e.g. '[[0], [1]]' "
                         "(benchmarks/tree_shape.py measures which)")
@@ -40,7 +45,6 @@ def register_speculative(esub) -> None:
 def _targets(args, work_dir):
     from pathlib import Path
 
-    from kvslim.drafters.kind import drafter_kind
     from kvslim.experiments.speculative.records import Target
     from kvslim.experiments.speculative.study import smollm2_variants
     k = args.num_speculative_tokens
@@ -58,16 +62,30 @@ def _targets(args, work_dir):
         draft = {"method": "draft", "num_speculative_tokens": k}
         proposers = {"ngram": ngram, "4-bit self": {**draft, "model": str(dirs["q4"])},
                      "MQA self": {**draft, "model": str(dirs["mqa"])}}
-        for path in args.drafters:
-            kind = drafter_kind(path)
-            heads = json.loads((Path(path) / "config.json").read_text()).get("medusa_num_heads")
-            proposers[f"{kind} {Path(path).name}"] = {"method": kind, "model": path,
-                                                      "num_speculative_tokens": min(k, heads or k)}
-            if args.drafter_tree:
-                proposers[f"{kind} {Path(path).name} tree"] = {
-                    "method": kind, "model": path, "tree": args.drafter_tree}
+        proposers.update(_drafters(args.drafters, k, args.drafter_tree))
         targets.append(Target("SmolLM2-135M", str(dirs["f32"]), proposers, chat=True))
+    if args.gemma3:
+        proposers = {"ngram": ngram, **_drafters(args.gemma3_drafters, k, args.drafter_tree)}
+        targets.append(Target("Gemma-3-270M", args.gemma3, proposers))
     return targets
+
+
+def _drafters(paths: list[str], k: int, tree) -> dict[str, dict]:
+    """Each learned drafter's proposer (its chain of at most k tokens), and with `tree` also
+    the same drafter verifying that tree."""
+    from pathlib import Path
+
+    from kvslim.drafters.kind import drafter_kind
+    out = {}
+    for path in paths:
+        kind = drafter_kind(path)
+        heads = json.loads((Path(path) / "config.json").read_text()).get("medusa_num_heads")
+        out[f"{kind} {Path(path).name}"] = {"method": kind, "model": path,
+                                            "num_speculative_tokens": min(k, heads or k)}
+        if tree:
+            out[f"{kind} {Path(path).name} tree"] = {"method": kind, "model": path,
+                                                     "tree": tree}
+    return out
 
 
 def _machine() -> str:
