@@ -94,6 +94,15 @@ def test_pruned_or_quantized_sources_are_refused(hf_checkpoints, tmp_path, capsy
     assert not (tmp_path / "y").exists()
 
 
+def test_mixture_of_experts_models_are_refused(hf_checkpoints, tmp_path, capsys):
+    dst = tmp_path / "moe"
+    assert main(["prune", str(hf_checkpoints["mixtral"]), str(dst), "--method", "magnitude",
+                 "--sparsity", "0.5", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "mixture-of-experts" in err, err
+    assert not dst.exists()
+
+
 def test_compressed_tensors_format_from_the_cli(hf_checkpoints, tmp_path, capsys):
     """--format compressed-tensors: 2:4 weights stored sparse-24-bitmask (every decoder linear
     compressed), loaded dense; the output is recognised as pruned."""

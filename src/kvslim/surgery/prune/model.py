@@ -22,7 +22,7 @@ from kvslim.formats.compressed_tensors_sparse import check_sparse_output, sparse
 from kvslim.formats.gptq import QuantizedWeight, quantization_config
 from kvslim.formats.loader import load_model
 from kvslim.formats.writer import save_model
-from kvslim.models.config import ModelConfig, parse_dtype
+from kvslim.models.config import PRUNING_KEY, ModelConfig, parse_dtype
 from kvslim.models.llama import LlamaForCausalLM
 from kvslim.quantization import QuantSpec
 from kvslim.surgery.prune.masks import SparsityTarget, pruned_mask, wanda_scores
@@ -33,7 +33,7 @@ from kvslim.surgery.quantize.rtn import rtn_quantize
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 OUTPUT_FORMATS = ("dense", "compressed-tensors")
-CONFIG_KEY = "kvslim_pruning"
+CONFIG_KEY = PRUNING_KEY
 
 
 def check_prune_options(config: ModelConfig, method: str, target: SparsityTarget,
