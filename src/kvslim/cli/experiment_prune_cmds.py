@@ -20,7 +20,7 @@ def register_prune(esub) -> None:
                    help="fractions of each row and N:M patterns")
     g.add_argument("--quantized-targets", type=_list, default=["0.5", "2:4"],
                    help="targets also pruned with 4-bit kept weights")
-    g.add_argument("--group-size", type=int, default=128, help="4-bit grid: inputs per scale")
+    g.add_argument("--group-size", type=int, default=64, help="4-bit grid: inputs per scale")
     g.add_argument("--calib", default="../shared/corpus/train.txt")
     g.add_argument("--test", default="../shared/corpus/test.txt")
     g.add_argument("--calib-samples", type=int, default=32)

@@ -49,6 +49,10 @@ def test_every_arm_is_measured(tiny):
     assert results["dense-w4"].numbers["linear_bytes"] < results["dense"].numbers["linear_bytes"]
     assert "decode_tokens_per_s" in results["sparsegpt-2of4-w4"].numbers
     assert "decode_tokens_per_s" not in results["wanda-s50"].numbers
+    for name in ("sparsegpt-s50", "wanda-2of4"):          # compressed-tensors: values + bitmask
+        n = results[name].numbers
+        assert 0.5 < n["sparse_linear_bytes"] / n["linear_bytes"] < 0.6, name
+    assert "sparse_linear_bytes" not in results["sparsegpt-2of4-w4"].numbers
 
 
 def test_a_rerun_builds_nothing_and_the_report_follows_the_records(tiny):
@@ -60,7 +64,7 @@ def test_a_rerun_builds_nothing_and_the_report_follows_the_records(tiny):
     text = report.read_text()
     for g in goals(again):
         assert g.line() in text
-    assert "| 2:4 |" in text and "Recovery uptraining" in text
+    assert "| 2:4 |" in text and "Recovery uptraining" in text and "sparse-24-bitmask" in text
     assert (report.parent / "img" / "pruning.png").is_file()
     data = json.loads(report.with_suffix(".json").read_text())
     assert set(data["arms"]) == set(again.results)

@@ -89,8 +89,29 @@ def _model_section(exp: PruneExperiment, model: str) -> str:
     head = "| sparsity | " + " | ".join(cfg.methods) + " | zeros stored |\n"
     return (f"## {model}\n\nTest perplexity (change against dense):\n\n" + head
             + "|---" * (len(cfg.methods) + 2) + "|\n" + "\n".join(rows) + "\n\n"
-            + _quantized_table(exp, model) + _recovery_table(exp, model)
+            + _bytes_table(exp, model) + _quantized_table(exp, model)
+            + _recovery_table(exp, model)
             + _decode_table(exp, model))
+
+
+def _bytes_table(exp: PruneExperiment, model: str) -> str:
+    """The float pruned arms' linears as compressed-tensors sparse checkpoints (`kvslim prune
+    --format compressed-tensors`) against the dense-written ones."""
+    dense = numbers(exp, model, DENSE) or {}
+    rows = []
+    for t in exp.cfg.targets:
+        n = numbers(exp, model, arm_name(exp.cfg.methods[-1], t, None)) or {}
+        if "sparse_linear_bytes" in n:
+            fmt = "sparse-24-bitmask" if t == "2:4" else "sparse-bitmask"
+            rows.append(f"| {target_label(t)} | {fmt} | {n['linear_bytes'] / MB:.2f} | "
+                        f"{n['sparse_linear_bytes'] / MB:.2f} | "
+                        f"{n['sparse_linear_bytes'] / n['linear_bytes']:.2f} |")
+    if not rows:
+        return ""
+    bf16 = dense.get("linear_bf16_bytes", 0) / MB
+    return (f"Linears on disk, {exp.cfg.methods[-1]} arms (values in the checkpoint's dtype; "
+            f"bf16 dense: {bf16:.2f} MB):\n\n| sparsity | compressed-tensors format | dense MB | "
+            "sparse MB | ratio |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n")
 
 
 def _quantized_table(exp: PruneExperiment, model: str) -> str:

@@ -27,7 +27,7 @@ class PruneExperimentConfig:
                                                         "4:8"])
     quantized_targets: list[str] = field(default_factory=lambda: ["0.5", "2:4"])
     bits: int = 4
-    group_size: int = 128
+    group_size: int = 64                   # divides both models' inputs (704, 576, 1536)
     calib: str = "../shared/corpus/train.txt"
     test: str = "../shared/corpus/test.txt"
     work_dir: str = "runs/prune-study"
@@ -97,6 +97,7 @@ class PruneExperiment:
             key = model_key(model)
             todo = [a for a in self.arms(key)
                     if getattr(self.results.get(f"{key}/{a.name}"), "status", "") != "done"]
+            self._sparse_bytes(key)
             if not todo:
                 continue
             source, _ = float_model_source(model, self.work, self.cfg.show_progress)
@@ -110,6 +111,17 @@ class PruneExperiment:
                                f"{result.numbers.get('ppl', result.reason)} "
                                f"({result.seconds:.0f} s)")
 
+    def _sparse_bytes(self, key: str) -> None:
+        """Each finished float pruned arm's bytes as a compressed-tensors sparse checkpoint
+        (added to arms recorded before this was measured, too)."""
+        for arm in self.arms(key):
+            r = self.results.get(f"{key}/{arm.name}")
+            if (arm.method is None or arm.bits is not None or r is None or r.status != "done"
+                    or "sparse_linear_bytes" in r.numbers):
+                continue
+            r.numbers.update(compressed_tensors_bytes(self.work / key / arm.name, arm))
+            self._save(r)
+
     def _run_arm(self, key: str, arm: Arm, source: Path) -> ArmResult:
         start = time.time()
         result = ArmResult(key, arm.name, "done")
@@ -121,6 +133,8 @@ class PruneExperiment:
             built = time.time() - start
             result.numbers = {"build_seconds": round(built, 1),
                               **measure(arm, model_dir, self.cfg)}
+            if arm.method is not None and arm.bits is None:
+                result.numbers.update(compressed_tensors_bytes(model_dir, arm))
         except Exception as e:                       # one arm's failure must not stop the rest
             result.status, result.reason = "failed", f"{type(e).__name__}: {e}"
         result.seconds = round(time.time() - start, 1)
@@ -185,3 +199,32 @@ def linear_zero_fraction(model_dir: Path) -> float:
                     w = f.get_tensor(name)
                     zeros, total = zeros + int((w == 0).sum()), total + w.numel()
     return zeros / max(1, total)
+
+
+def compressed_tensors_bytes(model_dir: Path, arm: Arm) -> dict:
+    """The arm's weights written as `kvslim prune --format compressed-tensors` writes them
+    (sparse-24-bitmask for 2:4, sparse-bitmask otherwise; values in the stored dtype), measured
+    on disk and removed."""
+    import shutil
+    import tempfile
+
+    import torch
+
+    from kvslim.formats.compressed_tensors_sparse import sparse_checkpoint
+    from kvslim.formats.loader import load_model
+    from kvslim.formats.weight_bytes import stored_weight_bytes
+    from kvslim.formats.writer import save_model
+    from kvslim.models.config import ModelConfig, parse_dtype
+    config = ModelConfig.from_dir(model_dir)
+    dtype = parse_dtype(config.torch_dtype)
+    model = load_model(model_dir, dtype=torch.float32)
+    state = {k: v.detach().to(dtype) for k, v in model.hf_state_dict().items()}
+    state, qcfg = sparse_checkpoint(state, None, arm.target if ":" in arm.target
+                                    else "unstructured", config.pruning["sparsity"])
+    tmp = Path(tempfile.mkdtemp(prefix="kvslim-sparse-"))
+    try:
+        save_model(state, config.replace(raw={**config.raw, "quantization_config": qcfg}), tmp)
+        wb = stored_weight_bytes(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"sparse_weight_bytes": wb.total, "sparse_linear_bytes": wb.linear}
