@@ -1,4 +1,5 @@
-"""A sparse mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE): a router picks the top-k
+"""A sparse mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE; DeepSeek's routers and
+shared experts in layers/deepseek_moe.py): a router picks the top-k
 of E gated MLPs per token, their outputs are summed weighted by the router probabilities,
 renormalised over the chosen experts (Mixtral; Qwen3-MoE when `norm_topk_prob` is set).
 
@@ -34,15 +35,20 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        # as transformers: softmax in float32, top-k, (renormalised over the chosen experts)
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen = self.route(x)
         if torch.compiler.is_compiling() or (x.is_cuda
                                               and torch.cuda.is_current_stream_capturing()):
             return self._all_experts(x, weights, chosen).reshape(shape)
         return self._chosen_experts(x, weights, chosen).reshape(shape)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> each token's (weights, experts) [N, top_k]. As transformers: softmax
+        in float32, top-k, (renormalised over the chosen experts). Other routers override it."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
 
     def _chosen_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
                         ) -> torch.Tensor:

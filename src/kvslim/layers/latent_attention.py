@@ -1,0 +1,86 @@
+"""DeepSeek's multi-head latent attention (MLA), in its expanded form.
+
+Queries come from `q_proj`, or through a low-rank bottleneck (`q_a_proj`, its RMSNorm
+`q_a_layernorm`, `q_b_proj`) when the model has a `q_lora_rank`. Keys and values come from one
+compressed latent per token: `kv_a_proj_with_mqa` gives the latent (`kv_lora_rank`) and one
+RoPE key (`qk_rope_head_dim`) that every head shares; the latent, normalised by
+`kv_a_layernorm`, is expanded by `kv_b_proj` into each head's no-RoPE key part
+(`qk_nope_head_dim`) and its value (`v_head_dim`). A head's key is [k_nope, k_rope], its query
+[q_nope, q_rope].
+
+DeepSeek rotates interleaved pairs of the RoPE part ((0, 1), (2, 3), ...: V2 by a complex
+product, V3 by `apply_rotary_pos_emb_interleave`), kvslim's `apply_rope` rotates the two
+halves; reordering the RoPE part evens first, odds after (as V3's own rotation returns it)
+makes the two the same rotation, and q and k reordered alike keep every q·k. The checkpoint's
+weights are not touched. (A V3 config with `rope_interleave` false rotates halves directly.)
+
+The attention runs through the backend context as any other layer's, with as many KV heads as
+query heads and head_dim = qk_nope_head_dim + qk_rope_head_dim: values are zero-padded to that
+width, so the paged cache (one head_dim for K and V) holds them, and the output is cut back to
+v_head_dim before `o_proj` (exact: a padded dimension only ever meets zeros). So the KV cache
+here is the expanded one, heads x (K + padded V) per token and layer; caching the latent
+(kv_lora_rank + qk_rope_head_dim per token and layer, `MLAConfig.cache_elements_per_token`)
+with the up-projection absorbed into the query and the output is a later step."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvslim.layers.linear import LinearQuantization, make_linear
+from kvslim.layers.norm import RMSNorm
+from kvslim.layers.rope import apply_rope
+
+# transformers builds the q and kv latents' norms with RMSNorm's default, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, mla, layer_idx: int, scale: float,
+                 bias: bool = False, quant: LinearQuantization | None = None):
+        """mla: the model's `MLAConfig` (ranks, head widths, rope_interleave). bias:
+        transformers' `attention_bias`, on q_a_proj, kv_a_proj_with_mqa and o_proj only."""
+        super().__init__()
+        self.layer_idx, self.num_heads, self.scale = layer_idx, num_heads, scale
+        self.nope, self.rope, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.kv_lora_rank, self.interleaved = mla.kv_lora_rank, mla.rope_interleave
+        self.head_dim = self.nope + self.rope
+        q_out = num_heads * self.head_dim
+        if mla.q_lora_rank is None:
+            self.q_proj = make_linear(hidden_size, q_out, False, quant)
+        else:
+            self.q_a_proj = make_linear(hidden_size, mla.q_lora_rank, bias, quant)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = make_linear(mla.q_lora_rank, q_out, False, quant)
+        self.kv_a_proj_with_mqa = make_linear(hidden_size, self.kv_lora_rank + self.rope, bias,
+                                              quant)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = make_linear(self.kv_lora_rank, num_heads * (self.nope + self.v_dim),
+                                     False, quant)
+        self.o_proj = make_linear(num_heads * self.v_dim, hidden_size, bias, quant)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on [..., heads, qk_rope_head_dim], DeepSeek's interleaved pairs as halves."""
+        if self.interleaved:
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        return apply_rope(x, cos, sin)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        """x [..., hidden] where ... is [B, T] (dense) or [N] (paged); cos/sin [...,
+        qk_rope_head_dim]; attn is the backend context."""
+        lead, h = x.shape[:-1], self.num_heads
+        q = self._queries(x).view(*lead, h, self.head_dim)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(*lead, h, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_rope = self._rotate(k_rope.unsqueeze(-2), cos, sin).expand(*lead, h, self.rope)
+        q = torch.cat((q[..., :self.nope], self._rotate(q[..., self.nope:], cos, sin)), dim=-1)
+        k = torch.cat((k_nope, k_rope), dim=-1)
+        v = F.pad(v, (0, self.head_dim - self.v_dim))
+        out = attn.attend(self.layer_idx, q, k, v, self.scale)[..., :self.v_dim]
+        return self.o_proj(out.reshape(*lead, h * self.v_dim))
