@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvslim.models import (deepseek_v2, gemma3, llama, mistral, mixtral, phi3, qwen2, qwen3,
-                           qwen3_moe)
+from kvslim.models import (deepseek_v2, deepseek_v3, gemma3, llama, mistral, mixtral, phi3,
+                           qwen2, qwen3, qwen3_moe)
 from kvslim.models.base import Family
 
 if TYPE_CHECKING:
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 # In this order in messages (the architectures kvslim supports, the GGUF ones it imports)
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
                                 gemma3.FAMILY, phi3.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY,
-                                deepseek_v2.FAMILY)
+                                deepseek_v2.FAMILY, deepseek_v3.FAMILY)
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 
 
@@ -25,7 +25,7 @@ def family_of(config: ModelConfig) -> Family:
 
 
 def model_class(config: ModelConfig) -> type[llama.LlamaForCausalLM]:
-    """Which model class runs a config: the Llama decoder for most families, Gemma 3's own
-    arrangement of the same pieces."""
+    """Which model class runs a config: the Llama decoder for most families, Gemma 3's and
+    DeepSeek's own arrangements of the same pieces."""
     config.require_runnable()
     return family_of(config).model_class

@@ -1,6 +1,6 @@
-"""The parts of a model beyond a dense decoder's: mixture-of-experts MLPs (run for Mixtral and
-Qwen3-MoE, sized only for DeepSeek) and DeepSeek's latent attention (sized, not run). Each
-family's file reads them from its config.json."""
+"""The parts of a model beyond a dense decoder's: mixture-of-experts MLPs (Mixtral, Qwen3-MoE,
+DeepSeek) and DeepSeek's latent attention (run expanded, layers/latent_attention.py; the
+planner prices its latent cache). Each family's file reads them from its config.json."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,17 +19,27 @@ class MoEConfig:
     # The chosen experts' router probabilities rescaled to sum to 1 (Mixtral always does;
     # Qwen3-MoE by its `norm_topk_prob` flag, which transformers defaults to false).
     norm_topk_prob: bool = True
+    # DeepSeek's routers (layers/deepseek_moe.py): "softmax" (V2) or "sigmoid" (V3, with its
+    # selection bias), V2's "greedy" or "group_limited_greedy", the groups experts are chosen
+    # within, and the factor on the chosen experts' weights
+    scoring: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """DeepSeek's multi-head latent attention. Its cache is not K/V heads: one compressed latent
-    of `kv_lora_rank` plus one shared RoPE key of `qk_rope_head_dim` per token and layer."""
+    """DeepSeek's multi-head latent attention. Its own cache is not K/V heads: one compressed
+    latent of `kv_lora_rank` plus one shared RoPE key of `qk_rope_head_dim` per token and layer
+    (what the planner prices; kvslim's engine caches the expanded heads for now)."""
     kv_lora_rank: int
     qk_rope_head_dim: int
     qk_nope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None
+    rope_interleave: bool = True           # RoPE on interleaved pairs (V3 may rotate halves)
 
     def cache_elements_per_token(self, num_layers: int) -> int:
         """The latent layout, whatever the head count."""
