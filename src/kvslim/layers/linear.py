@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvslim.kernels import tiled_gemm
-from kvslim.layers.cpu_linear import (PackedCpuKernel, TiledCpuKernel, gemv_copy_fits,
-                                      packed_kernel_usable)
+from kvslim.layers.cpu_linear import (PackedCpuKernel, Sparse24CpuKernel, TiledCpuKernel,
+                                      gemv_copy_fits, is_two_of_four, packed_kernel_usable)
 
 
 class Linear(nn.Module):
@@ -31,7 +31,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.cpu_kernel: PackedCpuKernel | TiledCpuKernel | None = None
+        self.cpu_kernel: PackedCpuKernel | TiledCpuKernel | Sparse24CpuKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel is not None:
@@ -45,11 +45,13 @@ class Linear(nn.Module):
 
     @torch.no_grad()
     def prepare_for_inference(self, gemv_copy: bool, release_weight: bool) -> None:
-        """Switch to the CPU kernel: kvslim's tiled one where it builds, else oneDNN's packed
-        one (layers/cpu_linear.py). The weights must not change afterwards. The weight
+        """Switch to the CPU kernel: kvslim's 2:4 one for a 2:4 sparse weight, its tiled one
+        where it builds, else oneDNN's packed one (layers/cpu_linear.py). The weights must not change afterwards. The weight
         parameter then shares the GEMV copy's memory (as its transpose), or, without that copy
         and when no other module shares it, becomes empty: the kernel's form is the only copy."""
-        if tiled_gemm.available():
+        if tiled_gemm.available() and is_two_of_four(self.weight):
+            self.cpu_kernel = Sparse24CpuKernel(self.weight, self.bias)
+        elif tiled_gemm.available():
             self.cpu_kernel = TiledCpuKernel(self.weight, self.bias)
         else:
             self.cpu_kernel = PackedCpuKernel(self.weight, self.bias, gemv_copy)
