@@ -47,12 +47,32 @@ def test_every_arm_is_measured(tiny):
         assert results[name].numbers["linear_zeros"] >= 0.5, name
     assert results["sparsegpt-s50+rec"].numbers["ppl"] != results["sparsegpt-s50"].numbers["ppl"]
     assert results["dense-w4"].numbers["linear_bytes"] < results["dense"].numbers["linear_bytes"]
-    assert "decode_tokens_per_s" in results["sparsegpt-2of4-w4"].numbers
+    for name in ("dense", "dense-w4", "sparsegpt-s50", "sparsegpt-2of4", "sparsegpt-2of4-w4"):
+        assert results[name].numbers["decode_tokens_per_s"] > 0, name
     assert "decode_tokens_per_s" not in results["wanda-s50"].numbers
     for name in ("sparsegpt-s50", "wanda-2of4"):          # compressed-tensors: values + bitmask
         n = results[name].numbers
         assert 0.5 < n["sparse_linear_bytes"] / n["linear_bytes"] < 0.6, name
     assert "sparse_linear_bytes" not in results["sparsegpt-2of4-w4"].numbers
+
+
+def test_numbers_added_later_are_measured_on_recorded_arms(tiny, tmp_path):
+    import shutil
+    from kvslim.experiments.prune.study import RESULTS
+    work = tmp_path / "work"
+    shutil.copytree(tiny.cfg.work_dir, work)
+    records = json.loads((work / RESULTS).read_text())
+    for key in ("tiny/sparsegpt-2of4", "tiny/dense"):
+        records[key]["numbers"].pop("decode_tokens_per_s")
+    records["tiny/wanda-s50"]["numbers"].pop("sparse_linear_bytes")
+    (work / RESULTS).write_text(json.dumps(records))
+    cfg = PruneExperimentConfig(**{**tiny.cfg.__dict__, "work_dir": str(work)})
+    again = PruneExperiment(cfg)
+    again.run()
+    for key in ("tiny/sparsegpt-2of4", "tiny/dense"):
+        assert again.results[key].numbers["decode_tokens_per_s"] > 0
+    assert (again.results["tiny/wanda-s50"].numbers["sparse_linear_bytes"]
+            == tiny.results["tiny/wanda-s50"].numbers["sparse_linear_bytes"])
 
 
 def test_a_rerun_builds_nothing_and_the_report_follows_the_records(tiny):
@@ -65,6 +85,7 @@ def test_a_rerun_builds_nothing_and_the_report_follows_the_records(tiny):
     for g in goals(again):
         assert g.line() in text
     assert "| 2:4 |" in text and "Recovery uptraining" in text and "sparse-24-bitmask" in text
+    assert "Batch-1 decode" in text
     assert (report.parent / "img" / "pruning.png").is_file()
     data = json.loads(report.with_suffix(".json").read_text())
     assert set(data["arms"]) == set(again.results)

@@ -51,7 +51,7 @@ class PruneExperimentConfig:
 
     def decode_arms(self) -> list[str]:
         return ["dense", "dense-w4", arm_name("sparsegpt", "0.5", None),
-                arm_name("sparsegpt", "2:4", self.bits)]
+                arm_name("sparsegpt", "2:4", None), arm_name("sparsegpt", "2:4", self.bits)]
 
 
 @dataclass
@@ -97,7 +97,7 @@ class PruneExperiment:
             key = model_key(model)
             todo = [a for a in self.arms(key)
                     if getattr(self.results.get(f"{key}/{a.name}"), "status", "") != "done"]
-            self._sparse_bytes(key)
+            self._backfill(key)
             if not todo:
                 continue
             source, _ = float_model_source(model, self.work, self.cfg.show_progress)
@@ -111,16 +111,23 @@ class PruneExperiment:
                                f"{result.numbers.get('ppl', result.reason)} "
                                f"({result.seconds:.0f} s)")
 
-    def _sparse_bytes(self, key: str) -> None:
-        """Each finished float pruned arm's bytes as a compressed-tensors sparse checkpoint
-        (added to arms recorded before this was measured, too)."""
+    def _backfill(self, key: str) -> None:
+        """Numbers added to the study after some arms were recorded, measured on those arms:
+        a float pruned arm's bytes as a compressed-tensors checkpoint, batch-1 decode."""
         for arm in self.arms(key):
             r = self.results.get(f"{key}/{arm.name}")
-            if (arm.method is None or arm.bits is not None or r is None or r.status != "done"
-                    or "sparse_linear_bytes" in r.numbers):
+            if r is None or r.status != "done":
                 continue
-            r.numbers.update(compressed_tensors_bytes(self.work / key / arm.name, arm))
-            self._save(r)
+            model_dir, n, before = self.work / key / arm.name, r.numbers, len(r.numbers)
+            if not (model_dir / "config.json").is_file():
+                model_dir = float_model_source(self.cfg.models[self.model_keys().index(key)],
+                                               self.work, False)[0]
+            if arm.method is not None and arm.bits is None and "sparse_linear_bytes" not in n:
+                n.update(compressed_tensors_bytes(model_dir, arm))
+            if arm.decode and "decode_tokens_per_s" not in n:
+                n["decode_tokens_per_s"] = decode_speed(model_dir, self.cfg)
+            if len(n) != before:
+                self._save(r)
 
     def _run_arm(self, key: str, arm: Arm, source: Path) -> ArmResult:
         start = time.time()
@@ -178,11 +185,16 @@ def measure(arm: Arm, model_dir: Path, cfg: PruneExperimentConfig) -> dict:
         size = parse_dtype(ModelConfig.from_dir(model_dir).torch_dtype).itemsize
         out["linear_bf16_bytes"] = wb.linear // size * 2
     if arm.decode:
-        from kvslim.bench.latency import run_latency
-        e = run_latency(model_dir, cfg.decode_input_len, cfg.decode_output_len, batches=(1,),
-                        compare=[], show_progress=False, repeats=cfg.decode_repeats).results[0]
-        out["decode_tokens_per_s"] = e.decode_tokens_per_s
+        out["decode_tokens_per_s"] = decode_speed(model_dir, cfg)
     return out
+
+
+def decode_speed(model_dir: Path, cfg: PruneExperimentConfig) -> float:
+    """Batch-1 decode tokens/s, as `kvslim bench latency` measures it."""
+    from kvslim.bench.latency import run_latency
+    return run_latency(model_dir, cfg.decode_input_len, cfg.decode_output_len, batches=(1,),
+                       compare=[], show_progress=False,
+                       repeats=cfg.decode_repeats).results[0].decode_tokens_per_s
 
 
 def linear_zero_fraction(model_dir: Path) -> float:
