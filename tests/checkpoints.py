@@ -60,18 +60,47 @@ VARIANTS: dict[str, dict] = {
                                       "original_max_position_embeddings": 16}),
     "head_dim": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=2, head_dim=24),
     "sharded": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, shard="60KB"),
+    # DeepSeek's latent attention (MLA): q straight from the hidden state, a first dense layer,
+    # then routed experts (2 of 8, chosen within the best 2 of 4 groups by their top expert,
+    # scaled) beside a shared one
+    "deepseek_v2": dict(arch="deepseek_v2", num_attention_heads=4, num_hidden_layers=3,
+                        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                        n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
+                        topk_group=2, routed_scaling_factor=1.5),
+    # ... with q through its own low-rank projection and norm, greedy routing over 6 experts
+    "deepseek_v2_q_lora": dict(arch="deepseek_v2", num_attention_heads=4, q_lora_rank=24,
+                               kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                               v_head_dim=16, n_routed_experts=6, n_shared_experts=2,
+                               num_experts_per_tok=2, moe_intermediate_size=32,
+                               first_k_dense_replace=1, topk_method="greedy"),
+    # DeepSeek-V3: sigmoid router with its selection bias (noaux_tc: groups ranked by their top
+    # two), renormalised, scaled; YaRN RoPE whose mscale_all_dim also scales the logits
+    "deepseek_v3": dict(arch="deepseek_v3", num_attention_heads=4, num_key_value_heads=4,
+                        num_hidden_layers=3,
+                        q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                        v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+                        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                         "factor": 32.0, "original_max_position_embeddings": 16,
+                                         "mscale": 1.0, "mscale_all_dim": 0.8,
+                                         "beta_fast": 32, "beta_slow": 1}),
 }
 
 
 def hf_config(variant: str):
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma3TextConfig, LlamaConfig,
+                              MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
     spec = dict(VARIANTS[variant])
     arch = spec.pop("arch")
     spec.pop("shard", None)
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
            "qwen3": Qwen3Config, "phi3": Phi3Config, "gemma3": Gemma3TextConfig,
-           "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig}[arch]
+           "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig,
+           "deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config}[arch]
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 max_position_embeddings=512, initializer_range=0.15, bos_token_id=None,
                 eos_token_id=None, pad_token_id=None, rms_norm_eps=1e-5)
@@ -94,6 +123,9 @@ def random_hf_model(config, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():   # DeepSeek-V3's expert selection bias
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
     return model
 
 

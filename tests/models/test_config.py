@@ -1,4 +1,4 @@
-"""ModelConfig: the one KV formula, and shape-only architectures (read for the planner, never run)."""
+"""ModelConfig: the one KV formula, and DeepSeek's MLA and MoE shapes (the planner's latent cache)."""
 import pytest
 
 from kvslim.errors import ConfigError
@@ -18,18 +18,20 @@ def test_kv_bytes_per_token_is_two_layers_kv_heads_head_dim_bytes():
     assert config.runnable and config.moe is None and config.mla is None
 
 
-def test_mixtral_runs_deepseek_is_shape_only():
+def test_mixtral_and_deepseek_run():
     assert ModelConfig.from_hf_dict(MIXTRAL).runnable          # the engine runs its MoE
+    assert ModelConfig.from_hf_dict(DEEPSEEK).runnable         # and DeepSeek's MLA, expanded
 
 
-@pytest.mark.parametrize("cfg", [DEEPSEEK])
-def test_shape_only_architectures_are_not_runnable(cfg):
-    with pytest.raises(ConfigError, match=f"unsupported architecture '{cfg['architectures'][0]}'"):
+def test_deepseek_reads_the_same_for_the_planner():
+    """The planner's reading (runnable=False) and the engine's are one config."""
+    assert ModelConfig.from_hf_dict(DEEPSEEK, runnable=False) == ModelConfig.from_hf_dict(DEEPSEEK)
+
+
+def test_unknown_architectures_are_not_runnable():
+    cfg = {**MIXTRAL, "architectures": ["FalconForCausalLM"]}
+    with pytest.raises(ConfigError, match="unsupported architecture 'FalconForCausalLM'"):
         ModelConfig.from_hf_dict(cfg)
-    config = ModelConfig.from_hf_dict(cfg, runnable=False)
-    assert not config.runnable
-    with pytest.raises(ConfigError, match="unsupported architecture"):
-        config.require_runnable()
 
 
 def test_moe_and_mla_shapes():

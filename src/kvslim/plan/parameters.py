@@ -60,6 +60,7 @@ def _mlp_params(config: ModelConfig, layer: int) -> tuple[int, int]:
     expert = _swiglu(h, moe.expert_intermediate_size, False)
     shared = _swiglu(h, moe.expert_intermediate_size * moe.num_shared_experts, False) \
         if moe.num_shared_experts else 0
-    router = h * moe.num_experts
+    # the router, and DeepSeek-V3's expert selection bias beside it
+    router = h * moe.num_experts + (moe.num_experts if moe.scoring == "sigmoid" else 0)
     return (router + shared + moe.num_experts * expert,
             router + shared + moe.num_experts_per_tok * expert)

@@ -1,0 +1,132 @@
+"""DeepSeek-V2/V3 (latent attention, DeepSeek's MoE) against transformers 5.23 on the random
+checkpoints of tests/checkpoints.py (deepseek_v2: q_proj, group-limited routing; its q_lora
+twin: greedy routing, two shared experts; deepseek_v3: noaux_tc, YaRN with mscale_all_dim).
+Dense logits and dense greedy decoding are checked for every variant by test_parity.py; here:
+the paged engine, the expanded cache's size, a kvslim-written checkpoint, the config fields and
+what is refused."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from checkpoints import VOCAB, hf_config
+from engine.engine_helpers import GREEDY, engine, hf_greedy, prompts_of, run, tokens
+from kvslim.engine.sampling_params import SamplingParams
+from kvslim.errors import ConfigError
+from kvslim.formats.info import count_parameters
+from kvslim.formats.loader import load_model
+from kvslim.formats.writer import save_model
+from kvslim.models.config import ModelConfig
+from kvslim.models.deepseek_v2 import attention_scale
+from kvslim.plan.memory import plan_memory
+from kvslim.plan.parameters import parameter_counts
+
+DEEPSEEK = ["deepseek_v2", "deepseek_v2_q_lora", "deepseek_v3"]
+LENGTHS = [3, 17, 40, 5, 33, 1]
+NEW = 16
+PARAMS = SamplingParams(max_tokens=NEW, **GREEDY)
+
+
+def hf_model(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=DEEPSEEK)
+def case(request, hf_checkpoints):
+    path = hf_checkpoints[request.param]
+    prompts = prompts_of(LENGTHS)
+    return path, prompts, hf_greedy(hf_model(path), prompts, NEW)
+
+
+def test_engine_batched_matches_generate(case):
+    path, prompts, refs = case
+    assert tokens(run(engine(path), prompts, PARAMS)) == refs
+
+
+def test_engine_alone_and_chunked_prefill_match_generate(case):
+    path, prompts, refs = case
+    eng = engine(path)
+    assert [tokens(run(eng, [p], PARAMS))[0] for p in prompts] == refs
+    assert tokens(run(engine(path, max_num_batched_tokens=16), prompts, PARAMS)) == refs
+
+
+def test_engine_prefix_cache_and_preemption_keep_outputs(hf_checkpoints):
+    path = hf_checkpoints["deepseek_v3"]
+    shared = prompts_of([4, 11, 7], seed=1, prefix=prompts_of([40], seed=2)[0])
+    refs = hf_greedy(hf_model(path), shared, NEW)
+    eng = engine(path, block_size=8)
+    assert tokens(run(eng, shared[:1], PARAMS) + run(eng, shared[1:], PARAMS)) == refs
+    assert eng.kv_cache_stats().prefix_cache_hits > 0
+    per_token = eng.kv_cache_stats().bytes_per_token
+    small = engine(path, kv_cache_memory=96 * per_token, block_size=8)
+    assert tokens(run(small, shared, PARAMS)) == refs
+    assert small.kv_cache_stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("variant", DEEPSEEK)
+def test_engine_caches_expanded_heads_planner_prices_latent(hf_checkpoints, variant):
+    """The engine: every head's K (nope + rope) and its V padded to K's width, float32; the
+    planner: the latent + RoPE key per layer. Parameter counts agree with the checkpoint."""
+    path = hf_checkpoints[variant]
+    config = ModelConfig.from_dir(path)
+    layers, heads, width = config.num_hidden_layers, config.num_attention_heads, 16 + 8
+    assert engine(path).kv_cache_stats().bytes_per_token == layers * heads * 2 * width * 4
+    assert config.kv_cache_bytes_per_token(torch.float32) == layers * heads * 2 * width * 4
+    assert config.kv_elements_per_token() == layers * (32 + 8)
+    assert plan_memory(config, kv_dtype="fp16").kv_bytes_per_token == layers * (32 + 8) * 2
+    assert parameter_counts(config)[0] == count_parameters(path, config)
+
+
+@pytest.mark.parametrize("variant", DEEPSEEK)
+def test_kvslim_written_checkpoint_loads_in_transformers(hf_checkpoints, tmp_path, variant):
+    model = load_model(hf_checkpoints[variant], dtype=torch.float32)
+    out = save_model(model.hf_state_dict(), model.config, tmp_path / variant)
+    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model.logits(ids)
+        assert (hf_model(out)(ids).logits - ours).abs().max().item() <= 1e-4
+        assert torch.equal(load_model(out, dtype=torch.float32).logits(ids), ours)
+
+
+def test_config_fields():
+    v2 = ModelConfig.from_hf_dict(hf_config("deepseek_v2").to_dict())
+    assert v2.mla.q_lora_rank is None and v2.mla.rope_interleave
+    assert (v2.head_dim, v2.v_head_dim, v2.num_key_value_heads) == (24, 16, 4)
+    assert (v2.moe.topk_method, v2.moe.n_group, v2.moe.topk_group) == ("group_limited_greedy", 4, 2)
+    assert v2.moe.first_dense_layers == 1 and v2.moe.routed_scaling_factor == 1.5
+    assert attention_scale(v2) == 24 ** -0.5
+    v3 = ModelConfig.from_hf_dict(hf_config("deepseek_v3").to_dict())
+    assert v3.mla.q_lora_rank == 24 and v3.moe.scoring == "sigmoid" and v3.moe.norm_topk_prob
+    mscale = 0.1 * 0.8 * torch.log(torch.tensor(32.0)).item() + 1.0
+    assert attention_scale(v3) == pytest.approx(24 ** -0.5 * mscale ** 2)
+
+
+def test_v3_multi_token_prediction_layers_are_skipped(hf_checkpoints, tmp_path):
+    """As transformers: a checkpoint's layers past num_hidden_layers are not loaded."""
+    src = hf_checkpoints["deepseek_v3"]
+    dst = tmp_path / "mtp"
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.3.enorm.weight"] = torch.ones(64)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.tensor([[5, 9, 2]])
+    with torch.no_grad():
+        assert torch.equal(load_model(dst).logits(ids), load_model(src).logits(ids))
+
+
+@pytest.mark.parametrize("variant,changes,message", [
+    ("deepseek_v2", {"moe_layer_freq": 2}, "moe_layer_freq 2 is not supported"),
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method 'noaux_tc' is not supported"),
+    ("deepseek_v2", {"v_head_dim": 32}, "v_head_dim 32 wider than a key head"),
+    ("deepseek_v2", {"num_key_value_heads": 2}, "num_key_value_heads 2 != num_attention_heads"),
+    ("deepseek_v2", {"n_group": 3}, "8 experts in n_group 3"),
+    ("deepseek_v3", {"topk_method": "greedy"}, "topk_method 'greedy' with scoring_func"),
+    ("deepseek_v3", {"n_group": 8, "topk_group": 2}, "fewer than two of the 8 experts"),
+])
+def test_unsupported_fields_are_refused(variant, changes, message):
+    cfg = {**json.loads(hf_config(variant).to_json_string()), **changes}
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict(cfg)
