@@ -104,11 +104,9 @@ def _register_quant(esub) -> None:
 
 
 def run_quant(args) -> int:
-    import json
-
     import torch
 
-    from kvslim.bench.machine import machine_info
+    from kvslim.cli.report_command import write_study_report
     from kvslim.experiments.quant.report import goals, report_data, write_report
     from kvslim.experiments.quant.study import QuantExperiment, QuantExperimentConfig
     if args.threads:
@@ -129,16 +127,7 @@ def run_quant(args) -> int:
     exp = QuantExperiment(cfg)
     if not args.report_only:
         exp.run()
-    command = "kvslim " + " ".join(_report_args(sys.argv[1:], drop=()))
-    machine = machine_info().to_dict()
-    report = write_report(exp, command, machine)
-    if args.json:
-        print(json.dumps(report_data(exp, command, machine), indent=1))
-        return 0
-    for g in goals(exp):
-        print(g.line()[2:])
-    print(f"wrote {report}")
-    return 0
+    return write_study_report(exp, args, write_report, report_data, goals)
 
 
 def run_gqa(args) -> int:

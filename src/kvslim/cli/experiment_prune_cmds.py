@@ -2,8 +2,6 @@
 4-bit kept weights, and recovery uptraining -> docs/pruning.md."""
 from __future__ import annotations
 
-import sys
-
 
 def _list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
@@ -42,12 +40,9 @@ def register_prune(esub) -> None:
 
 
 def run_prune_experiment(args) -> int:
-    import json
-
     import torch
 
-    from kvslim.bench.machine import machine_info
-    from kvslim.cli.report_command import report_args
+    from kvslim.cli.report_command import write_study_report
     from kvslim.experiments.prune.goals import goals
     from kvslim.experiments.prune.report import report_data, write_report
     from kvslim.experiments.prune.study import PruneExperiment, PruneExperimentConfig
@@ -64,13 +59,4 @@ def run_prune_experiment(args) -> int:
     exp = PruneExperiment(cfg)
     if not args.report_only:
         exp.run()
-    command = "kvslim " + " ".join(report_args(sys.argv[1:], drop=()))
-    machine = machine_info().to_dict()
-    report = write_report(exp, command, machine)
-    if args.json:
-        print(json.dumps(report_data(exp, command, machine), indent=1))
-        return 0
-    for g in goals(exp):
-        print(g.line()[2:])
-    print(f"wrote {report}")
-    return 0
+    return write_study_report(exp, args, write_report, report_data, goals)

@@ -2,7 +2,9 @@
 the numbers, so those options are left out."""
 from __future__ import annotations
 
+import json
 import shlex
+import sys
 
 
 def report_args(argv: list[str],
@@ -23,3 +25,19 @@ def report_args(argv: list[str],
             continue
         out.append(shlex.quote(a))
     return out
+
+
+def write_study_report(exp, args, write_report, report_data, goals) -> int:
+    """The end of a study's command: its report written (docs page, JSON, plot), then the JSON
+    printed with --json, else each goal's line and where the report went."""
+    from kvslim.bench.machine import machine_info
+    command = "kvslim " + " ".join(report_args(sys.argv[1:], drop=()))
+    machine = machine_info().to_dict()
+    report = write_report(exp, command, machine)
+    if args.json:
+        print(json.dumps(report_data(exp, command, machine), indent=1))
+        return 0
+    for g in goals(exp):
+        print(g.line()[2:])
+    print(f"wrote {report}")
+    return 0

@@ -33,7 +33,7 @@ def _ordering(exp, model: str) -> Goal:
             continue
         seen += 1
         if not p[0] < p[1] < p[2]:
-            broken.append(f"{target_label(t)}: {p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f}")
+            broken.append(f"{target_label(t)}: {p[0]:.3f} / {p[1]:.3f} / {p[2]:.3f}")
     if not seen:
         return Goal(model, text, NOT_MEASURED, "no target measured with all three methods")
     if broken:

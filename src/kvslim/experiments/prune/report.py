@@ -229,7 +229,8 @@ def plot(exp: PruneExperiment, path: Path) -> Path:
         ax.set_ylabel("test perplexity (log)")
         ax.set_title(model)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_lines():
+            ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

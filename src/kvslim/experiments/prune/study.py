@@ -5,15 +5,15 @@ the build's wall time. Each finished arm is recorded in RESULTS, so a rerun skip
 (docs/pruning.md, .json, a plot) is written from those records by `report.py`."""
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from kvslim.errors import KvslimError
 from kvslim.experiments.prune.arms import DENSE, Arm, arm_name, build, plan
+from kvslim.experiments.records_file import load_records, save_records
 from kvslim.experiments.sources import float_model_source, model_key
 
 RESULTS = "results.json"
@@ -81,16 +81,11 @@ class PruneExperiment:
         return [model_key(m) for m in self.cfg.models]
 
     def _load(self) -> dict[str, ArmResult]:
-        path = self.work / RESULTS
-        if not path.is_file():
-            return {}
-        return {k: ArmResult(**v) for k, v in json.loads(path.read_text()).items()}
+        return load_records(self.work / RESULTS, ArmResult)
 
     def _save(self, result: ArmResult) -> None:
         self.results[f"{result.model}/{result.arm}"] = result
-        tmp = self.work / f"{RESULTS}.tmp"
-        tmp.write_text(json.dumps({k: asdict(v) for k, v in self.results.items()}, indent=1))
-        tmp.replace(self.work / RESULTS)
+        save_records(self.work / RESULTS, self.results)
 
     def run(self) -> None:
         for model in self.cfg.models:

@@ -9,9 +9,8 @@ at its best batch size. Each finished arm is recorded in RESULTS, so a rerun ski
 (docs/quantization.md, .json, a plot) is written from those records by `report.py`."""
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from kvslim.experiments.quant.arms import (Arm, Ctx, ModelSource, NotAvailable, 
                                            cli_build, plan)
 from kvslim.bench.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
 from kvslim.experiments.quant.measure import measure
+from kvslim.experiments.records_file import load_records, save_records
 from kvslim.experiments.sources import float_model_source
 from kvslim.experiments.sources import model_key as _model_key
 
@@ -94,16 +94,11 @@ class QuantExperiment:
         self._bandwidth = None
 
     def _load(self) -> dict[str, ArmResult]:
-        path = self.work / RESULTS
-        if not path.is_file():
-            return {}
-        return {k: ArmResult(**v) for k, v in json.loads(path.read_text()).items()}
+        return load_records(self.work / RESULTS, ArmResult)
 
     def _save(self, result: ArmResult) -> None:
         self.results[f"{result.model}/{result.arm}"] = result
-        tmp = self.work / f"{RESULTS}.tmp"
-        tmp.write_text(json.dumps({k: asdict(v) for k, v in self.results.items()}, indent=1))
-        tmp.replace(self.work / RESULTS)
+        save_records(self.work / RESULTS, self.results)
 
     def model_keys(self) -> list[str]:
         return [_model_key(m) for m in self.cfg.models]
