@@ -25,7 +25,7 @@ def register_prune(esub) -> None:
     g.add_argument("--calib-seq-len", type=int, default=256)
     g.add_argument("--ppl-max-tokens", type=int, default=16384, help="0: the whole test file")
     g.add_argument("--recover", type=_list,
-                   default=["sparsegpt-s50", "sparsegpt-s70", "sparsegpt-2of4"],
+                   default=["sparsegpt-s50", "sparsegpt-2of4"],
                    help="arms uptrained after pruning (distilled from the dense model)")
     g.add_argument("--recover-models", type=_list, default=["ref-mha"])
     g.add_argument("--recovery-tokens", type=int, default=500_000)

@@ -37,7 +37,7 @@ class PruneExperimentConfig:
     ppl_context: int = 256
     ppl_stride: int = 256
     ppl_max_tokens: int | None = 16384
-    recover: list[str] = field(default_factory=lambda: ["sparsegpt-s50", "sparsegpt-s70",
+    recover: list[str] = field(default_factory=lambda: ["sparsegpt-s50",
                                                         "sparsegpt-2of4"])
     recover_models: list[str] = field(default_factory=lambda: ["ref-mha"])
     recovery_tokens: int = 500_000
