@@ -6,7 +6,8 @@ else.
 - `PagedAttention`: the engine's flat batch of prefill chunks and decodes over a paged KV cache,
   gathering each sequence's context, reading the `PagedAttentionMetadata` that
   `build_paged_metadata` makes from the step's layout; each layer's cache is a `KVCacheLayer`
-  (model dtype) or `QuantizedKVCacheLayer` (int8/fp8). The reference path.
+  (model dtype) or `QuantizedKVCacheLayer` (int8/fp8); an MLA model's, `LatentKVCacheLayer`
+  (`latent_cache.py`: one row per token, no heads). The reference path.
 - `FlexPagedAttention`: the same step in one FlexAttention call per layer, reading K/V in place
   through the block tables (`flex_metadata.py` builds its mask once per step).
 - `backends.py`: which a step uses ("auto", "gather", "flex", or "kernel": `PagedAttention`
@@ -23,14 +24,16 @@ from kvslim.attention.flex_metadata import FlexAttentionMetadata, build_flex_lay
 from kvslim.attention.kv_cache import (KV_CACHE_DTYPES, KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES,
                                        KVCacheLayer, QuantizedKVCacheLayer,
                                        resolve_kv_cache_dtype)
+from kvslim.attention.latent_cache import (LatentKVCacheLayer, QuantizedLatentKVCacheLayer,
+                                           latent_cache_layers)
 from kvslim.attention.metadata import (PagedAttentionMetadata, PagedStepLayout, PrefillChunk,
                                        build_layer_metadata, build_paged_metadata)
 from kvslim.attention.paged import PagedAttention
 
-__all__ = ["ATTENTION_BACKENDS", "KV_CACHE_DTYPES", "KV_SCALE_DTYPE", "QUANTIZED_KV_DTYPES", "DenseAttention",
-           "FlexAttentionMetadata", "FlexPagedAttention", "KVCacheLayer",
-           "QuantizedKVCacheLayer", "PagedAttention", "PagedAttentionMetadata", "PagedStepLayout",
-           "PrefillChunk", "build_flex_layer_metadata", "build_layer_metadata",
-           "build_paged_attention", "build_paged_metadata", "decode_kernel_usable",
-           "resolve_attention_backend",
-           "resolve_kv_cache_dtype"]
+__all__ = ["ATTENTION_BACKENDS", "KV_CACHE_DTYPES", "KV_SCALE_DTYPE", "QUANTIZED_KV_DTYPES",
+           "DenseAttention", "FlexAttentionMetadata", "FlexPagedAttention", "KVCacheLayer",
+           "LatentKVCacheLayer", "QuantizedKVCacheLayer", "QuantizedLatentKVCacheLayer",
+           "PagedAttention", "PagedAttentionMetadata", "PagedStepLayout", "PrefillChunk",
+           "build_flex_layer_metadata", "build_layer_metadata", "build_paged_attention",
+           "build_paged_metadata", "decode_kernel_usable", "latent_cache_layers",
+           "resolve_attention_backend", "resolve_kv_cache_dtype"]

@@ -65,11 +65,20 @@ def check_attention_backend(name: str) -> None:
 
 
 def resolve_attention_backend(name: str, device: torch.device, kv_quantized: bool,
-                              block_size: int, kernel_usable: bool = False) -> str:
+                              block_size: int, kernel_usable: bool = False,
+                              latent: bool = False) -> str:
     """"gather", "flex" or "kernel" for a cache on `device`; `kernel_usable`: the decode
-    kernel is built and takes this model's dtype and cache dtype (`decode_kernel_usable`)."""
+    kernel is built and takes this model's dtype and cache dtype (`decode_kernel_usable`);
+    `latent`: the cache holds MLA's latent rows (latent_cache.py), which the kernel does not
+    read (its value is not a tensor of its own); "auto" gathers them on every device (flex
+    reads them too, checked on the CPU only; which is faster is not measured yet)."""
     check_attention_backend(name)
     on_cuda = device.type == "cuda"
+    if latent and name == "kernel":
+        raise KvslimError("attention_backend=kernel does not read MLA's latent KV cache "
+                          "(DeepSeek-V2/V3): use gather or flex")
+    if latent and name == "auto":
+        return "gather"
     if name == "kernel":
         if not kernel_usable:
             raise KvslimError("attention_backend=kernel needs the CPU, a float32 model, a "

@@ -39,6 +39,10 @@ class DenseAttention:
         self.default = sliding_window if self.layer_windows is None else None
         self.masks = MaskCache()
 
+    def caches_latent(self, layer_idx: int) -> bool:
+        """No cache: MLA layers attend over their expanded heads (layers/latent_attention.py)."""
+        return False
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         group = q.shape[-2] // k.shape[-2]

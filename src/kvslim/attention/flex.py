@@ -27,6 +27,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from kvslim.attention.flex_metadata import Q_TILE, FlexAttentionMetadata
 from kvslim.attention.kv_cache import KVCacheLayer, QuantizedKVCacheLayer
+from kvslim.attention.latent_cache import QuantizedLatentKVCacheLayer
 
 # The one warning the eager implementation gives: that it is not the fused kernel.
 _EAGER_WARNING = "flex_attention called without torch.compile"
@@ -35,15 +36,21 @@ _EAGER_WARNING = "flex_attention called without torch.compile"
 class FlexPagedAttention:
     def __init__(self, kv_caches: list[KVCacheLayer], metas: list[FlexAttentionMetadata]):
         """metas: one per layer (`build_flex_layer_metadata`)."""
-        if any(isinstance(c, QuantizedKVCacheLayer) for c in kv_caches):
+        if any(isinstance(c, (QuantizedKVCacheLayer, QuantizedLatentKVCacheLayer))
+               for c in kv_caches):
             raise ValueError("FlexPagedAttention reads the cache as stored: a quantized cache "
                              "takes the gather path")
         self.kv_caches, self.layer_metas = kv_caches, metas
         self.flex = flex_function(kv_caches[0].device, kv_caches[0].block_size)
 
+    def caches_latent(self, layer_idx: int) -> bool:
+        """MLA's latent rows (latent_cache.py): one KV head, the value a view of the key."""
+        return self.kv_caches[layer_idx].latent
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
-        """q [N, H, D]; k, v [N, KVH, D] for the step's new tokens. Returns [N, H, D]."""
+        """q [N, H, D]; k, v [N, KVH, D] for the step's new tokens (a latent cache: v is a view
+        of k's first Dv entries). Returns [N, H, Dv]."""
         meta = self.layer_metas[layer_idx]
         cache = self.kv_caches[layer_idx]
         cache.write(meta.step.slot_mapping, k, v)      # read back below, with the context

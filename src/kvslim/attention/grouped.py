@@ -13,7 +13,8 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: torch.Tensor | None, scale: float, causal: bool = True) -> torch.Tensor:
     """q [B, Tq, H, D]; k, v [B, Tk, KVH, D]; mask from `grouped_mask` ([B or 1, 1, G*Tq, Tk]
     additive), or None for plain causal attention with Tq == Tk (or, with causal=False, for
-    queries that see every key). Returns [B, Tq, H, D]."""
+    queries that see every key). v may be narrower than q and k (MLA's latent value, Dv).
+    Returns [B, Tq, H, Dv]."""
     b, tq, h, d = q.shape
     kvh = k.shape[2]
     g = h // kvh
@@ -27,7 +28,8 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if mask is None:
             mask = grouped_mask(causal_mask(tq, tq, q.device)[None], g, q.dtype)
         out = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)
-    return out.view(b, kvh, g, tq, d).permute(0, 3, 1, 2, 4).reshape(b, tq, h, d)
+    dv = v.shape[-1]
+    return out.view(b, kvh, g, tq, dv).permute(0, 3, 1, 2, 4).reshape(b, tq, h, dv)
 
 
 def grouped_mask(allowed: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:

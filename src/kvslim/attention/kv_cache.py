@@ -35,6 +35,7 @@ _MIN_SCALE = 2.0 ** -14
 
 class KVCacheLayer:
     """K and V of one layer in the model's dtype: [blocks, block_size, kv_heads, head_dim] each."""
+    latent = False          # MLA's latent rows instead of K/V heads (latent_cache.py)
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
         self.k_cache, self.v_cache = k_cache, v_cache

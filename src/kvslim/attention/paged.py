@@ -31,9 +31,15 @@ class PagedAttention:
         self.mask_caches = {id(m): MaskCache() for m in self.layer_metas}
         self.kernel_rows: dict[int, tuple] = {}      # per metadata: `_rows_of_tokens`'s
 
+    def caches_latent(self, layer_idx: int) -> bool:
+        """Whether the layer's cache holds MLA's latent rows (latent_cache.py): the layer then
+        attends with one KV head, its key the row, its value the row's first entries."""
+        return self.kv_caches[layer_idx].latent
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
-        """q [N, H, D]; k, v [N, KVH, D] for the step's new tokens. Returns [N, H, D]."""
+        """q [N, H, D]; k, v [N, KVH, D] for the step's new tokens (a latent cache: v is a view
+        of k's first Dv entries). Returns [N, H, Dv]."""
         meta = self.layer_metas[layer_idx]
         masks = self.mask_caches[id(meta)]
         cache = self.kv_caches[layer_idx]
@@ -46,7 +52,7 @@ class PagedAttention:
             decoded = self._attend_decodes(meta, masks, cache, q[:nd], scale)
             if not meta.layout.prefills:          # a pure decode step: no copy into out
                 return decoded
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
         if decoded is not None:
             out[:nd] = decoded
         self._attend_prefills(meta, masks, cache, q, k, v, scale, out)
@@ -58,8 +64,8 @@ class PagedAttention:
         """All decodes in one batched call over their block tables. q [num_decodes, H, D]."""
         nd = q.shape[0]
         keys, values = cache.gather(meta.layout.decode_block_tables.reshape(-1))
-        kvh, d = keys.shape[1], keys.shape[2]
-        keys, values = keys.view(nd, -1, kvh, d), values.view(nd, -1, kvh, d)
+        kvh = keys.shape[1]
+        keys, values = keys.view(nd, -1, *keys.shape[1:]), values.view(nd, -1, *values.shape[1:])
         mask = masks.get(-1, meta.decode_allowed, q.shape[1] // kvh, q.dtype)
         return grouped_sdpa(q[:, None], keys, values, mask, scale)[:, 0]
 

@@ -9,8 +9,8 @@ import torch
 
 from kvslim.attention import (KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, KVCacheLayer, PagedStepLayout,
                               PrefillChunk, QuantizedKVCacheLayer, build_paged_attention,
-                              decode_kernel_usable, resolve_attention_backend,
-                              resolve_kv_cache_dtype)
+                              decode_kernel_usable, latent_cache_layers,
+                              resolve_attention_backend, resolve_kv_cache_dtype)
 from kvslim.device import host_tensor
 from kvslim.engine.block_table import BlockTables
 from kvslim.engine.config import EngineConfig
@@ -60,7 +60,7 @@ class ModelRunner:
         self.num_blocks = kv_plan.num_blocks
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.device, is_quantized(self.kv_dtype), self.block_size,
-            decode_kernel_usable(self.device, self.dtype, self.kv_dtype))
+            decode_kernel_usable(self.device, self.dtype, self.kv_dtype), mc.mla is not None)
         # Not with tensor parallelism: the graphs would capture the ranks' collectives too.
         single = not config.enforce_eager and config.tensor_parallel_size == 1
         use_graphs = self.device.type == "cuda" and single
@@ -80,21 +80,29 @@ class ModelRunner:
         """One K/V tensor per position in a KV-cache group, [K/V, blocks, block_size, kv_heads,
         head_dim], shared by the layer at that position of every group (for a model with one
         group: one tensor per layer; the layers of a non-uniform GQA model differ in KV heads),
-        plus `reserved_blocks` the block manager never hands out. A quantized cache adds, per
-        position, its scales: [K/V, blocks, block_size, kv_heads]. A block id means the same
-        slots in every tensor; which group's layers it holds is the block manager's business."""
+        plus `reserved_blocks` the block manager never hands out; an MLA model's is its latent
+        rows, [1, blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim] (key only). A
+        quantized cache adds, per position, its scales: [K/V, blocks, block_size, kv_heads]. A
+        block id means the same slots in every tensor; which group's layers it holds is the
+        block manager's business."""
         mc = self.model.config
         blocks = self.num_blocks + reserved_blocks
-        shapes = [(2, blocks, self.block_size, mc.kv_heads_of(layer))
-                  for layer in self.kv_groups.groups[0].layers]
-        self.kv_cache = [torch.zeros(*shape, mc.head_dim, dtype=self.kv_dtype, device=self.device)
+        layers = self.kv_groups.groups[0].layers
+        shapes = ([(1, blocks, self.block_size, 1)] * len(layers) if mc.mla else
+                  [(2, blocks, self.block_size, mc.kv_heads_of(layer)) for layer in layers])
+        width = mc.mla.cache_width if mc.mla else mc.head_dim
+        self.kv_cache = [torch.zeros(*shape, width, dtype=self.kv_dtype, device=self.device)
                          for shape in shapes]
         self.kv_scales = None
-        if not is_quantized(self.kv_dtype):
-            storage = [KVCacheLayer(kv[0], kv[1]) for kv in self.kv_cache]
-        else:
+        if is_quantized(self.kv_dtype):
             self.kv_scales = [torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=self.device)
                               for shape in shapes]
+        if mc.mla:
+            storage = latent_cache_layers(self.kv_cache, self.kv_scales, mc.mla.kv_lora_rank,
+                                          self.dtype)
+        elif self.kv_scales is None:
+            storage = [KVCacheLayer(kv[0], kv[1]) for kv in self.kv_cache]
+        else:
             storage = [QuantizedKVCacheLayer(kv[0], kv[1], s[0], s[1], self.dtype)
                        for kv, s in zip(self.kv_cache, self.kv_scales)]
         self.kv_caches = [storage[j] for j in self.kv_groups.position_of_layer()]
@@ -197,7 +205,7 @@ class ModelRunner:
             from_slots = self.block_tables.slots(group, rows, src, self.block_size)
             to_slots = self.block_tables.slots(group, rows, dst, self.block_size)
             for tensor in self.kv_cache + (self.kv_scales or []):
-                flat = tensor.view(2, -1, *tensor.shape[3:])
+                flat = tensor.view(tensor.shape[0], -1, *tensor.shape[3:])
                 flat[:, to_slots] = flat[:, from_slots]        # gathered before written
 
     def _keep_hidden(self, hidden, entries, query_starts, results, paths) -> None:

@@ -1,4 +1,4 @@
-"""DeepSeek's multi-head latent attention (MLA), in its expanded form.
+"""DeepSeek's multi-head latent attention (MLA).
 
 Queries come from `q_proj`, or through a low-rank bottleneck (`q_a_proj`, its RMSNorm
 `q_a_layernorm`, `q_b_proj`) when the model has a `q_lora_rank`. Keys and values come from one
@@ -14,13 +14,19 @@ halves; reordering the RoPE part evens first, odds after (as V3's own rotation r
 makes the two the same rotation, and q and k reordered alike keep every q·k. The checkpoint's
 weights are not touched. (A V3 config with `rope_interleave` false rotates halves directly.)
 
-The attention runs through the backend context as any other layer's, with as many KV heads as
-query heads and head_dim = qk_nope_head_dim + qk_rope_head_dim: values are zero-padded to that
-width, so the paged cache (one head_dim for K and V) holds them, and the output is cut back to
-v_head_dim before `o_proj` (exact: a padded dimension only ever meets zeros). So the KV cache
-here is the expanded one, heads x (K + padded V) per token and layer; caching the latent
-(kv_lora_rank + qk_rope_head_dim per token and layer, `MLAConfig.cache_elements_per_token`)
-with the up-projection absorbed into the query and the output is a later step."""
+Two forms of the same attention, chosen by the backend context (`attn.caches_latent`):
+- absorbed (the engine, over its latent cache, attention/latent_cache.py): as DeepSeek and vLLM,
+  kv_b_proj's rows are split per head into W_UK [qk_nope, kv_lora_rank] and W_UV [v_head_dim,
+  kv_lora_rank]; q_latent = q_nope @ W_UK, and each head attends with [q_latent; q_rope] over
+  one shared key per token, the cached row [c_kv; k_rope] (c_kv after kv_a_layernorm), whose
+  value is c_kv; the head's output is out_latent @ W_UV^T. Multi-query attention over
+  kv_lora_rank + qk_rope_head_dim per token and layer: decodes and prefill chunks alike read the
+  latent (no expansion of the cached context). W_UK and W_UV are copied out of kv_b_proj once
+  (`absorb`, before the linear kernels take the weights).
+- expanded (dense: training, `model.logits`): K and V per head, with as many KV heads as query
+  heads and head_dim = qk_nope_head_dim + qk_rope_head_dim; values are zero-padded to that width
+  (the dense backend's one head_dim) and the output is cut back to v_head_dim before `o_proj`
+  (exact: a padded dimension only ever meets zeros)."""
 from __future__ import annotations
 
 import torch
@@ -70,17 +76,51 @@ class LatentAttention(nn.Module):
             x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
         return apply_rope(x, cos, sin)
 
+    @torch.no_grad()
+    def absorb(self) -> None:
+        """Keep W_UK [heads, qk_nope, kv_lora_rank] and W_UV^T [heads, kv_lora_rank, v_head_dim]
+        out of kv_b_proj's weight (dequantized for a quantized layer), as non-persistent
+        buffers: call it while the weight is readable (before `prepare_for_inference`)."""
+        proj = self.kv_b_proj
+        w = proj.dequantized_weight() if hasattr(proj, "dequantized_weight") else proj.weight
+        w = w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        dtype = self.kv_a_layernorm.weight.dtype
+        self.register_buffer("w_uk", w[:, :self.nope].to(dtype).contiguous(), persistent=False)
+        self.register_buffer("w_uv_t", w[:, self.nope:].transpose(1, 2).to(dtype).contiguous(),
+                             persistent=False)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
         """x [..., hidden] where ... is [B, T] (dense) or [N] (paged); cos/sin [...,
         qk_rope_head_dim]; attn is the backend context."""
         lead, h = x.shape[:-1], self.num_heads
         q = self._queries(x).view(*lead, h, self.head_dim)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(*lead, h, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k_rope = self._rotate(k_rope.unsqueeze(-2), cos, sin).expand(*lead, h, self.rope)
-        q = torch.cat((q[..., :self.nope], self._rotate(q[..., self.nope:], cos, sin)), dim=-1)
-        k = torch.cat((k_nope, k_rope), dim=-1)
-        v = F.pad(v, (0, self.head_dim - self.v_dim))
-        out = attn.attend(self.layer_idx, q, k, v, self.scale)[..., :self.v_dim]
+        latent = self.kv_a_layernorm(latent)
+        k_rope = self._rotate(k_rope.unsqueeze(-2), cos, sin)          # [..., 1, rope]
+        q_nope, q_rope = q[..., :self.nope], self._rotate(q[..., self.nope:], cos, sin)
+        if attn.caches_latent(self.layer_idx):
+            out = self._attend_absorbed(q_nope, q_rope, latent, k_rope, attn)
+        else:
+            out = self._attend_expanded(q_nope, q_rope, latent, k_rope, attn)
         return self.o_proj(out.reshape(*lead, h * self.v_dim))
+
+    def _attend_absorbed(self, q_nope, q_rope, latent, k_rope, attn) -> torch.Tensor:
+        """Over the latent cache: q_nope, q_rope [N, H, *]; latent [N, kv_lora_rank]; k_rope
+        [N, 1, rope]. Returns [N, H, v_head_dim]."""
+        if not hasattr(self, "w_uk"):
+            self.absorb()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        q = torch.cat((q_latent, q_rope), dim=-1)                      # [N, H, L + rope]
+        row = torch.cat((latent.unsqueeze(-2), k_rope), dim=-1)        # [N, 1, L + rope]
+        out = attn.attend(self.layer_idx, q, row, row[..., :self.kv_lora_rank], self.scale)
+        return torch.bmm(out.transpose(0, 1), self.w_uv_t).transpose(0, 1)
+
+    def _attend_expanded(self, q_nope, q_rope, latent, k_rope, attn) -> torch.Tensor:
+        """Every head's K and V from the latent (dense attention). Returns [..., H, v_dim]."""
+        lead, h = latent.shape[:-1], self.num_heads
+        kv = self.kv_b_proj(latent).view(*lead, h, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(*lead, h, self.rope)), dim=-1)
+        v = F.pad(v, (0, self.head_dim - self.v_dim))
+        return attn.attend(self.layer_idx, q, k, v, self.scale)[..., :self.v_dim]

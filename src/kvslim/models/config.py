@@ -159,19 +159,17 @@ class ModelConfig:
             return "MHA"
         return "MQA" if self.num_key_value_heads == 1 else "GQA"
 
-    def kv_elements_per_token(self, num_kv_heads: int | None = None,
-                              expanded: bool = False) -> int:
+    def kv_elements_per_token(self, num_kv_heads: int | None = None) -> int:
         """Elements of K and V cached for one token, all layers: layers * kv_heads * (K + V head
         size), i.e. 2 * layers * kv_heads * head_dim for every model the engine runs. This is the
         one place the formula is written: the engine's allocator, `kvslim info` and the memory
         planner all come here. `num_kv_heads` prices the same model with another KV head count
-        (its MHA or MQA equivalent). An MLA model's own cache is its latent layout instead, unless
-        `expanded`: the engine caches it expanded for now (layers/latent_attention.py), each head's
-        K and its V zero-padded to K's width. A model with per-layer KV heads sums its layers'."""
-        if self.mla is not None and num_kv_heads is None and not expanded:
+        (its MHA or MQA equivalent). An MLA model's own cache is its latent layout instead
+        (`MLAConfig.cache_elements_per_token`: one row per token and layer, what the engine
+        stores, attention/latent_cache.py). A model with per-layer KV heads sums its layers'."""
+        if self.mla is not None and num_kv_heads is None:
             return self.mla.cache_elements_per_token(self.num_hidden_layers)
-        v_width = self.head_dim if self.mla is not None and expanded else self.v_head_dim
-        return self._kv_heads_summed_over_layers(num_kv_heads) * (self.head_dim + v_width)
+        return self._kv_heads_summed_over_layers(num_kv_heads) * (self.head_dim + self.v_head_dim)
 
     def _kv_heads_summed_over_layers(self, num_kv_heads: int | None) -> int:
         """KV heads summed over layers: this model's, or `num_kv_heads` in every layer."""
@@ -183,35 +181,32 @@ class ModelConfig:
         """Bytes of K and V for one token, all layers, cached in `dtype`."""
         return self.kv_elements_per_token() * parse_dtype(dtype).itemsize
 
-    def kv_scales_per_token(self, num_kv_heads: int | None = None, expanded: bool = False) -> int:
+    def kv_scales_per_token(self, num_kv_heads: int | None = None) -> int:
         """Scales a quantized (int8/fp8) cache stores beside one token's elements, all layers:
-        one per K and per V head (`attention/kv_cache.py`). For an MLA model's own layout (which
-        the engine does not cache yet) one per cached latent row and layer."""
-        if self.mla is not None and num_kv_heads is None and not expanded:
+        one per K and per V head (`attention/kv_cache.py`); for an MLA model's latent layout one
+        per row and layer (`attention/latent_cache.py`)."""
+        if self.mla is not None and num_kv_heads is None:
             return self.num_hidden_layers
         return 2 * self._kv_heads_summed_over_layers(num_kv_heads)
 
-    def kv_scale_bytes_per_token(self, num_kv_heads: int | None = None,
-                                 expanded: bool = False) -> int:
+    def kv_scale_bytes_per_token(self, num_kv_heads: int | None = None) -> int:
         """Bytes of those scales (float16, `KV_SCALE_DTYPE`), added to `kv_bytes_per_token`."""
-        return self.kv_scales_per_token(num_kv_heads, expanded) * KV_SCALE_DTYPE.itemsize
+        return self.kv_scales_per_token(num_kv_heads) * KV_SCALE_DTYPE.itemsize
 
     def kv_storage_bytes_per_token(self, element_bits: int, scaled: bool,
-                                   num_kv_heads: int | None = None, expanded: bool = False) -> int:
+                                   num_kv_heads: int | None = None) -> int:
         """What a KV cache stores per token, all layers: elements of `element_bits` (int4: two
         a byte), plus the scales of an int8/fp8 cache (`scaled`). The engine's, the planner's
-        and a tensor-parallel rank's bytes all come here (`expanded`: see
-        `kv_elements_per_token`)."""
-        elements = -(-self.kv_elements_per_token(num_kv_heads, expanded) * element_bits // 8)
-        return elements + (self.kv_scale_bytes_per_token(num_kv_heads, expanded) if scaled else 0)
+        and a tensor-parallel rank's bytes all come here."""
+        elements = -(-self.kv_elements_per_token(num_kv_heads) * element_bits // 8)
+        return elements + (self.kv_scale_bytes_per_token(num_kv_heads) if scaled else 0)
 
     def kv_cache_bytes_per_token(self, kv_cache_dtype: torch.dtype | str) -> int:
         """What the engine's cache stores per token: the elements in `kv_cache_dtype` (a float
-        dtype, "int8" or "fp8_e4m3"), plus the scales when that dtype is quantized; an MLA
-        model's expanded heads."""
+        dtype, "int8" or "fp8_e4m3"), plus the scales when that dtype is quantized."""
         dtype = parse_dtype(QUANTIZED_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype))
         return self.kv_storage_bytes_per_token(8 * dtype.itemsize,
-                                               dtype in QUANTIZED_KV_DTYPES.values(), expanded=True)
+                                               dtype in QUANTIZED_KV_DTYPES.values())
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> None:

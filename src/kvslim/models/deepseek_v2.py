@@ -1,8 +1,8 @@
 """DeepSeek-V2 (and the decoder DeepSeek-V3 shares, models/deepseek_v3.py): multi-head latent
-attention (layers/latent_attention.py, its KV cache expanded to heads for now) and DeepSeek's
-mixture of experts (layers/deepseek_moe.py: routed experts with a softmax router, shared experts,
-`first_k_dense_replace` leading dense layers), the Llama decoder's norms and residuals around
-them, RoPE over each head's `qk_rope_head_dim` part only.
+attention (layers/latent_attention.py; the engine caches its latent, attention/latent_cache.py)
+and DeepSeek's mixture of experts (layers/deepseek_moe.py: routed experts with a softmax
+router, shared experts, `first_k_dense_replace` leading dense layers), the Llama decoder's norms
+and residuals around them, RoPE over each head's `qk_rope_head_dim` part only.
 
 Checkpoints use transformers' names: `q_proj` (or `q_a_proj`, `q_a_layernorm`, `q_b_proj`),
 `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`; `mlp.gate` (the router),
@@ -66,6 +66,13 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         self.config = config
         self.model = DeepseekModel(config)
         self.lm_head = make_lm_head(config, self.model.embed_tokens)
+
+    def prepare_for_inference(self) -> bool:
+        """Each latent attention's absorbed matrices first (out of kv_b_proj's weight, which
+        the linear kernels may then hold in their own form), then the kernels."""
+        for layer in self.model.layers:
+            layer.self_attn.absorb()
+        return super().prepare_for_inference()
 
 
 def attention_scale(config: ModelConfig) -> float:

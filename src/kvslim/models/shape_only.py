@@ -1,6 +1,6 @@
 """The parts of a model beyond a dense decoder's: mixture-of-experts MLPs (Mixtral, Qwen3-MoE,
-DeepSeek) and DeepSeek's latent attention (run expanded, layers/latent_attention.py; the
-planner prices its latent cache). Each family's file reads them from its config.json."""
+DeepSeek) and DeepSeek's latent attention (layers/latent_attention.py, its latent cache
+attention/latent_cache.py). Each family's file reads them from its config.json."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,9 +31,10 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """DeepSeek's multi-head latent attention. Its own cache is not K/V heads: one compressed
-    latent of `kv_lora_rank` plus one shared RoPE key of `qk_rope_head_dim` per token and layer
-    (what the planner prices; kvslim's engine caches the expanded heads for now)."""
+    """DeepSeek's multi-head latent attention. Its cache is not K/V heads: one compressed
+    latent of `kv_lora_rank` plus one shared RoPE key of `qk_rope_head_dim` per token and layer,
+    one row of `cache_width` (what the engine stores, attention/latent_cache.py, and the
+    planner prices)."""
     kv_lora_rank: int
     qk_rope_head_dim: int
     qk_nope_head_dim: int
@@ -41,6 +42,11 @@ class MLAConfig:
     q_lora_rank: int | None
     rope_interleave: bool = True           # RoPE on interleaved pairs (V3 may rotate halves)
 
+    @property
+    def cache_width(self) -> int:
+        """One cached row: the latent c_kv, then the RoPE'd shared key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
     def cache_elements_per_token(self, num_layers: int) -> int:
         """The latent layout, whatever the head count."""
-        return num_layers * (self.kv_lora_rank + self.qk_rope_head_dim)
+        return num_layers * self.cache_width
