@@ -105,10 +105,9 @@ def test_memory_budget_and_gqa_multiplier():
     assert any("weights alone exceed" in note for note in tight.notes)
 
 
-# DeepSeek's MLA: the planner prices its latent cache, the engine caches the expanded heads
-# until it has one (tests/models/test_deepseek.py checks the engine's size)
+# DeepSeek's MLA included: the engine caches the latent rows the planner prices
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if not v.startswith("deepseek")])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_planner_equals_engine_allocation(hf_checkpoints, variant, dtype):
     model_dir = hf_checkpoints[variant]
     budget = 1_000_003                                       # not a whole number of blocks
