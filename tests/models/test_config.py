@@ -20,7 +20,7 @@ def test_kv_bytes_per_token_is_two_layers_kv_heads_head_dim_bytes():
 
 def test_mixtral_and_deepseek_run():
     assert ModelConfig.from_hf_dict(MIXTRAL).runnable          # the engine runs its MoE
-    assert ModelConfig.from_hf_dict(DEEPSEEK).runnable         # and DeepSeek's MLA, expanded
+    assert ModelConfig.from_hf_dict(DEEPSEEK).runnable         # and DeepSeek's MLA
 
 
 def test_deepseek_reads_the_same_for_the_planner():
