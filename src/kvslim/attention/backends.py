@@ -11,7 +11,8 @@
   position: batch-invariant, and a prompt's numbers do not depend on its chunking or on a
   prefix-cache hit. float32 models, float32 or int8 caches.
 - "auto": flex on CUDA; on the CPU the kernel where it runs (`CPU_DEFAULT`, measured), else
-  gather.
+  gather. A model with DeepSeek's latent cache (MLA, `latent_cache.py`) gets gather: the kernel
+  reads K and V heads, not one latent row whose value is a view of its key, and refuses it.
 
 The engine resolves the name once (`resolve_attention_backend`) and builds each step's context
 with `build_paged_attention`, on the eager path and on the decode-graph path alike."""
