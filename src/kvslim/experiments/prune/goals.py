@@ -49,8 +49,8 @@ def _recovered(exp, model: str) -> Goal:
         return Goal(model, text, NOT_MEASURED, "dense or 50% SparseGPT not measured")
     tokens = exp.cfg.recovery_tokens
     best = after if after is not None and tokens <= 500_000 else before
-    detail = (f"{best:.2f} vs dense {dense:.2f} ({best / dense - 1:+.1%}); before recovery "
-              f"{before:.2f} ({before / dense - 1:+.1%})"
+    detail = (f"{best:.2f} vs dense {dense:.2f} ({best / dense - 1:+.2%}); before recovery "
+              f"{before:.2f} ({before / dense - 1:+.2%})"
               + ("" if after is None else f", after {tokens:,} tokens {after:.2f}"))
     return Goal(model, text, PASS if best <= 1.15 * dense else FAIL, detail)
 
