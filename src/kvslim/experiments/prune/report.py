@@ -69,7 +69,9 @@ Machine: {m.get("cpu")}, {m.get("cores")} cores, torch {m.get("torch")}. Date: {
   (`train/pruned_masks.py`).
 - **Batch-1 decode** (`kvslim bench latency`, median of {cfg.decode_repeats}): a model pruned 2:4
   in float32 runs kvslim's 2:4 kernel (below); any other pruned model runs the dense kernels of
-  its precision, at the dense model's speed.
+  its precision, at the dense model's speed. One run each on a shared CPU: dense and SparseGPT
+  50% run the same kernels, so their gap is this run's noise (a run that shared the cores with
+  other jobs is re-measured by deleting `decode_tokens_per_s` from the records and rerunning).
 
 """
 
