@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvslim.kernels import extension, sparse24
+from thread_counts import outputs_at_thread_counts
 
 pytestmark = pytest.mark.skipif(extension.missing_compiler() is not None,
                                 reason="no C++ compiler: the extension cannot build here")
@@ -64,14 +65,7 @@ def test_a_rows_bits_do_not_depend_on_the_batch():
 def test_the_threads_do_not_change_the_bits():
     packed = sparse24.pack_sparse24_weight(sparse_weight(512, 256))
     x = torch.randn(9, 256)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            outs.append(sparse24.sparse24_linear(x, packed))
-    finally:
-        torch.set_num_threads(before)
+    outs = outputs_at_thread_counts(lambda: sparse24.sparse24_linear(x, packed))
     assert torch.equal(outs[0], outs[1])
 
 

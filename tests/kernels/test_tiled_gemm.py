@@ -11,6 +11,7 @@ import torch
 
 from group_weights import weight
 from kvslim.kernels import extension, tiled_gemm
+from thread_counts import outputs_at_thread_counts
 
 pytestmark = pytest.mark.skipif(extension.missing_compiler() is not None,
                                 reason="no C++ compiler: the extension cannot build here")
@@ -54,14 +55,7 @@ def test_the_threads_do_not_change_the_bits():
     q, scales, mins = weight(4, 512, 256, 32)
     packed = tiled_gemm.pack_group_weight(q, scales, mins, 4)
     x = torch.randn(9, 256)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            outs.append(tiled_gemm.group_linear(x, packed))
-    finally:
-        torch.set_num_threads(before)
+    outs = outputs_at_thread_counts(lambda: tiled_gemm.group_linear(x, packed))
     assert torch.equal(outs[0], outs[1])
 
 
