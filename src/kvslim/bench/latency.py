@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -109,7 +110,7 @@ def _measure_all(llm, model_dir, input_len, output_len, batches, compare, show_p
     label = "kvslim" if ranks == 1 else f"kvslim ({ranks} tensor-parallel ranks)"
     if llm.engine.config.linear_activations != "float32":
         label += f", {llm.engine.config.linear_activations} activations"
-    engines = [("kvslim", label, _kvslim_measure(llm, prompts, output_len))]
+    engines = [("kvslim", label, kvslim_measure(llm, prompts, output_len))]
     for name, runner in peers(compare, model_dir, result.skipped, show_progress):
         engines.append((name, runner.label, _peer_measure(name, runner, prompts, output_len)))
     if "llamacpp" in compare:
@@ -126,7 +127,29 @@ def _measure_all(llm, model_dir, input_len, output_len, batches, compare, show_p
     return result
 
 
-def _kvslim_measure(llm, prompts, output_len: int):
+def models_decode_speed(model_dirs: dict[str, Path], input_len: int, output_len: int,
+                        repeats: int) -> dict[str, float]:
+    """Batch-1 decode tokens/s of several models (name -> directory) in one run, taking turns
+    in every round, so that their ratios are not one slow spell of a shared machine: the median
+    time per output token of `repeats` rounds. The models are held at once."""
+    llms = {name: kvslim_llm(d, "256MiB", max_num_seqs=1) for name, d in model_dirs.items()}
+    try:
+        measures = {}
+        for name, llm in llms.items():
+            w = Workload(1, input_len, output_len, seed=1)
+            prompts = w.prompts(llm.engine.model_config.vocab_size, special_ids(llm.tokenizer))
+            measures[name] = kvslim_measure(llm, prompts, output_len)
+        tpots: dict[str, list[float]] = {name: [] for name in llms}
+        for _ in range(repeats):
+            for name, measure in measures.items():
+                tpots[name].append(measure(1)[1])
+        return {name: round(1 / statistics.median(t), 1) for name, t in tpots.items()}
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+
+
+def kvslim_measure(llm, prompts, output_len: int):
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
 

@@ -67,11 +67,12 @@ Machine: {m.get("cpu")}, {m.get("cores")} cores, torch {m.get("torch")}. Date: {
   (batch {cfg.recovery_batch_size} x {cfg.recovery_seq_len}, peak lr {cfg.recovery_lr}),
   distilled from the dense model (T = 2, weight 0.5); the pruned weights stay zero
   (`train/pruned_masks.py`).
-- **Batch-1 decode** (`kvslim bench latency`, median of {cfg.decode_repeats}): a model pruned 2:4
-  in float32 runs kvslim's 2:4 kernel (below); any other pruned model runs the dense kernels of
-  its precision, at the dense model's speed. One run each on a shared CPU: dense and SparseGPT
-  50% run the same kernels, so their gap is this run's noise (a run that shared the cores with
-  other jobs is re-measured by deleting `decode_tokens_per_s` from the records and rerunning).
+- **Batch-1 decode** ({cfg.decode_input_len} prompt tokens, {cfg.decode_output_len} generated,
+  `kvslim bench latency`'s measure): a model's decode arms loaded together and timed in turn,
+  {cfg.decode_repeats} rounds, the median time per token; a model pruned 2:4 in float32 runs
+  kvslim's 2:4 kernel (below); any other pruned model runs the dense kernels of its precision,
+  so dense against SparseGPT 50% shows what is left of this shared CPU's noise. Deleting one
+  arm's `decode_tokens_per_s` from the records re-measures them all on the next run.
 
 """
 

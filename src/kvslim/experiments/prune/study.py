@@ -1,7 +1,7 @@
 """`kvslim experiment prune`: for each model (the reference MHA model, SmolLM2-135M), every arm
 of `arms.plan` built once under WORK_DIR and measured: test perplexity, bytes on disk (all and
-the decoder's linears), the zeros actually stored, batch-1 decode for the arms that name it, and
-the build's wall time. Each finished arm is recorded in RESULTS, so a rerun skips it; the report
+the decoder's linears), the zeros actually stored, the build's wall time; and batch-1 decode
+of the arms that name it, measured together. Each finished arm is recorded in RESULTS, so a rerun skips it; the report
 (docs/pruning.md, .json, a plot) is written from those records by `report.py`."""
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class PruneExperimentConfig:
     recovery_lr: float = 2e-4             # the GQA study's uptraining peak
     decode_input_len: int = 128
     decode_output_len: int = 64
-    decode_repeats: int = 3
+    decode_repeats: int = 7
     show_progress: bool = True
 
     def decode_arms(self) -> list[str]:
@@ -92,10 +92,8 @@ class PruneExperiment:
             key = model_key(model)
             todo = [a for a in self.arms(key)
                     if getattr(self.results.get(f"{key}/{a.name}"), "status", "") != "done"]
-            self._backfill(key)
-            if not todo:
-                continue
-            source, _ = float_model_source(model, self.work, self.cfg.show_progress)
+            if todo:
+                source, _ = float_model_source(model, self.work, self.cfg.show_progress)
             bar = tqdm(todo, desc=key, unit="arm", disable=not self.cfg.show_progress)
             for arm in bar:
                 bar.set_postfix_str(arm.name)
@@ -105,24 +103,43 @@ class PruneExperiment:
                     tqdm.write(f"[prune] {key}/{arm.name}: "
                                f"{result.numbers.get('ppl', result.reason)} "
                                f"({result.seconds:.0f} s)")
+            self._backfill(key)
+            self._measure_decode(key)
+
+    def _done(self, key: str) -> list[tuple[Arm, ArmResult]]:
+        return [(a, r) for a in self.arms(key)
+                if (r := self.results.get(f"{key}/{a.name}")) is not None and r.status == "done"]
+
+    def _model_dir(self, key: str, arm: Arm) -> Path:
+        model_dir = self.work / key / arm.name
+        if (model_dir / "config.json").is_file():
+            return model_dir
+        return float_model_source(self.cfg.models[self.model_keys().index(key)],
+                                  self.work, False)[0]
 
     def _backfill(self, key: str) -> None:
-        """Numbers added to the study after some arms were recorded, measured on those arms:
-        a float pruned arm's bytes as a compressed-tensors checkpoint, batch-1 decode."""
-        for arm in self.arms(key):
-            r = self.results.get(f"{key}/{arm.name}")
-            if r is None or r.status != "done":
-                continue
-            model_dir, n, before = self.work / key / arm.name, r.numbers, len(r.numbers)
-            if not (model_dir / "config.json").is_file():
-                model_dir = float_model_source(self.cfg.models[self.model_keys().index(key)],
-                                               self.work, False)[0]
-            if arm.method is not None and arm.bits is None and "sparse_linear_bytes" not in n:
-                n.update(compressed_tensors_bytes(model_dir, arm))
-            if arm.decode and "decode_tokens_per_s" not in n:
-                n["decode_tokens_per_s"] = decode_speed(model_dir, self.cfg)
-            if len(n) != before:
+        """A number added to the study after some arms were recorded, measured on those arms:
+        a float pruned arm's bytes as a compressed-tensors checkpoint."""
+        for arm, r in self._done(key):
+            sparse_float = arm.method is not None and arm.bits is None
+            if sparse_float and "sparse_linear_bytes" not in r.numbers:
+                r.numbers.update(compressed_tensors_bytes(self._model_dir(key, arm), arm))
                 self._save(r)
+
+    def _measure_decode(self, key: str) -> None:
+        """Batch-1 decode of the model's decode arms, all in one run taking turns (their ratios
+        are the point), whenever one of them lacks it: a rerun after deleting one arm's
+        `decode_tokens_per_s` re-measures them all."""
+        arms = [(a, r) for a, r in self._done(key) if a.decode]
+        if not arms or all("decode_tokens_per_s" in r.numbers for _, r in arms):
+            return
+        from kvslim.bench.latency import models_decode_speed
+        c = self.cfg
+        speeds = models_decode_speed({a.name: self._model_dir(key, a) for a, _ in arms},
+                                     c.decode_input_len, c.decode_output_len, c.decode_repeats)
+        for arm, r in arms:
+            r.numbers["decode_tokens_per_s"] = speeds[arm.name]
+            self._save(r)
 
     def _run_arm(self, key: str, arm: Arm, source: Path) -> ArmResult:
         start = time.time()
@@ -165,7 +182,7 @@ def check_config(cfg: PruneExperimentConfig) -> None:
 
 
 def measure(arm: Arm, model_dir: Path, cfg: PruneExperimentConfig) -> dict:
-    """Perplexity (`kvslim ppl`'s), bytes on disk, the linears' stored zeros, batch-1 decode."""
+    """Perplexity (`kvslim ppl`'s), bytes on disk, the linears' stored zeros."""
     from kvslim.eval.perplexity import file_perplexity
     from kvslim.formats.weight_bytes import stored_weight_bytes
     r = file_perplexity(model_dir, cfg.test, cfg.ppl_context, cfg.ppl_stride, cfg.ppl_max_tokens,
@@ -179,17 +196,7 @@ def measure(arm: Arm, model_dir: Path, cfg: PruneExperimentConfig) -> dict:
         from kvslim.models.config import ModelConfig, parse_dtype
         size = parse_dtype(ModelConfig.from_dir(model_dir).torch_dtype).itemsize
         out["linear_bf16_bytes"] = wb.linear // size * 2
-    if arm.decode:
-        out["decode_tokens_per_s"] = decode_speed(model_dir, cfg)
     return out
-
-
-def decode_speed(model_dir: Path, cfg: PruneExperimentConfig) -> float:
-    """Batch-1 decode tokens/s, as `kvslim bench latency` measures it."""
-    from kvslim.bench.latency import run_latency
-    return run_latency(model_dir, cfg.decode_input_len, cfg.decode_output_len, batches=(1,),
-                       compare=[], show_progress=False,
-                       repeats=cfg.decode_repeats).results[0].decode_tokens_per_s
 
 
 def linear_zero_fraction(model_dir: Path) -> float:
