@@ -225,7 +225,9 @@ class ModelConfig:
         if self.head_dim % 2 != 0:
             raise ConfigError(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_scaling is not None and self.runnable:     # RoPE matters only to a run
-            validate_rope_scaling(self.rope_scaling, self.head_dim)
+            # MLA rotates only each head's qk_rope_head_dim part (the shared RoPE key)
+            rotated = self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+            validate_rope_scaling(self.rope_scaling, rotated)
         parse_dtype(self.torch_dtype)
         if self.runnable:
             self.quantization                       # noqa: B018 (validates quantization_config)
