@@ -9,7 +9,8 @@ from kvslim.errors import KvslimError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("convert", help="MHA -> GQA/MQA: pool KV heads into --kv-heads groups")
+    p = sub.add_parser("convert", help="MHA -> GQA/MQA: pool KV heads into --kv-heads groups; "
+                                       "or --to-mla: DeepSeek-V2 latent attention")
     p.add_argument("src", metavar="SRC", help="source model directory")
     p.add_argument("dst", metavar="DST", help="output model directory")
     target = p.add_mutually_exclusive_group(required=True)
@@ -18,13 +19,14 @@ def register(sub) -> None:
                         help="per-layer KV heads within this fraction of the source's KV bytes")
     target.add_argument("--kv-bytes-per-token", type=int, metavar="N",
                         help="per-layer KV heads within N bytes per token (stored dtype)")
+    _add_mla_args(p, target)
     p.add_argument("--allocate", default="sensitivity", choices=("sensitivity", "uniform"),
                    help="with a budget: spend it where merging costs most (measured on --calib),"
                         " or the same count in every layer")
     p.add_argument("--sensitivity-samples", type=int, default=8,
                    help="calibration windows the per-layer loss is measured on")
     p.add_argument("--method", help="mean, first, random or align (default: mean; align "
-                                    "with a budget)")
+                                    "with a budget); with --to-mla mha2mla (default) or transmla")
     p.add_argument("--calib", help="calibration text file (needed by --method align)")
     p.add_argument("--calib-samples", type=int, default=32, help="calibration windows")
     p.add_argument("--calib-seq-len", type=int, default=256)
@@ -61,6 +63,18 @@ def register(sub) -> None:
     _register_ppl(sub)
 
 
+def _add_mla_args(p, target) -> None:
+    target.add_argument("--to-mla", action="store_true",
+                        help="DeepSeek-V2 latent attention (docs/mla-conversion.md)")
+    p.add_argument("--kv-lora-rank", type=int, metavar="R", help="--to-mla: the latent's width")
+    p.add_argument("--rope-dim", type=int, metavar="D",
+                   help="--to-mla: RoPE dims each query head keeps (default: head_dim for "
+                        "transmla, head_dim / 4 for mha2mla)")
+    p.add_argument("--latent-norm", default="calibrated", choices=("calibrated", "exact"),
+                   help="--to-mla: kv_a_layernorm's weight the latent's RMS (trainable), or the "
+                        "latent scaled below its epsilon (exact, not for uptraining)")
+
+
 def _register_ppl(sub) -> None:
     p = sub.add_parser("ppl", help="sliding-window perplexity of a model on a text file")
     p.add_argument("model", metavar="MODEL", nargs="?", default=None,
@@ -82,6 +96,8 @@ def run_convert(args) -> int:
     from kvslim.models.config import ModelConfig
     from kvslim.surgery.convert import convert_to_budget, convert_to_gqa
     show = not (args.quiet or args.json)
+    if args.to_mla:
+        return run_convert_mla(args, show)
     if args.kv_heads is not None:
         _warn_tensor_parallel(args, ModelConfig.from_dir(args.src).num_attention_heads,
                               [args.kv_heads])
@@ -108,6 +124,26 @@ def run_convert(args) -> int:
     else:
         print(f"wrote {out} (KV heads per layer {' '.join(map(str, heads))}: {sum(heads)} in "
               f"all, allocation {args.allocate}, method {method})")
+    return 0
+
+
+def run_convert_mla(args, show: bool) -> int:
+    from kvslim.surgery.mla.convert import RECORD, convert_to_mla
+    from kvslim.surgery.mla.options import MLAOptions
+    if args.kv_lora_rank is None:
+        raise KvslimError("--to-mla needs --kv-lora-rank R")
+    options = MLAOptions(method=args.method or "mha2mla", kv_lora_rank=args.kv_lora_rank,
+                         rope_dim=args.rope_dim, latent_norm=args.latent_norm, calib=args.calib,
+                         calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len)
+    out = convert_to_mla(args.src, args.dst, options, show)
+    record = json.loads((out / RECORD).read_text())
+    if args.json:
+        print(json.dumps({**record, "model": str(out)}))
+    else:
+        print(f"wrote {out} (DeepSeek-V2 latent attention, method {record['method']}: "
+              f"kv_lora_rank {record['kv_lora_rank']}, qk_rope_head_dim "
+              f"{record['qk_rope_head_dim']}; KV bytes per token "
+              f"{record['source_kv_bytes_per_token']} -> {record['kv_bytes_per_token']})")
     return 0
 
 
