@@ -3,7 +3,8 @@
     python benchmarks/cuda_decode_check.py --out docs/cuda_decode_check.json [--hbm-gbps 4800]
     python benchmarks/cuda_decode_check.py --smoke --out /tmp/check.json   # any machine, tiny
 
-(`--models smollm2` or `--models llama` checks one model, to split the run in two.)
+(`--models smollm2` or `--models llama` checks one model, to split the run in two; `--sparse24`
+adds benchmarks/cuda_sparse24_check.py's comparison of 2:4 semi-structured sparse linears.)
 
 On each model, SmolLM2-135M-Instruct (the embedded GGUF's float32 import) and a ~1B-parameter
 Llama shape with random weights in bfloat16 (Llama 3.2 1B's layers over SmolLM2's vocabulary and
@@ -261,6 +262,9 @@ def main() -> int:
     ap.add_argument("--hbm-gbps", type=float, default=4800.0,
                     help="the device's peak memory bandwidth, GB/s (default: H200's 4800)")
     ap.add_argument("--out", type=Path, default=None, help="write every number here (JSON)")
+    ap.add_argument("--sparse24", action="store_true",
+                    help="also compare cuda_sparse_24 with the dense kernels on the random Llama "
+                         "pruned 2:4 (benchmarks/cuda_sparse24_check.py)")
     ap.add_argument("--models", default="smollm2,llama",
                     help="which of smollm2, llama (the random ~1B Llama) to check (default both)")
     args = ap.parse_args()
@@ -280,6 +284,12 @@ def main() -> int:
                                                 args.hbm_gbps))
             if args.out:
                 args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.sparse24:
+        from cuda_sparse24_check import check_sparse24
+        report["sparse24"] = check_sparse24(args.smoke)
+        print(json.dumps(report["sparse24"], indent=2))
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(gpu_table(report))
     return 1 if failed(report) else 0
 

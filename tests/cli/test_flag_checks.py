@@ -1,5 +1,7 @@
 """Flag values are checked before the model loads: a mistake answers with one line and exit 2,
-and the "loading" line (printed just before weights are read) never appears."""
+and the "loading" line (printed just before weights are read) never appears. Each flag is
+checked in this process; what needs a real process (exit codes of a run, a fresh home) starts
+one."""
 import subprocess
 import sys
 
@@ -17,6 +19,18 @@ def assert_refused_before_loading(r, message):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"kvslim generate: error: {message}"]
     assert LOADING not in r.stderr and r.stdout == ""
+
+
+def kvslim_here(capsys, *args) -> subprocess.CompletedProcess:
+    """The CLI in this process (a new interpreter per flag would cost seconds of imports each);
+    argparse's refusals exit, kvslim's return 2."""
+    from kvslim.cli.main import main
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -39,18 +53,18 @@ def assert_refused_before_loading(r, message):
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
      "num_speculative_tokens must be between 1 and 16, got 0"),
 ])
-def test_bad_flag_is_refused_before_loading(hf_checkpoints, flags, message):
-    r = kvslim("generate", "--model", str(hf_checkpoints["gqa"]), "--prompt", "x", "--raw",
-               *flags)
+def test_bad_flag_is_refused_before_loading(hf_checkpoints, flags, message, capsys):
+    r = kvslim_here(capsys, "generate", "--model", str(hf_checkpoints["gqa"]), "--prompt", "x",
+                    "--raw", *flags)
     assert_refused_before_loading(r, message)
 
 
-def test_generate_with_speculative_decoding(hf_checkpoints):
+def test_generate_with_speculative_decoding(hf_checkpoints, capsys):
     args = ["generate", "--model", str(hf_checkpoints["gqa"]), "--prompt", "a b a b a b a",
             "--raw", "--max-tokens", "12", "--kv-cache-memory", "4MiB", "--temperature", "0"]
-    plain = kvslim(*args)
-    fast = kvslim(*args, "--speculative-config",
-                  '{"method": "ngram", "num_speculative_tokens": 4}')
+    plain = kvslim_here(capsys, *args)
+    fast = kvslim_here(capsys, *args, "--speculative-config",
+                       '{"method": "ngram", "num_speculative_tokens": 4}')
     assert plain.returncode == 0 and fast.returncode == 0, fast.stderr
     assert fast.stdout == plain.stdout and plain.stdout.strip()
 

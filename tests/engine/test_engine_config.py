@@ -27,7 +27,7 @@ NON_DEFAULT = {
     "--kv-cache-memory": "3MiB", "--block-size": "8", "--max-num-seqs": "3",
     "--max-num-batched-tokens": "64", "--max-model-len": "100", "--no-prefix-caching": None,
     "--enforce-eager": None, "--compile": None, "--attention-backend": "flex", "--linear-activations": "int8",
-    "--keep-out-of-window-blocks": None,
+    "--keep-out-of-window-blocks": None, "--cuda-sparse-24": None,
     "--speculative-config": '{"method": "ngram", "num_speculative_tokens": 2}',
     "--tensor-parallel-size": "1", "--tensor-parallel-oversubscribe": None,
     "--distributed-timeout": "5.5",
@@ -43,7 +43,7 @@ def test_every_generated_flag_round_trips_to_the_config():
         block_size=8, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=100,
         enable_prefix_caching=False, enforce_eager=True, compile_decode=True,
         attention_backend="flex", linear_activations="int8",
-        keep_out_of_window_blocks=True, speculative={"method": "ngram",
+        keep_out_of_window_blocks=True, cuda_sparse_24=True, speculative={"method": "ngram",
                                                      "num_speculative_tokens": 2},
         tensor_parallel_oversubscribe=True, distributed_timeout=5.5)
     assert asdict(config) == asdict(expected)

@@ -56,8 +56,8 @@ def test_packed_cpu_linears_match(hf_checkpoints, variant):
         model = load_model(hf_checkpoints[variant])
         if not model.prepare_for_inference():
             pytest.skip("oneDNN linear not available in this torch build")
-        assert model.lm_head.cpu_kernel is not None
-        assert model.model.layers[0].self_attn.qkv_proj.cpu_kernel is not None
+        assert model.lm_head.kernel is not None
+        assert model.model.layers[0].self_attn.qkv_proj.kernel is not None
         torch.testing.assert_close(model.logits(ids), ref, atol=1e-4, rtol=1e-4)
 
 
@@ -78,9 +78,9 @@ def test_packed_linear_every_row_count(bias, rows, gemv_copy):
         packed.load_state_dict(linear.state_dict())
         packed.prepare_for_inference(gemv_copy, release_weight=True)
         if tiled_gemm.available():
-            assert isinstance(packed.cpu_kernel, TiledCpuKernel)
+            assert isinstance(packed.kernel, TiledCpuKernel)
         else:
-            assert (packed.cpu_kernel.weight_in_out is not None) == gemv_copy
+            assert (packed.kernel.weight_in_out is not None) == gemv_copy
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(packed(x[None]), linear(x)[None],
                                    atol=1e-5, rtol=1e-5)

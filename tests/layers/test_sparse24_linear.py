@@ -16,8 +16,8 @@ pytestmark = pytest.mark.skipif(not tiled_gemm.available(), reason="kvslim's ker
 
 
 def kernels(eng):
-    return {name: type(m.cpu_kernel) for name, m in eng.model.named_modules()
-            if isinstance(m, Linear) and m.cpu_kernel is not None}
+    return {name: type(m.kernel) for name, m in eng.model.named_modules()
+            if isinstance(m, Linear) and m.kernel is not None}
 
 
 def test_two_of_four_is_recognised_exactly():

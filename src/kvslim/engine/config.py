@@ -119,6 +119,12 @@ class EngineConfig:
               'or \'{"method": "draft", "model": DIR, "num_speculative_tokens": 4}\' (options: '
               'docs/speculative.md)',
         flag="--speculative-config", metavar="JSON", parse=speculative_from_json)
+    # layers/cuda_sparse24.py: opt-in until benchmarks/cuda_decode_check.py --sparse24 says
+    # where the sparse kernels win.
+    cuda_sparse_24: bool = option(
+        False, "on CUDA, run the linears of a 2:4-pruned float16/bfloat16 model as PyTorch "
+               "semi-structured sparse tensors (sparse tensor cores, compute capability 8.0+)",
+        flag="--cuda-sparse-24")
     # Tensor parallelism (`engine/parallel_executor.py`): ranks that each hold a slice of the
     # model and its own share of the KV cache (kv_cache_memory is per rank).
     tensor_parallel_size: int = option(

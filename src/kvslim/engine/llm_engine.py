@@ -22,10 +22,11 @@ from kvslim.engine.speculative.decoder import SpecDecodeStats, SpeculativeDecode
 from kvslim.engine.speculative.draft import DraftModelProposer
 from kvslim.engine.speculative.learned import LEARNED_METHODS, learned_proposer
 from kvslim.engine.speculative.verify import TypicalAcceptance
-from kvslim.errors import EngineFailedError, InvalidRequestError, KvslimError
+from kvslim.errors import ConfigError, EngineFailedError, InvalidRequestError, KvslimError
 from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
 from kvslim.kernels.activations import linear_activations
+from kvslim.layers.cuda_sparse24 import use_semi_structured_24
 from kvslim.layers.rope import longrope_original_context
 from kvslim.structured.grammar import GrammarCompiler
 from kvslim.structured.manager import StructuredOutputManager
@@ -52,7 +53,11 @@ class LLMEngine:
                                device=resolve_device(self.config.device))
             with linear_activations(self.config.linear_activations):
                 model.prepare_for_inference()
+            if self.config.cuda_sparse_24:
+                use_semi_structured_24(model)
             return model
+        if self.config.cuda_sparse_24:
+            raise ConfigError("cuda_sparse_24 runs on one rank, not with tensor parallelism")
         self.parallel = TensorParallelExecutor.start(model_dir, self.config)
         weakref.finalize(self, self.parallel.shutdown)       # at gc and at interpreter exit
         return self.parallel.model

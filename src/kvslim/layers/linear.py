@@ -31,11 +31,11 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.cpu_kernel: PackedCpuKernel | TiledCpuKernel | Sparse24CpuKernel | None = None
+        self.kernel: PackedCpuKernel | TiledCpuKernel | Sparse24CpuKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernel is not None:
-            return self.cpu_kernel(x)
+        if self.kernel is not None:
+            return self.kernel(x)
         return F.linear(x, self.weight, self.bias)
 
     @torch.no_grad()
@@ -50,13 +50,13 @@ class Linear(nn.Module):
         parameter then shares the GEMV copy's memory (as its transpose), or, without that copy
         and when no other module shares it, becomes empty: the kernel's form is the only copy."""
         if tiled_gemm.available() and is_two_of_four(self.weight):
-            self.cpu_kernel = Sparse24CpuKernel(self.weight, self.bias)
+            self.kernel = Sparse24CpuKernel(self.weight, self.bias)
         elif tiled_gemm.available():
-            self.cpu_kernel = TiledCpuKernel(self.weight, self.bias)
+            self.kernel = TiledCpuKernel(self.weight, self.bias)
         else:
-            self.cpu_kernel = PackedCpuKernel(self.weight, self.bias, gemv_copy)
+            self.kernel = PackedCpuKernel(self.weight, self.bias, gemv_copy)
         if release_weight:
-            in_out = self.cpu_kernel.weight_in_out
+            in_out = self.kernel.weight_in_out
             self.weight.data = in_out.t() if in_out is not None else self.weight.new_empty(0)
 
 

@@ -94,14 +94,14 @@ class RowParallelLinear(Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.cpu_kernel(x) if self.cpu_kernel is not None else F.linear(x, self.weight)
+        out = self.kernel(x) if self.kernel is not None else F.linear(x, self.weight)
         dist.all_reduce(out, group=self.group)
         return out if self.bias is None else out + self.bias
 
     @torch.no_grad()
     def prepare_for_inference(self, gemv_copy: bool, release_weight: bool) -> None:
         super().prepare_for_inference(gemv_copy, release_weight)
-        self.cpu_kernel.bias = None        # the kernel makes the partial sum; bias after reduce
+        self.kernel.bias = None        # the kernel makes the partial sum; bias after reduce
 
 
 def vocab_rows(weight: torch.Tensor, shard: VocabShard) -> torch.Tensor:

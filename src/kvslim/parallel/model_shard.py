@@ -148,7 +148,7 @@ def _check_shardable(model: nn.Module, config: ModelConfig, rank: int, world_siz
                      group) -> None:
     if hasattr(model, "tensor_parallel"):
         raise KvslimError("this model is already a tensor-parallel shard")
-    if any(isinstance(m, Linear) and m.cpu_kernel is not None or
+    if any(isinstance(m, Linear) and m.kernel is not None or
            isinstance(m, QuantLinear) and m.kernel is not None for m in model.modules()):
         raise KvslimError("shard the model before prepare_for_inference (its kernels hold the "
                           "full weights)")

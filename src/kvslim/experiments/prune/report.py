@@ -196,7 +196,11 @@ def _kernel_section(path: Path) -> str:
             + "\n".join(lines) + "\n\n"
             "A model pruned 2:4 in float32 runs this kernel in every decoder linear "
             "(`layers/cpu_linear.py`), at every row count: its arithmetic does not change with "
-            "the batch.\n\n")
+            "the batch.\n\n"
+            "On CUDA, `--cuda-sparse-24` (`layers/cuda_sparse24.py`) runs a 2:4 float16/bfloat16 "
+            "model's linears as PyTorch's semi-structured sparse tensors; opt-in until "
+            "`python benchmarks/cuda_sparse24_check.py` measures it against the dense kernels on "
+            "a GPU (not run yet: no GPU was available).\n\n")
 
 
 def _failures(exp: PruneExperiment) -> str:
