@@ -28,9 +28,11 @@ DISABLE_ENV = "KVSLIM_NO_EXTENSION"
 ISA_ENV = "KVSLIM_KERNEL_ISA"
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx", "-mno-avx2",
                                                                   "-mno-fma", "-mno-avx512f")}
-SOURCES = ("tiled_gemm.cpp", "group_sums.cpp", "group_q8.cpp", "paged_attention.cpp",
-           "store_slots.cpp", "sparse24_gemm.cpp")
-HEADERS = ("group_sums.h",)     # not compiled on their own, but part of what a build is
+# One translation unit (all_kernels.cpp includes the others: torch's headers parsed once).
+SOURCES = ("all_kernels.cpp",)
+# Not compiled on their own, but part of what a build is.
+HEADERS = ("tiled_gemm.cpp", "group_sums.cpp", "group_q8.cpp", "paged_attention.cpp",
+           "store_slots.cpp", "sparse24_gemm.cpp", "group_sums.h")
 # -ffp-contract=off: the source says where a multiply and an add fuse; the compiler may not
 # fuse others (the group sums), so every build runs the same arithmetic.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math")

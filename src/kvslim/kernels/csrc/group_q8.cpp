@@ -37,7 +37,7 @@
 #define KVSLIM_VNNI 1
 #endif
 
-namespace {
+namespace kvslim_group_q8 {
 
 constexpr int NT = 16;
 constexpr int64_t QB = 32;          // activation block
@@ -166,7 +166,6 @@ at::Tensor run_tiles(const int8_t* xp, const float* dp, const float* sp, const a
 }
 #endif
 
-}  // namespace
 
 // x's int8 blocks: xq [M, K] and dx [M, K / 32], each row in one fixed order.
 std::tuple<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& x) {
@@ -304,6 +303,8 @@ bool has_vnni() {
 #endif
 }
 
+}  // namespace kvslim_group_q8
+
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("quantize_blocks(Tensor x) -> (Tensor, Tensor)");
   m.def("group_mm_q8(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? colsum, "
@@ -311,12 +312,12 @@ TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("quantize_rows(Tensor x, Tensor? amax) -> (Tensor, Tensor)");
   m.def("row_mm_q8(Tensor x, Tensor qweight, Tensor scales, Tensor colsum, Tensor? amax, int n) "
         "-> Tensor");
-  m.def("has_vnni() -> bool", &has_vnni);
+  m.def("has_vnni() -> bool", &kvslim_group_q8::has_vnni);
 }
 
 TORCH_LIBRARY_IMPL(kvslim, CPU, m) {
-  m.impl("quantize_blocks", &quantize_blocks);
-  m.impl("group_mm_q8", &group_mm_q8);
-  m.impl("quantize_rows", &quantize_rows);
-  m.impl("row_mm_q8", &row_mm_q8);
+  m.impl("quantize_blocks", &kvslim_group_q8::quantize_blocks);
+  m.impl("group_mm_q8", &kvslim_group_q8::group_mm_q8);
+  m.impl("quantize_rows", &kvslim_group_q8::quantize_rows);
+  m.impl("row_mm_q8", &kvslim_group_q8::row_mm_q8);
 }

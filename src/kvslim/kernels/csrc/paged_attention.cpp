@@ -29,7 +29,7 @@
 #include <limits>
 #include <vector>
 
-namespace {
+namespace kvslim_paged_attention {
 
 struct Cache {
   const float* f32 = nullptr;         // float32 elements, or
@@ -156,7 +156,6 @@ std::vector<Path> tree_paths(const std::optional<at::Tensor>& tree_base,
   return paths;
 }
 
-}  // namespace
 
 // Keys in partitions of PART positions, counted from position 0 (not from the batch's tables):
 // the partitions of a sequence are one work item each, so one long sequence keeps every thread
@@ -237,10 +236,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+}  // namespace kvslim_paged_attention
+
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scales, Tensor? v_scales, "
         "Tensor block_tables, Tensor context_lens, int key_start, int window, float scale, "
         "Tensor? tree_base=None, Tensor? tree_bits=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("paged_decode", &kvslim_paged_attention::paged_decode); }

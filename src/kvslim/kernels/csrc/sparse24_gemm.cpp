@@ -32,7 +32,7 @@
 #include <immintrin.h>
 #endif
 
-namespace {
+namespace kvslim_sparse24_gemm {
 
 constexpr int NT = 16;            // output columns per tile
 constexpr int CT = 4;             // tiles per work item (and at most per micro-kernel call)
@@ -186,10 +186,11 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
   return y;
 }
 
-}  // namespace
+
+}  // namespace kvslim_sparse24_gemm
 
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("sparse24_mm(Tensor x, Tensor values, Tensor index, int n) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("sparse24_mm", &sparse24_mm); }
+TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("sparse24_mm", &kvslim_sparse24_gemm::sparse24_mm); }

@@ -7,7 +7,7 @@
 
 #include <cstring>
 
-namespace {
+namespace kvslim_store_slots {
 
 void write_slots(at::Tensor cache, const at::Tensor& slots, const at::Tensor& values) {
   TORCH_CHECK(cache.dim() >= 2 && cache.is_contiguous(), "write_slots: cache must be contiguous "
@@ -33,12 +33,13 @@ void write_slots(at::Tensor cache, const at::Tensor& slots, const at::Tensor& va
   }
 }
 
-}  // namespace
+
+}  // namespace kvslim_store_slots
 
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("write_slots(Tensor(a!) cache, Tensor slots, Tensor values) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvslim, CPU, m) {
-  m.impl("write_slots", &write_slots);
+  m.impl("write_slots", &kvslim_store_slots::write_slots);
 }

@@ -28,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-namespace {
+namespace kvslim_tiled_gemm {
 
 constexpr int NT = 16;            // output columns per tile
 constexpr int CT = 4;             // tiles per work item (and at most per micro-kernel call)
@@ -315,17 +315,18 @@ at::Tensor group_sums_op(const at::Tensor& x, int64_t groups) {
   return out;
 }
 
-}  // namespace
+
+}  // namespace kvslim_tiled_gemm
 
 TORCH_LIBRARY(kvslim, m) {
   m.def("group_mm(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int n) -> Tensor");
   m.def("tiled_mm(Tensor x, Tensor weight, int n) -> Tensor");
   m.def("group_sums(Tensor x, int groups) -> Tensor");
-  m.def("kernels_isa() -> str", &isa);
+  m.def("kernels_isa() -> str", &kvslim_tiled_gemm::isa);
 }
 
 TORCH_LIBRARY_IMPL(kvslim, CPU, m) {
-  m.impl("group_mm", &group_mm);
-  m.impl("tiled_mm", &tiled_mm);
-  m.impl("group_sums", &group_sums_op);
+  m.impl("group_mm", &kvslim_tiled_gemm::group_mm);
+  m.impl("tiled_mm", &kvslim_tiled_gemm::tiled_mm);
+  m.impl("group_sums", &kvslim_tiled_gemm::group_sums_op);
 }
