@@ -128,22 +128,23 @@ def _measure_all(llm, model_dir, input_len, output_len, batches, compare, show_p
 
 
 def models_decode_speed(model_dirs: dict[str, Path], input_len: int, output_len: int,
-                        repeats: int) -> dict[str, float]:
-    """Batch-1 decode tokens/s of several models (name -> directory) in one run, taking turns
-    in every round, so that their ratios are not one slow spell of a shared machine: the median
-    time per output token of `repeats` rounds. The models are held at once."""
-    llms = {name: kvslim_llm(d, "256MiB", max_num_seqs=1) for name, d in model_dirs.items()}
+                        repeats: int, batch: int = 1) -> dict[str, float]:
+    """Decode tokens/s of several models (name -> directory) at `batch` sequences (all of them
+    together) in one run, taking turns in every round, so that their ratios are not one slow
+    spell of a shared machine: from the median time per output token of `repeats` rounds. The
+    models are held at once."""
+    llms = {name: kvslim_llm(d, "256MiB", max_num_seqs=batch) for name, d in model_dirs.items()}
     try:
         measures = {}
         for name, llm in llms.items():
-            w = Workload(1, input_len, output_len, seed=1)
+            w = Workload(batch, input_len, output_len, seed=1)
             prompts = w.prompts(llm.engine.model_config.vocab_size, special_ids(llm.tokenizer))
             measures[name] = kvslim_measure(llm, prompts, output_len)
         tpots: dict[str, list[float]] = {name: [] for name in llms}
         for _ in range(repeats):
             for name, measure in measures.items():
-                tpots[name].append(measure(1)[1])
-        return {name: round(1 / statistics.median(t), 1) for name, t in tpots.items()}
+                tpots[name].append(measure(batch)[1])
+        return {name: round(batch / statistics.median(t), 1) for name, t in tpots.items()}
     finally:
         for llm in llms.values():
             llm.shutdown()

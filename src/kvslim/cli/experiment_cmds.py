@@ -11,7 +11,7 @@ from kvslim.cli.report_command import report_args as _report_args
 def register(sub) -> None:
     p = sub.add_parser("experiment", help="reproducible experiments")
     esub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
-    g = esub.add_parser("gqa", help="MHA -> GQA/MQA x methods x uptraining fraction, with the "
+    g = esub.add_parser("gqa", help="MHA -> GQA/MQA/MLA x methods x uptraining fraction, with the "
                                     "MHA control; writes docs/gqa-uptraining.md")
     g.add_argument("--model", default="models/ref-mha", help="the reference MHA model")
     g.add_argument("--train", default="../shared/corpus/train.txt")
@@ -29,11 +29,19 @@ def register(sub) -> None:
                                                    "(default 0,0.05)")
     g.add_argument("--extra-alphas", type=_floats, help="fractions of mean/align arms only "
                                                          "(default 0.1)")
+    g.add_argument("--mla-kv-heads", type=_ints,
+                   help="MLA arms at these GQA counts' KV bytes (default: H/4, 1)")
+    g.add_argument("--mla-rope-fraction", type=float, default=0.5,
+                   help="share of an MLA arm's cached row that is the RoPE key")
+    g.add_argument("--decode-batches", type=_ints,
+                   help="batch sizes of the MLA vs GQA decode timing (default 1,32; '' none)")
     g.add_argument("--skip-smollm2", action="store_true")
     g.add_argument("--smollm2-steps", type=int, default=30)
     g.add_argument("--smollm2-ppl-max-tokens", type=int, default=12_000)
     g.add_argument("--smollm2-kd-steps", type=_ints, default=[30, 60],
                    help="uptraining steps of SmolLM2's distilled arms (default 30,60)")
+    g.add_argument("--smollm2-mla-steps", type=int, default=30,
+                   help="uptraining steps of SmolLM2's MLA arm (quarter of the KV bytes)")
     g.add_argument("--shard", default="0/1", metavar="I/N",
                    help="run jobs I, I+N, ... of the plan (N processes share --work-dir)")
     g.add_argument("--report-only", action="store_true",
@@ -146,6 +154,8 @@ def run_gqa(args) -> int:
                            smollm2_steps=args.smollm2_steps,
                            smollm2_ppl_max_tokens=args.smollm2_ppl_max_tokens, shard=shard,
                            smollm2_kd_steps=args.smollm2_kd_steps,
+                           smollm2_mla_steps=args.smollm2_mla_steps,
+                           mla_rope_fraction=args.mla_rope_fraction,
                            **_plan_overrides(args))
     exp = Experiment(cfg, show_progress=not args.quiet)
     if not args.report_only:
@@ -169,7 +179,7 @@ def _plan_overrides(args) -> dict:
         if unknown:
             raise KvslimError(f"unknown --methods {', '.join(unknown)}; choose from "
                               f"{', '.join(METHODS)}")
-    for name in ("kv_heads", "alphas", "extra_alphas"):
+    for name in ("kv_heads", "alphas", "extra_alphas", "mla_kv_heads", "decode_batches"):
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)
     return out

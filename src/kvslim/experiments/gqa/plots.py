@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvslim.experiments.gqa.mla_arms import is_mla
 from kvslim.experiments.gqa.study import Experiment
 from kvslim.experiments.gqa.goals import (METHOD_ORDER, SMOLLM2_GOAL, ref_index,
                                           smollm2_tokens)
 
 COLORS = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:gray", "align": "tab:green",
           "align-kd": "tab:red", "align-nu": "tab:purple", "align-nu-kd": "tab:brown",
-          "mha": "black"}
+          "mla": "tab:cyan", "mla-kd": "tab:pink", "mla-mha2mla": "tab:olive", "mha": "black"}
 
 
 def plot(exp: Experiment, img_dir: Path) -> list[Path]:
@@ -59,15 +60,17 @@ def _ppl_vs_kv_bytes(exp: Experiment, path: Path) -> Path:
     h = exp.config.num_attention_heads
     ks = sorted({k for k, m, _ in idx if m != "mha"}, reverse=True)
     fig, ax = plt.subplots(figsize=(6, 4.2))
-    arms = [("mean", 0.0), ("align", 0.0), ("align-nu", 0.0), ("mean", 0.05), ("align", 0.05),
-            ("align-kd", 0.05), ("align-nu-kd", 0.05)]
+    arms = [("mean", 0.0), ("align", 0.0), ("align-nu", 0.0), ("mla", 0.0), ("mla-mha2mla", 0.0),
+            ("mean", 0.05), ("align", 0.05), ("align-kd", 0.05), ("align-nu-kd", 0.05),
+            ("mla", 0.05), ("mla-kd", 0.05)]
     for m, a in arms:
         pts = [(idx[(k, m, a)].kv_bytes_per_token_bf16, idx[(k, m, a)].test_ppl)
                for k in ks if (k, m, a) in idx]
         if (h, "mha", a) in idx:
             pts.append((idx[(h, "mha", a)].kv_bytes_per_token_bf16, idx[(h, "mha", a)].test_ppl))
         if len(pts) > 1:
-            ax.plot(*zip(*sorted(pts)), marker="o", color=COLORS[m],
+            # MLA arms: squares, at the bytes of the GQA arms they are compared with
+            ax.plot(*zip(*sorted(pts)), marker="s" if is_mla(m) else "o", color=COLORS[m],
                     linestyle="-" if a else ":", label=f"{m}, alpha={a:g}")
     ax.set_xscale("log", base=2)
     return _save(fig, ax, path, "KV-cache bytes per token (bf16)", "Quality vs KV-cache size")

@@ -6,10 +6,22 @@ import shutil
 from pathlib import Path
 
 from kvslim.experiments.gqa.study import RESULTS, Experiment
-from kvslim.experiments.gqa.goals import METHOD_ORDER, goal_checks, ref_index, smollm2_tokens
+from kvslim.experiments.gqa.goals import (METHOD_ORDER, SMOLLM2_TOKEN_BUDGET, bytes_name,
+                                          goal_checks, ref_index, smollm2_tokens)
+from kvslim.experiments.gqa.mla_arms import is_mla, mla_widths
 from kvslim.experiments.gqa.plots import plot
 
 __all__ = ["goal_checks", "write_report"]
+
+# Why the MLA arms' row is split as it is (mla_rope_fraction), measured by hand:
+ROPE_SPLIT_REASON = (
+    "The split was measured before uptraining (`kvslim convert models/ref-mha OUT --to-mla "
+    "--method transmla --calib ../shared/corpus/train.txt --rope-dim D --kv-lora-rank R`, then "
+    "`kvslim ppl OUT --data ../shared/corpus/test.txt --context 256 --stride 128 --max-tokens "
+    "40000`): in GQA-2's row of 128, a RoPE key of 16 / 32 / 48 / 64 scored 67.1 / 36.1 / "
+    "34.2 / 32.6; in MQA's 64, 8 / 16 / 24 / 32 scored 107.0 / 78.3 / 54.1 / 44.9. The rotated "
+    "dims carry more than the latent at these widths, so half the row is the RoPE key (more than "
+    "half was not measured).")
 
 
 def ref_table(exp: Experiment) -> str:
@@ -26,7 +38,8 @@ def ref_table(exp: Experiment) -> str:
         runs = [idx.get((k, m, a)) for a in alphas]
         if not any(runs):
             continue
-        bytes_ = next(r for r in runs if r).kv_bytes_per_token_bf16
+        first = next(r for r in runs if r)
+        bytes_ = first.kv_bytes_per_token_bf16
         cells = [f"{r.test_ppl:.3f}" if r else "—" for r in runs]
         deltas = []
         for r, a in zip(runs, alphas):
@@ -35,9 +48,32 @@ def ref_table(exp: Experiment) -> str:
         label = "MHA, control" if m == "mha" else ("MQA" if k == 1 else f"GQA-{k:g}")
         if m.endswith("-nu") or m.endswith("-nu-kd"):
             label += " bytes, per layer"
+        if is_mla(m):
+            label += f" bytes, {mla_label(first)}"
         lines.append(f"| {k:g} ({label}) | {m if m != 'mha' else '—'} | {bytes_:,} | "
                      + " | ".join(cells) + " | " + " | ".join(deltas) + " |")
     return "\n".join(lines)
+
+
+def mla_label(r) -> str:
+    return f"MLA {r.mla['kv_lora_rank']} + {r.mla['qk_rope_head_dim']}" if r.mla else "MLA"
+
+
+def decode_table(exp: Experiment) -> str:
+    """Decode tokens/s of each MLA arm's conversion beside GQA's at the same KV bytes."""
+    if not exp.decode:
+        return "_not measured_\n"
+    lines = ["| KV bytes of | KV bytes/token (bf16) | batch | MLA tokens/s | GQA tokens/s | "
+             "MLA / GQA | models |", "|---|---|---|---|---|---|---|"]
+    for d in sorted(exp.decode.values(), key=lambda d: (-d.kv_heads, d.batch)):
+        mla, gqa = d.tokens_per_s["mla"], d.tokens_per_s["gqa"]
+        sizes = " / ".join(f"{v:,}" for v in d.kv_bytes_per_token_bf16.values())
+        lines.append(f"| {bytes_name(d.kv_heads)} | {sizes} | {d.batch} | {mla:.1f} | {gqa:.1f} "
+                     f"| {mla / gqa:.2f}x | `{d.models['mla']}`, `{d.models['gqa']}` |")
+    first = next(iter(exp.decode.values()))
+    return ("\n".join(lines) + f"\n\n{first.input_len}-token prompts, {first.output_len} tokens "
+            f"generated per sequence, float32, {first.threads} CPU thread(s), the median time per "
+            f"output token of {first.repeats} rounds, the two models taking turns in each.\n")
 
 
 def allocation_table(exp: Experiment) -> str:
@@ -65,9 +101,10 @@ def smollm2_table(exp: Experiment) -> str:
              "uptraining tokens | test ppl |", "|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (-r.kv_heads, r.method, r.uptrain_steps)):
         label = ("SmolLM2-135M-Instruct" if r.method == "original"
+                 else f"{mla_label(r)}, {r.method}" if is_mla(r.method)
                  else f"{'MQA' if r.kv_heads == 1 else 'per-layer GQA'}, {r.method}")
         heads = (" ".join(map(str, r.kv_heads_per_layer)) if r.kv_heads_per_layer
-                 else f"{r.kv_heads:g}")
+                 else "— (latent)" if is_mla(r.method) else f"{r.kv_heads:g}")
         lines.append(f"| {label} | {heads} | {r.kv_bytes_per_token_bf16:,} | "
                      f"{r.uptrain_steps} | {smollm2_tokens(exp, r):,} | {r.test_ppl:.3f} |")
     return "\n".join(lines)
@@ -105,7 +142,7 @@ def _setup_section(exp: Experiment, report: Path, command: str) -> str:
     """The command, the reference model, the conversions, uptraining and perplexity."""
     cfg, h = exp.cfg, exp.config.num_attention_heads
     steps = exp.original_steps
-    return f"""# GQA surgery: MHA -> GQA / MQA, uptraining, and a conversion better than mean pooling
+    return f"""# GQA surgery: MHA -> GQA / MQA / MLA, uptraining, a conversion beyond mean pooling
 
 Everything below was produced by one command (it resumes if interrupted; every run it
 recorded is in `{report.with_suffix(".json").name}`, which resumes it on a fresh checkout when
@@ -146,6 +183,7 @@ copied to `{cfg.work_dir}/results.json`):
     {cfg.distill_weight:g} x T^2 x KL(teacher || student) at T = {cfg.distill_temperature:g},
     plus {cfg.attention_weight:g} x the mean per-layer MSE of the attention outputs. At alpha = 0
     a `-kd` arm is its conversion.
+{_mla_setup(exp)}
 - **Uptraining** (`kvslim uptrain`): alpha x {steps} original steps, same batch and sequence
   length, AdamW, fresh warmup (10% of the steps), peak LR {cfg.uptrain_lr:g} (the original peak
   was higher), cosine decay to 10%. The **MHA control** is the unconverted model trained for the
@@ -153,9 +191,23 @@ copied to `{cfg.work_dir}/results.json`):
   training.
 - **Perplexity** (`kvslim ppl`): the test split, sliding windows of {cfg.ppl_context} tokens,
   stride {cfg.ppl_stride}{"" if not cfg.ppl_max_tokens else f", first {cfg.ppl_max_tokens} tokens"}.
-  KV bytes per token = 2 x layers x KV heads x head_dim x 2 bytes (bf16).
+  KV bytes per token = 2 x layers x KV heads x head_dim x 2 bytes (bf16); an MLA arm's,
+  layers x (kv_lora_rank + qk_rope_head_dim) x 2 bytes.
 
 """
+
+
+def _mla_setup(exp: Experiment) -> str:
+    cfg = exp.cfg
+    rows = ", ".join(f"{bytes_name(k)}: latent {r} + RoPE key {d}" for k in exp.mla_kv_heads
+                     for d, r in [mla_widths(exp.config, k, "transmla", cfg.mla_rope_fraction)])
+    return f"""  - `mla` (`kvslim convert --to-mla --method transmla --latent-norm calibrated`, see
+    docs/mla-conversion.md): DeepSeek-V2's latent attention, its cached row per token and layer
+    (kv_lora_rank + qk_rope_head_dim) exactly the K + V width of the GQA arm it is compared with
+    ({rows}), {cfg.mla_rope_fraction:.0%} of it the shared RoPE key; calibrated on the same
+    windows as `align`. {ROPE_SPLIT_REASON} `mla-kd`: uptrained by distillation as the `-kd`
+    arms; `mla-mha2mla`: MHA2MLA's partial RoPE and weight SVD at the same widths, scored
+    before uptraining only. Uptraining starts from the calibrated latent norm."""
 
 
 def _reference_section(exp: Experiment, images: list[Path]) -> str:
@@ -174,6 +226,9 @@ there is the uniform `align` model and is not uptrained again.
 ![perplexity vs alpha]({images[0]})
 ![perplexity vs KV bytes]({images[1]})
 
+### Decode speed: MLA (absorbed matrices, latent cache) against GQA at the same KV bytes
+
+{decode_table(exp)}
 ### The goals, checked against the numbers above
 {check_lines}
 
@@ -193,12 +248,32 @@ each step count its own run (warmup and cosine decay over that run). One third o
 one KV head in each of the 30 layers: every layer needs at least one and a layer's 3 heads pool
 only to 3 or 1, so MQA is the only allocation at that budget — `align-nu` at one third equals
 `align`. The non-uniform arm therefore takes half of the KV bytes ({cfg.smollm2_nu_heads:g} KV
-heads per layer on average).
+heads per layer on average). {_smollm2_mla_note(exp)}
 
 {smollm2_table(exp)}
 
 {image}
 """
+
+
+def _smollm2_mla_note(exp: Experiment) -> str:
+    """The quarter-bytes MLA arm, and its uptraining rate when it ran."""
+    runs = [r for r in exp.results.values() if r.model == "smollm2" and is_mla(r.method)]
+    if not runs:
+        return ""
+    text = (f"The MLA arm keeps a quarter of the KV bytes: {mla_label(runs[0])} per token and "
+            f"layer (`transmla`, calibrated latent norm), uptrained "
+            f"{exp.cfg.smollm2_mla_steps} steps by default.")
+    trained = [r for r in runs if r.uptrain_steps]
+    if trained:
+        r = max(trained, key=lambda r: r.uptrain_steps)
+        tokens = smollm2_tokens(exp, r)
+        per_s = r.train_tokens_per_s or tokens / r.seconds
+        how = "" if r.train_tokens_per_s else " (with the scoring: a lower bound)"
+        text += (f" Its {tokens:,} uptraining tokens ran at {per_s:.0f} tokens/s{how}; the "
+                 f"whole {SMOLLM2_TOKEN_BUDGET / 1e6:g}M-token budget would take "
+                 f"{SMOLLM2_TOKEN_BUDGET / per_s / 3600:.0f} h at that rate.")
+    return text
 
 
 def _reading_section(exp: Experiment) -> str:

@@ -4,8 +4,10 @@ On the reference MHA model: every target KV-head count x conversion method x upt
 alpha (of the original training steps), plus the fair control (the MHA model trained for the same
 extra steps), scored by test-set perplexity. Then the real pretrained model, SmolLM2-135M
 (9 query / 3 KV heads), converted to MQA by mean pooling and by `align`, before and after a short
-uptraining. Every finished run is recorded in RESULTS so that an interrupted experiment resumes
-where it stopped; the report (docs/gqa-uptraining.md + plots) is written from those records."""
+uptraining. MLA arms (`mla_arms.py`) convert the same models to DeepSeek's latent attention at
+the KV bytes of a GQA arm, whose decode speed they are timed against (`decode.py`). Every finished
+run is recorded in RESULTS so that an interrupted experiment resumes where it stopped; the report
+(docs/gqa-uptraining.md + plots) is written from those records."""
 from __future__ import annotations
 
 import contextlib
@@ -13,11 +15,14 @@ import fcntl
 import json
 import os
 import shutil
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvslim.errors import KvslimError
+from kvslim.experiments.gqa.decode import DecodeResult, decode_name, is_decode, measure_decode
+from kvslim.experiments.gqa.mla_arms import CONVERSION_ONLY, convert_mla_arm, is_mla
 from kvslim.models.config import ModelConfig
 from kvslim.surgery.convert import convert_to_budget, convert_to_gqa
 from kvslim.eval.perplexity import file_perplexity
@@ -27,8 +32,11 @@ from kvslim.train.trainer import train
 RESULTS = "results.json"
 # Arms: a conversion (`kvslim convert --method`; "-nu": per-layer KV heads chosen by measured
 # sensitivity within the KV bytes of the uniform count, `convert --kv-budget`), "-kd" for
-# uptraining by distillation from the unconverted model.
-METHODS = ("mean", "first", "random", "align", "align-kd", "align-nu", "align-nu-kd")
+# uptraining by distillation from the unconverted model; "mla*": latent attention at the same KV
+# bytes (mla_arms.py).
+METHODS = ("mean", "first", "random", "align", "align-kd", "align-nu", "align-nu-kd", "mla",
+           "mla-kd", "mla-mha2mla")
+SMOLLM2_KV_HEADS = 3
 
 
 def conversion_of(method: str) -> str:
@@ -77,6 +85,15 @@ class ExperimentConfig:
     smollm2_ppl_max_tokens: int | None = 12_000
     smollm2_kd_steps: list[int] = field(default_factory=lambda: [30, 60])
     smollm2_nu_heads: float = 1.5        # the non-uniform arm's budget, in KV heads per layer
+    # MLA arms: at the KV bytes of these GQA counts (default: H/4 and 1, GQA-2's and MQA's on
+    # the 8-head reference), the shared RoPE key this share of the cached row
+    mla_kv_heads: list[int] | None = None
+    mla_rope_fraction: float = 0.5       # measured best of 1/8..1/2 before uptraining (report.py)
+    smollm2_mla_steps: int = 30          # SmolLM2 at a quarter of its KV bytes, uptrained
+    decode_batches: list[int] = field(default_factory=lambda: [1, 32])   # []: no decode timing
+    decode_input_len: int = 128
+    decode_output_len: int = 64
+    decode_repeats: int = 3
     shard: tuple[int, int] = (0, 1)      # (i, n): this process runs jobs i, i+n, i+2n, ...
 
 
@@ -93,6 +110,8 @@ class RunResult:
     kv_bytes_per_token_bf16: int
     seconds: float
     kv_heads_per_layer: list[int] | None = None    # -nu arms: what the allocation chose
+    mla: dict[str, int] | None = None    # MLA arms: kv_lora_rank, qk_rope_head_dim
+    train_tokens_per_s: float | None = None        # uptraining alone, from its train_log.jsonl
 
 
 class Experiment:
@@ -101,7 +120,9 @@ class Experiment:
         self.work = Path(cfg.work_dir)
         self.work.mkdir(parents=True, exist_ok=True)
         self.show_progress = show_progress
-        self.results: dict[str, RunResult] = self._load()
+        self.results: dict[str, RunResult] = {}
+        self.decode: dict[str, DecodeResult] = {}
+        self.reload()
         self.config = ModelConfig.from_dir(cfg.model)
         if self.config.num_key_value_heads != self.config.num_attention_heads:
             raise KvslimError(f"{cfg.model} is not multi-head (it has "
@@ -109,68 +130,87 @@ class Experiment:
         self.original_steps = cfg.original_steps or _last_step(Path(cfg.model))
 
     def reload(self) -> None:
-        self.results = self._load()
+        """Perplexity runs and decode timings, from the one RESULTS file they share."""
+        raw = self._load()
+        self.results = {k: RunResult(**v) for k, v in raw.items() if not is_decode(k)}
+        self.decode = {k: DecodeResult(**v) for k, v in raw.items() if is_decode(k)}
 
-    def _load(self) -> dict[str, RunResult]:
+    def _load(self) -> dict[str, dict]:
         path = self.work / RESULTS
-        if not path.is_file():
-            return {}
-        return {k: RunResult(**v) for k, v in json.loads(path.read_text()).items()}
+        return json.loads(path.read_text()) if path.is_file() else {}
 
-    def _save(self, result: RunResult) -> None:
+    def _save(self, result: RunResult | DecodeResult) -> None:
         # Shards of one experiment share RESULTS: merge under a lock, never overwrite.
         with self._locked():
-            self.results = self._load()
-            self.results[result.name] = result
-            data = {k: asdict(v) for k, v in self.results.items()}
+            data = self._load()
+            data[result.name] = asdict(result)
             tmp = self.work / f"{RESULTS}.tmp"
             tmp.write_text(json.dumps(data, indent=2) + "\n")
             tmp.replace(self.work / RESULTS)
+            self.reload()
         if self.show_progress:
-            print(f"[experiment] {result.name}: test ppl {result.test_ppl:.3f} "
-                  f"({result.seconds:.0f} s)", flush=True)
+            what = (f"test ppl {result.test_ppl:.3f}" if isinstance(result, RunResult)
+                    else f"decode tokens/s {result.tokens_per_s}")
+            print(f"[experiment] {result.name}: {what} ({result.seconds:.0f} s)", flush=True)
 
     # ---- the plan ------------------------------------------------------------------------
     def plan(self) -> list[tuple[int, str, float]]:
         """Reference-model runs, cheapest and most informative first: every conversion at
         alpha = 0, then every alpha in `alphas`, then the extra alphas (K = H/4 first), so that
-        a time-boxed run still answers the main questions."""
+        a time-boxed run still answers the main questions; at each alpha the distilled arms
+        (the dearest) after the others. MLA arms only at the bytes of `mla_kv_heads`."""
         h = self.config.num_attention_heads
         ks = self.cfg.kv_heads or sorted({h // 2, h // 4, 1}, reverse=True)
         runs = [(h, "mha", a) for a in self.all_alphas]
-        for k in ks:
+        for k in sorted(set(ks) | set(self.mla_kv_heads), reverse=True):
             for method in self.cfg.methods:
+                if k not in (self.mla_kv_heads if is_mla(method) else ks):
+                    continue
                 extra = self.cfg.extra_alphas if method in self.cfg.extra_methods else []
                 # a distilled arm at alpha = 0 is its conversion's arm; at one KV head per
                 # layer a budget has one allocation, the uniform one: measured once, at 0
                 runs += [(k, method, a) for a in self.cfg.alphas + extra
                          if (a > 0 or not distills(method))
-                         and (a == 0 or k > 1 or not is_nonuniform(method))]
+                         and (a == 0 or k > 1 or not is_nonuniform(method))
+                         and (a == 0 or method not in CONVERSION_ONLY)]
         extra = self._only_extra_alphas
-        return sorted(runs, key=lambda r: (r[2] in extra, r[2], r[0] not in (h, h // 4)))
+        return sorted(runs, key=lambda r: (r[2] in extra, r[2], distills(r[1]),
+                                           r[0] not in (h, h // 4)))
+
+    @property
+    def mla_kv_heads(self) -> list[int]:
+        h = self.config.num_attention_heads
+        return self.cfg.mla_kv_heads or sorted({h // 4, 1}, reverse=True)
 
     def smollm2_plan(self) -> list[tuple[str, float, int]]:
         """(method, KV heads per layer, uptraining steps): the original, MQA by mean and align,
         then distilled MQA and the non-uniform budget (cheapest first)."""
         kd = sorted(self.cfg.smollm2_kd_steps)
         nu = self.cfg.smollm2_nu_heads
+        quarter = SMOLLM2_KV_HEADS / 4           # MLA at a quarter of the KV bytes
         return ([("mha", 3, 0)] + [(m, 1, s) for s in (0, self.cfg.smollm2_steps)
                                     for m in ("mean", "align")]
                 + [("align-kd", 1, s) for s in kd[:1]] + [("align-nu", nu, 0)]
-                + [("align-nu-kd", nu, s) for s in kd[:1]]
-                + [("align-kd", 1, s) for s in kd[1:]])
+                + [("align-nu-kd", nu, s) for s in kd[:1]] + [("mla", quarter, 0)]
+                + [("align-kd", 1, s) for s in kd[1:]]
+                + [("mla", quarter, self.cfg.smollm2_mla_steps)])
 
     def jobs(self) -> list[tuple]:
-        """All runs in order; SmolLM2 goes before the extra alphas."""
+        """All runs in order: the reference model's conversions, the decode timings (which need
+        only those), its uptraining, SmolLM2, and the extra alphas last."""
         ref = [("ref",) + r for r in self.plan()]
         extra = self._only_extra_alphas
         main = [j for j in ref if j[3] not in extra]
+        decode = ([("decode", k, b) for k in self.mla_kv_heads for b in self.cfg.decode_batches]
+                  if "mla" in self.cfg.methods else [])
         small = [("smollm2",) + r for r in self.smollm2_plan()] if self.cfg.smollm2 else []
-        return main + small + [j for j in ref if j[3] in extra]
+        return ([j for j in main if j[3] == 0] + decode + [j for j in main if j[3] != 0]
+                + small + [j for j in ref if j[3] in extra])
 
     def missing(self) -> list[str]:
         """Names of planned runs without a result (for the report)."""
-        return [n for n in (self._name(j) for j in self.jobs()) if n not in self.results]
+        done = set(self.results) | set(self.decode)
+        return [n for n in (self._name(j) for j in self.jobs()) if n not in done]
 
     @property
     def _only_extra_alphas(self) -> set[float]:
@@ -182,6 +222,8 @@ class Experiment:
 
     @staticmethod
     def _name(job: tuple) -> str:
+        if job[0] == "decode":
+            return decode_name(*job[1:])
         if job[0] == "ref":
             _, k, method, alpha = job
             return f"ref-k{k}-{method}-a{alpha:g}"
@@ -199,6 +241,8 @@ class Experiment:
             try:
                 if job[0] == "ref":
                     self._run_ref(name, *job[1:])
+                elif job[0] == "decode":
+                    self._run_decode(*job[1:])
                 else:
                     self._run_smollm2(name, *job[1:])
             finally:
@@ -234,6 +278,17 @@ class Experiment:
         ppl = self._ppl(model_dir, self.cfg.ppl_max_tokens)
         self._save(self._result(name, "ref", model_dir, method, alpha, steps, ppl, start, k))
 
+    @staticmethod
+    def _train_rate(model_dir: Path, steps: int) -> float | None:
+        """Tokens/s of the uptraining alone: the harmonic mean of the logged windows' rates."""
+        log = model_dir / "train_log.jsonl"
+        if not steps or not log.is_file():
+            return None
+        rates = [json.loads(line).get("tokens_per_s") for line in log.read_text().splitlines()
+                 if line.strip()]
+        rates = [r for r in rates if r]
+        return round(statistics.harmonic_mean(rates), 1) if rates else None
+
     def _converted(self, src: str, tag: str, k: float, method: str) -> Path:
         """`method` is a conversion (no -kd); k KV heads per layer, or their mean for -nu."""
         if method == "mha":
@@ -243,7 +298,10 @@ class Experiment:
         with self._locked(out.name):             # another process may be converting it
             if (out / "config.json").is_file():
                 return out
-            if is_nonuniform(method):
+            if is_mla(method):
+                convert_mla_arm(src, out, k, method, c.train, c.calib_samples, c.seq_len,
+                                c.mla_rope_fraction, self.show_progress)
+            elif is_nonuniform(method):
                 fraction = k / ModelConfig.from_dir(src).num_key_value_heads
                 convert_to_budget(src, out, "sensitivity", fraction,
                                   method=method.removesuffix("-nu"), calib=c.train,
@@ -255,6 +313,14 @@ class Experiment:
                                calib_samples=c.calib_samples, calib_seq_len=c.seq_len,
                                seed=c.seed, show_progress=self.show_progress)
         return out
+
+    def _run_decode(self, k: float, batch: int) -> None:
+        """The MLA arm's conversion against GQA's (align) at the same KV bytes."""
+        c = self.cfg
+        dirs = {"mla": self._converted(c.model, "ref", k, "mla"),
+                "gqa": self._converted(c.model, "ref", k, "align")}
+        self._save(measure_decode(k, batch, dirs, c.decode_input_len, c.decode_output_len,
+                                  c.decode_repeats))
 
     def _uptrain(self, src: Path, out: Path, steps: int, batch: int, lr: float,
                  teacher: str | None = None) -> Path:
@@ -283,7 +349,10 @@ class Experiment:
         return RunResult(name, tag, k, method, alpha, steps, ppl,
                          mc.kv_bytes_per_token("float32"), mc.kv_bytes_per_token("bfloat16"),
                          round(time.time() - start, 1),
-                         list(mc.layer_kv_heads) if mc.layer_kv_heads else None)
+                         list(mc.layer_kv_heads) if mc.layer_kv_heads else None,
+                         {"kv_lora_rank": mc.mla.kv_lora_rank,
+                          "qk_rope_head_dim": mc.mla.qk_rope_head_dim} if mc.mla else None,
+                         self._train_rate(Path(model_dir), steps))
 
     # ---- SmolLM2 -------------------------------------------------------------------------
     def _run_smollm2(self, name: str, method: str, k: float, steps: int) -> None:
