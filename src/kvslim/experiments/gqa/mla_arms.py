@@ -1,0 +1,53 @@
+"""The study's MLA arms: a model converted to DeepSeek-V2's latent attention (`kvslim convert
+--to-mla`, surgery/mla/) with exactly the KV bytes per token of a GQA conversion with k KV heads
+per layer, so that the two are compared at one cache size.
+
+An arm's cached row per token and layer (kv_lora_rank + qk_rope_head_dim) is the K + V width of
+k KV heads (`ModelConfig.kv_elements_per_token`, per layer); `rope_fraction` of it is the shared
+RoPE key, the rest the latent. The latent norm is `calibrated`, the one uptraining can start from
+(docs/mla-conversion.md)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvslim.models.config import ModelConfig
+from kvslim.surgery.mla.convert import convert_to_mla
+from kvslim.surgery.mla.options import MLAOptions, rope_key_width
+
+# arm -> `convert --to-mla --method`: transmla is the arm that is uptrained; mha2mla's partial
+# RoPE is far behind it before uptraining (docs/mla-conversion.md), so it is scored at alpha = 0
+# only, for comparison, and not trained.
+MLA_CONVERSIONS = {"mla": "transmla", "mla-mha2mla": "mha2mla"}
+CONVERSION_ONLY = ("mla-mha2mla",)
+
+
+def is_mla(method: str) -> bool:
+    return method.removesuffix("-kd") in MLA_CONVERSIONS
+
+
+def mla_row(config: ModelConfig, k: float) -> int:
+    """Cached elements per token and layer of GQA with k KV heads: the row an MLA arm gets."""
+    return round(k * config.kv_elements_per_token(1) / config.num_hidden_layers)
+
+
+def mla_widths(config: ModelConfig, k: float, method: str, rope_fraction: float
+               ) -> tuple[int, int]:
+    """(`--rope-dim`, `--kv-lora-rank`) for `method` (transmla or mha2mla) at GQA-k's bytes.
+    mha2mla's rope dim is per KV head (its shared key holds one per head), transmla's is the
+    shared key's width; both even, at least 2."""
+    row = mla_row(config, k)
+    per = config.num_key_value_heads if method == "mha2mla" else 1
+    rope_dim = max(2, round(row * rope_fraction / per / 2) * 2)
+    return rope_dim, row - rope_key_width(config, method, rope_dim)
+
+
+def convert_mla_arm(src: str | Path, out: Path, k: float, method: str, calib: str,
+                    calib_samples: int, calib_seq_len: int, rope_fraction: float,
+                    show_progress: bool) -> Path:
+    """`out`: `src` as the MLA arm `method` (a key of MLA_CONVERSIONS) at GQA-k's KV bytes."""
+    config = ModelConfig.from_dir(src)
+    conversion = MLA_CONVERSIONS[method]
+    rope_dim, rank = mla_widths(config, k, conversion, rope_fraction)
+    options = MLAOptions(conversion, rank, rope_dim, "calibrated", calib, calib_samples,
+                         calib_seq_len)
+    return convert_to_mla(src, out, options, show_progress=show_progress)
