@@ -177,17 +177,30 @@ def gguf_parsed_once():
     """Within the block, each GGUF file is parsed once by `gguf.GGUFReader` and that reader is
     shared: transformers parses a file anew for its config, its weights and its tokenizer, about
     30 s each for Gemma 3's 262k-token vocabulary here. The reader is read-only (a memory map),
-    so what transformers builds from it is the same."""
-    original = gguf.GGUFReader
-    readers = {}
+    so what transformers builds from it is the same. Its metadata, which transformers decodes
+    field by field for the config and again for the tokenizer, is decoded once too (each caller
+    gets its own copy)."""
+    import copy
+
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+    original, original_load = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    readers, metadata = {}, {}
 
     def shared(path, mode="r"):
         key = (str(Path(path).resolve()), mode)
         if key not in readers:
             readers[key] = original(path, mode)
         return readers[key]
-    gguf.GGUFReader = shared
+
+    def load_once(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return original_load(path, return_tensors, **kwargs)
+        key = str(Path(path).resolve())
+        if key not in metadata:
+            metadata[key] = original_load(path, False)
+        return copy.deepcopy(metadata[key])
+    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = shared, load_once
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = original, original_load
