@@ -128,12 +128,15 @@ def _measure_all(llm, model_dir, input_len, output_len, batches, compare, show_p
 
 
 def models_decode_speed(model_dirs: dict[str, Path], input_len: int, output_len: int,
-                        repeats: int, batch: int = 1) -> dict[str, float]:
+                        repeats: int, batch: int = 1,
+                        options: dict[str, dict] | None = None) -> dict[str, float]:
     """Decode tokens/s of several models (name -> directory) at `batch` sequences (all of them
     together) in one run, taking turns in every round, so that their ratios are not one slow
     spell of a shared machine: from the median time per output token of `repeats` rounds. The
-    models are held at once."""
-    llms = {name: kvslim_llm(d, "256MiB", max_num_seqs=batch) for name, d in model_dirs.items()}
+    models are held at once; `options`: engine options of some of them (name -> options)."""
+    options = options or {}
+    llms = {name: kvslim_llm(d, "256MiB", max_num_seqs=batch, **options.get(name, {}))
+            for name, d in model_dirs.items()}
     try:
         measures = {}
         for name, llm in llms.items():

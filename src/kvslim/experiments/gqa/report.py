@@ -3,6 +3,7 @@ from the recorded results."""
 from __future__ import annotations
 
 import shutil
+import textwrap
 from pathlib import Path
 
 from kvslim.experiments.gqa.study import RESULTS, Experiment
@@ -64,16 +65,20 @@ def decode_table(exp: Experiment) -> str:
     if not exp.decode:
         return "_not measured_\n"
     lines = ["| KV bytes of | KV bytes/token (bf16) | batch | MLA tokens/s | GQA tokens/s | "
-             "MLA / GQA | models |", "|---|---|---|---|---|---|---|"]
+             "GQA, gather backend | MLA / GQA | models |", "|---|---|---|---|---|---|---|---|"]
     for d in sorted(exp.decode.values(), key=lambda d: (-d.kv_heads, d.batch)):
-        mla, gqa = d.tokens_per_s["mla"], d.tokens_per_s["gqa"]
-        sizes = " / ".join(f"{v:,}" for v in d.kv_bytes_per_token_bf16.values())
+        mla, gqa, gather = (d.tokens_per_s.get(a) for a in ("mla", "gqa", "gqa-gather"))
+        sizes = " / ".join(f"{v:,}" for v in sorted(set(d.kv_bytes_per_token_bf16.values())))
         lines.append(f"| {bytes_name(d.kv_heads)} | {sizes} | {d.batch} | {mla:.1f} | {gqa:.1f} "
-                     f"| {mla / gqa:.2f}x | `{d.models['mla']}`, `{d.models['gqa']}` |")
+                     f"| {f'{gather:.1f}' if gather else '—'} | {mla / gqa:.2f}x | "
+                     f"`{d.models['mla']}`, `{d.models['gqa']}` |")
     first = next(iter(exp.decode.values()))
     return ("\n".join(lines) + f"\n\n{first.input_len}-token prompts, {first.output_len} tokens "
             f"generated per sequence, float32, {first.threads} CPU thread(s), the median time per "
-            f"output token of {first.repeats} rounds, the two models taking turns in each.\n")
+            f"output token of {first.repeats} rounds, the models taking turns in each. GQA runs "
+            f"on the engine's default CPU backend, the C++ paged-attention kernel, and again on "
+            f"the gather backend, the one MLA's latent cache is read with (the kernel reads K and "
+            f"V heads, not a latent row: attention/backends.py).\n")
 
 
 def allocation_table(exp: Experiment) -> str:
@@ -201,13 +206,16 @@ def _mla_setup(exp: Experiment) -> str:
     cfg = exp.cfg
     rows = ", ".join(f"{bytes_name(k)}: latent {r} + RoPE key {d}" for k in exp.mla_kv_heads
                      for d, r in [mla_widths(exp.config, k, "transmla", cfg.mla_rope_fraction)])
-    return f"""  - `mla` (`kvslim convert --to-mla --method transmla --latent-norm calibrated`, see
-    docs/mla-conversion.md): DeepSeek-V2's latent attention, its cached row per token and layer
-    (kv_lora_rank + qk_rope_head_dim) exactly the K + V width of the GQA arm it is compared with
-    ({rows}), {cfg.mla_rope_fraction:.0%} of it the shared RoPE key; calibrated on the same
-    windows as `align`. {ROPE_SPLIT_REASON} `mla-kd`: uptrained by distillation as the `-kd`
-    arms; `mla-mha2mla`: MHA2MLA's partial RoPE and weight SVD at the same widths, scored
-    before uptraining only. Uptraining starts from the calibrated latent norm."""
+    text = (f"`mla` (`kvslim convert --to-mla --method transmla --latent-norm calibrated`, see "
+            f"docs/mla-conversion.md): DeepSeek-V2's latent attention, its cached row per token "
+            f"and layer (kv_lora_rank + qk_rope_head_dim) exactly the K + V width of the GQA arm "
+            f"it is compared with ({rows}), {cfg.mla_rope_fraction:.0%} of it the shared RoPE "
+            f"key; calibrated on the same windows as `align`. {ROPE_SPLIT_REASON} `mla-kd`: "
+            f"uptrained by distillation as the `-kd` arms; `mla-mha2mla`: MHA2MLA's partial RoPE "
+            f"and weight SVD at the same widths, scored before uptraining only. Uptraining starts "
+            f"from the calibrated latent norm.")
+    return textwrap.fill(text, 98, initial_indent="  - ", subsequent_indent="    ",
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def _reference_section(exp: Experiment, images: list[Path]) -> str:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvslim.errors import KvslimError
+from kvslim.experiments.gqa.decode import ARMS as DECODE_ARMS
 from kvslim.experiments.gqa.decode import DecodeResult, decode_name, is_decode, measure_decode
 from kvslim.experiments.gqa.mla_arms import CONVERSION_ONLY, convert_mla_arm, is_mla
 from kvslim.models.config import ModelConfig
@@ -317,8 +318,8 @@ class Experiment:
     def _run_decode(self, k: float, batch: int) -> None:
         """The MLA arm's conversion against GQA's (align) at the same KV bytes."""
         c = self.cfg
-        dirs = {"mla": self._converted(c.model, "ref", k, "mla"),
-                "gqa": self._converted(c.model, "ref", k, "align")}
+        dirs = {arm: self._converted(c.model, "ref", k, conversion)
+                for arm, (conversion, _) in DECODE_ARMS.items()}
         self._save(measure_decode(k, batch, dirs, c.decode_input_len, c.decode_output_len,
                                   c.decode_repeats))
 
