@@ -92,6 +92,10 @@ def test_mla_goals_after_alpha_005_and_smollm2_quarter(tmp_path, calib_file):
                         "perplexity after at most 2M uptraining tokens"]
     assert not ok and "+20.0%" in detail and "896 tokens" in detail     # 7 x 4 x 32
     assert "9 tokens/s" in detail                                        # 896 in 100 s
+    exp.results["m"].uptrain_steps = 0          # not uptrained: another arm's rate is given
+    exp.results["k"] = run("k", "smollm2", 1, "align-kd", 90.0, 7680, steps=14, alpha=0.0)
+    detail = next(c[2] for c in goal_checks(exp) if "a quarter" in c[0])
+    assert "1,792 tokens (align-kd, another arm)" in detail and "18 tokens/s" in detail
 
 
 def test_mla_widths_split_the_row_of_a_gqa_count():

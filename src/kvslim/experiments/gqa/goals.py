@@ -113,9 +113,12 @@ def _smollm2_goal(exp: Experiment, share: int) -> list[tuple[str, bool, str]]:
     best = min(arms, key=lambda r: r.test_ppl)
     delta = (best.test_ppl - orig.test_ppl) / orig.test_ppl
     longest = max(arms, key=lambda r: smollm2_tokens(exp, r))
+    if not smollm2_tokens(exp, longest):     # none uptrained: the rate of SmolLM2's other runs
+        longest = max(runs, key=lambda r: smollm2_tokens(exp, r))
     most = smollm2_tokens(exp, longest)
     detail = (f"best {best.test_ppl:.3f} ({best.method}, {smollm2_tokens(exp, best):,} tokens) vs "
-              f"{orig.test_ppl:.3f} ({delta:+.1%}); the longest run measured used {most:,} tokens")
+              f"{orig.test_ppl:.3f} ({delta:+.1%}); the longest run measured used {most:,} tokens"
+              f"{'' if longest in arms else f' ({longest.method}, another arm)'}")
     if most < SMOLLM2_TOKEN_BUDGET and most:
         # the logged training rate; without it the whole run's (with conversion and scoring)
         rate = longest.train_tokens_per_s or most / longest.seconds
