@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 
 
@@ -37,6 +36,9 @@ def register_speculative(esub) -> None:
                    help="speculative options of the adaptive arm over the measured thresholds "
                         "(JSON), e.g. '{\"backoff_window\": 32}'")
     g.add_argument("--report-only", action="store_true")
+    g.add_argument("--fresh", action="store_true",
+                   help="measure every target again (else a target complete in WORK_DIR's "
+                        "results.json under the same settings is kept)")
     g.add_argument("--threads", type=int)
     g.add_argument("--json", action="store_true", help="print the summary as JSON")
     g.set_defaults(func=run_speculative)
@@ -100,6 +102,7 @@ def run_speculative(args) -> int:
 
     import torch
 
+    from kvslim.cli.report_command import report_args
     from kvslim.errors import KvslimError
     from kvslim.experiments.speculative.records import SpecExperimentConfig
     from kvslim.experiments.speculative.report import goal_checks, write_report
@@ -120,9 +123,12 @@ def run_speculative(args) -> int:
     if args.report_only:
         exp.reload()
     else:
-        exp.run()
+        kept = exp.run(resume=not args.fresh)
+        if kept and not args.json:
+            print(f"kept from {exp.results_path} (complete, same settings): {', '.join(kept)}; "
+                  f"--fresh measures them again")
     # The command that measures: a --report-only rewrite names the run it reports.
-    command = "kvslim " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "--report-only")
+    command = "kvslim " + " ".join(report_args(sys.argv[1:], drop=()))
     report = write_report(exp, Path(args.report), command, _machine())
     table = cells(exp.runs)
     checks = goal_checks(exp, table)

@@ -9,9 +9,9 @@ import sys
 
 def report_args(argv: list[str],
                  drop: tuple[str, ...] = ("--shard", "--threads")) -> list[str]:
-    """The command line to print in the report: without --report-only, --json, --quiet and the
-    options in `drop` (how the work was split and shown does not change the numbers; the gqa
-    experiment's perplexities do not depend on --threads either)."""
+    """The command line to print in the report: without --report-only, --json, --quiet, --fresh
+    and the options in `drop` (how the work was split and shown does not change the numbers;
+    the gqa experiment's perplexities do not depend on --threads either)."""
     out, skip = [], False
     for a in argv:
         if skip:
@@ -20,7 +20,7 @@ def report_args(argv: list[str],
         if a in drop:
             skip = True
             continue
-        if a in ("--report-only", "--json", "--quiet") or a.startswith(
+        if a in ("--report-only", "--json", "--quiet", "--fresh") or a.startswith(
                 tuple(f"{d}=" for d in drop)):
             continue
         out.append(shlex.quote(a))

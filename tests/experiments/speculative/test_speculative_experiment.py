@@ -52,3 +52,15 @@ def test_experiment_runs_and_reports(hf_checkpoints, tmp_path):
     exp2 = SpecExperiment(cfg, show_progress=False)
     exp2.reload()
     assert cells(exp2.runs).keys() == table.keys() and exp2.thresholds == exp.thresholds
+    # A complete target is kept by the next run under the same settings, not measured again.
+    assert exp2.run() == ["gqa"]
+    assert exp2.runs == exp.runs and exp2.thresholds == exp.thresholds
+    changed = SpecExperimentConfig([target], str(text), str(tmp_path / "work"),
+                                   batch_sizes=[1, 2], max_tokens=9, passage_tokens=20,
+                                   repeats=2)
+    assert SpecExperiment(changed, show_progress=False)._completed_targets() == {}
+    other = Target("gqa", str(hf_checkpoints["gqa"]), {"ngram": target.proposers["ngram"]})
+    regrown = SpecExperimentConfig([other], str(text), str(tmp_path / "work"),
+                                   batch_sizes=[1, 2], max_tokens=8, passage_tokens=20,
+                                   repeats=2)
+    assert SpecExperiment(regrown, show_progress=False)._completed_targets() == {}

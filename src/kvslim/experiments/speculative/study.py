@@ -8,8 +8,11 @@ draft and accepted tokens; the greedy outputs must be identical. From these runs
 thresholds are measured per proposer (the largest batch where it still wins, and the
 acceptance at which a verification step breaks even at batch 1); a second phase then runs
 plain decoding again beside each proposer with those thresholds on, to check that speculation
-is then never slower. Results go to WORK_DIR/results.json; the report module writes
-docs/speculative.md from them."""
+is then never slower. Results go to WORK_DIR/results.json (saved as they come); the report
+module writes docs/speculative.md from them. A target whose runs there are complete, under the
+same target and settings, is kept rather than measured again (`resume`): each target's ratios
+come from its own runs, taken in turns, so a study too long for one sitting can be finished in
+another."""
 from __future__ import annotations
 
 import json
@@ -51,18 +54,49 @@ class SpecExperiment:
              "runs": [asdict(r) for r in self.runs]},
             indent=1) + "\n")
 
-    def run(self) -> None:
+    def run(self, resume: bool = True) -> list[str]:
+        """Measure every target (those complete in results.json kept when `resume`); returns
+        the names of the targets kept."""
         from tqdm import tqdm
         cfg = self.cfg
         text = Path(cfg.test_text).read_text(encoding="utf-8")
-        total = sum(len(t.proposers) + 1 for t in cfg.targets) * 2 * len(WORKLOADS) \
-            * len(cfg.batch_sizes) * cfg.repeats
-        self.runs = []
+        kept = self._completed_targets() if resume else {}
+        self.runs = [r for runs in kept.values() for r in runs]
+        self.thresholds = {name: t for name, t in self.thresholds.items() if name in kept}
+        todo = [t for t in cfg.targets if t.name not in kept]
+        total = sum(self._runs_per_target(t) for t in todo)
         with tqdm(total=total, desc="speculative", unit="run",
                   disable=not self.show_progress) as bar:
-            for target in cfg.targets:
+            for target in todo:
                 self._run_target(target, text, bar)
         self._save()
+        return list(kept)
+
+    def _runs_per_target(self, target: Target) -> int:
+        cfg = self.cfg
+        return (len(target.proposers) + 1) * 2 * len(WORKLOADS) * len(cfg.batch_sizes) \
+            * cfg.repeats
+
+    def _completed_targets(self) -> dict[str, list[Run]]:
+        """target name -> its runs in results.json, for each target whose runs there are
+        complete and were measured with this target's definition and these settings."""
+        if not self.results_path.exists():
+            return {}
+        data = json.loads(self.results_path.read_text())
+        saved, now = data["config"], _config_dict(self.cfg)
+        settings = [k for k in now if k not in ("targets", "work_dir")]
+        if any(saved.get(k) != now[k] for k in settings):
+            return {}
+        self.thresholds = data.get("thresholds", {})
+        defined = {t["name"]: t for t in saved["targets"]}
+        runs = [Run(**r) for r in data["runs"]]
+        kept = {}
+        for target in self.cfg.targets:
+            mine = [r for r in runs if r.target == target.name]
+            if (defined.get(target.name) == asdict(target) and target.name in self.thresholds
+                    and len(mine) == self._runs_per_target(target)):
+                kept[target.name] = mine
+        return kept
 
     def _engines(self, target: Target, specs: dict[str, dict], arm: str
                  ) -> dict[tuple[str, str], LLM]:
