@@ -99,15 +99,17 @@ def gguf_blocks(tmp_path_factory):
                            keep_quantized=True))
 
 
-@pytest.mark.parametrize("variant", ["gqa", "mixtral", "gemma3"])
+@pytest.mark.parametrize("variant", ["gqa", "mixtral", "gemma3", "deepseek_v3"])
 def test_traced_float_moe_and_window_layers_match_eager(hf_checkpoints, variant, traced_only):
+    # DeepSeek-V3: latent attention over its latent cache (absorbed), YaRN, noaux_tc MoE.
     # Gemma 3's global layers keep every block: its tight cache is larger. Window layers
     # (Mixtral's, Gemma 3's local ones) release theirs: a finished prompt leaves no prefix
     # MoE: the compiled step runs every expert on every row, eager only the rows routed to
     # each, and a float linear of one row takes another kernel than of several
     # (layers/cpu_linear.py): same tokens, not the same bits.
     check_compiled_matches_eager(hf_checkpoints[variant], blocks=20 if variant == "gemma3" else 8,
-                                 prefix_hits=variant == "gqa", bitwise=variant != "mixtral")
+                                 prefix_hits=variant in ("gqa", "deepseek_v3"),
+                                 bitwise=variant != "mixtral")
 
 
 @pytest.mark.parametrize("kind", ["gptq-4bit", "int8", "w8a8"])
