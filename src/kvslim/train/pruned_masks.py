@@ -24,13 +24,15 @@ class PrunedMasks:
                     if p.dim() == 2])
 
     @torch.no_grad()
-    def mask_gradients(self) -> None:
+    def before_clip(self) -> None:
+        """Pruned weights' gradients zeroed."""
         for weight, kept in self.masks:
             if weight.grad is not None:
                 weight.grad.mul_(kept)
 
     @torch.no_grad()
-    def mask_weights(self) -> None:
+    def after_step(self) -> None:
+        """Pruned weights zeroed again."""
         for weight, kept in self.masks:
             weight.mul_(kept)
 

@@ -21,6 +21,7 @@ from kvslim.formats.writer import copy_tokenizer_files, save_model
 from kvslim.train.distill import Distiller, load_teacher
 from kvslim.train.data import eval_windows, random_windows, tokenize_file
 from kvslim.train.legacy_state import fuse_optimizer_state, is_unfused_state
+from kvslim.train.latent_rows import ExactLatentRows
 from kvslim.train.pruned_masks import PrunedMasks
 from kvslim.train.tokenizer_train import train_tokenizer
 from kvslim.train.train_config import TrainConfig
@@ -97,7 +98,8 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     torch.manual_seed(cfg.seed)
     model, optimizer, start = _model_and_optimizer(cfg, tokenizer, out, device)
     loss_fn = make_loss(cfg, model, tokenizer, device)
-    pruned = PrunedMasks.of(model)
+    # a pruned model's zeros; an exact latent norm's scaled rows (their modules say why)
+    hooks = [h for h in (PrunedMasks.of(model), ExactLatentRows.of(model)) if h is not None]
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
                 if cfg.dtype == "bfloat16" else contextlib.nullcontext())
     progress = _Progress(cfg, out, start, show_progress)
@@ -105,7 +107,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     for step in range(start, cfg.steps):
         lr = cfg.lr_at(step)
         loss_sum, grad_norm = _train_step(model, optimizer, cfg, train_tokens, step, lr,
-                                          device, autocast, loss_fn, pruned)
+                                          device, autocast, loss_fn, hooks)
         done = step + 1
         metrics = {"step": done, "loss": round(loss_sum, 5), "lr": lr,
                    "grad_norm": round(grad_norm, 4)}
@@ -154,9 +156,10 @@ def make_loss(cfg: TrainConfig, model: LlamaForCausalLM, tokenizer: Tokenizer,
 
 def _train_step(model: LlamaForCausalLM, optimizer, cfg: TrainConfig, train_tokens, step: int,
                 lr: float, device: torch.device, autocast, loss_fn=lm_loss,
-                pruned: PrunedMasks | None = None) -> tuple[float, float]:
-    """One optimizer step over `grad_accum` micro-batches; returns (loss, gradient norm). A
-    pruned model's zeros stay zero (`pruned`)."""
+                hooks: list = ()) -> tuple[float, float]:
+    """One optimizer step over `grad_accum` micro-batches; returns (loss, gradient norm).
+    `hooks` (PrunedMasks, ExactLatentRows) see the gradients before the clip and the weights
+    after the step."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss_sum = 0.0
@@ -167,12 +170,12 @@ def _train_step(model: LlamaForCausalLM, optimizer, cfg: TrainConfig, train_toke
             loss = loss_fn(model, batch) / cfg.grad_accum
         loss.backward()
         loss_sum += loss.item()
-    if pruned is not None:
-        pruned.mask_gradients()
+    for hook in hooks:
+        hook.before_clip()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
     optimizer.step()
-    if pruned is not None:
-        pruned.mask_weights()
+    for hook in hooks:
+        hook.after_step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 
