@@ -4,8 +4,9 @@ per layer, so that the two are compared at one cache size.
 
 An arm's cached row per token and layer (kv_lora_rank + qk_rope_head_dim) is the K + V width of
 k KV heads (`ModelConfig.kv_elements_per_token`, per layer); `rope_fraction` of it is the shared
-RoPE key, the rest the latent. The latent norm is `calibrated`, the one uptraining can start from
-(docs/mla-conversion.md)."""
+RoPE key, the rest the latent. The latent norm is the study's choice per model
+(`--latent-norm`, docs/mla-conversion.md): `calibrated` on ref-mha, `exact` on SmolLM2, whose
+tokens of outlying latent RMS a calibrated norm does not let through."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,11 +44,11 @@ def mla_widths(config: ModelConfig, k: float, method: str, rope_fraction: float
 
 def convert_mla_arm(src: str | Path, out: Path, k: float, method: str, calib: str,
                     calib_samples: int, calib_seq_len: int, rope_fraction: float,
-                    show_progress: bool) -> Path:
+                    latent_norm: str, show_progress: bool) -> Path:
     """`out`: `src` as the MLA arm `method` (a key of MLA_CONVERSIONS) at GQA-k's KV bytes."""
     config = ModelConfig.from_dir(src)
     conversion = MLA_CONVERSIONS[method]
     rope_dim, rank = mla_widths(config, k, conversion, rope_fraction)
-    options = MLAOptions(conversion, rank, rope_dim, "calibrated", calib, calib_samples,
+    options = MLAOptions(conversion, rank, rope_dim, latent_norm, calib, calib_samples,
                          calib_seq_len)
     return convert_to_mla(src, out, options, show_progress=show_progress)

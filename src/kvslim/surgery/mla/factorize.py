@@ -22,8 +22,9 @@ inputs (or, without them, inputs of covariance diag(g^2), g the layer's input no
 normalised hidden state of unit RMS), so that a token of typical RMS passes unchanged and others
 are rescaled; `exact` scales the latent rows by alpha so that the latent's RMS is ~1e-9, far
 below sqrt(epsilon), where RMSNorm is y / sqrt(eps) to a relative 1e-12, and the weight
-sqrt(eps) / alpha undoes it: exact to float rounding, but weights ~1e-9 that an optimiser's
-first steps would swamp."""
+sqrt(eps) / alpha undoes it: exact to float rounding, with rows ~1e-9 that plain AdamW's first
+steps would swamp (kvslim uptrain trains them at their own scale: train/latent_rows.py). Not
+for float16, whose smallest numbers are ~6e-8."""
 from __future__ import annotations
 
 import math

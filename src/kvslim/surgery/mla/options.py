@@ -30,8 +30,9 @@ class MLAOptions:
     heads mixed per frequency by PCA, the latent from activation PCA); kv_lora_rank: the
     latent's width; rope_dim: RoPE dims per query head (None: d for transmla, d / 4 for
     mha2mla); latent_norm: how DeepSeek's kv_a_layernorm is made to pass the latent through
-    (`calibrated`: weight = the latent's measured RMS, trainable; `exact`: the latent scaled far
-    below the norm's epsilon, exact to float rounding, not for uptraining)."""
+    (`calibrated`: weight = the latent's measured RMS; `exact`: the latent scaled far below the
+    norm's epsilon, exact to float rounding, its rows uptrained at their own scale by
+    train/latent_rows.py)."""
     method: str = "mha2mla"
     kv_lora_rank: int = 0
     rope_dim: int | None = None
