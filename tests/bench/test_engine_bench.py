@@ -69,6 +69,18 @@ def test_capacity_grows_with_fewer_kv_heads(hf_checkpoints, tmp_path):
     assert r.entries[1].peak_running >= 3 * r.entries[0].peak_running
 
 
+def test_capacity_of_latent_twins_equals_their_gqa_counts(hf_checkpoints, tmp_path):
+    # each GQA count's MLA twin caches one latent row of the same bytes: the same blocks fit
+    dirs = conversions(hf_checkpoints["mha8"], [2], tmp_path, show_progress=False, mla=True)
+    r = run_capacity(dirs, kv_cache_memory=64 * 16384, context=32, show_progress=False)
+    gqa, mla = r.entries[1], r.entries[2]
+    assert mla.latent is not None and gqa.latent is None
+    assert ModelConfig.from_dir(dirs[2]).architecture == "DeepseekV2ForCausalLM"
+    assert mla.kv_bytes_per_token == gqa.kv_bytes_per_token < r.entries[0].kv_bytes_per_token
+    assert (mla.num_blocks, mla.max_sequences) == (gqa.num_blocks, gqa.max_sequences)
+    assert mla.peak_running >= 3 * r.entries[0].peak_running
+
+
 def test_unknown_peer_is_an_error():
     with pytest.raises(KvslimError, match="unknown engine 'vllm'"):
         parse_compare("hf,vllm")

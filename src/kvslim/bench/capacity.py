@@ -2,7 +2,10 @@
 
 For each: the blocks the budget buys, how many sequences of `context` tokens fit at once, and,
 with enough requests arriving to fill the cache, how many ran concurrently and the sustained
-output tokens/s. This is the promise of GQA measured in the engine: H/K times the batch."""
+output tokens/s. This is the promise of GQA measured in the engine: H/K times the batch. With
+`mla`, each GQA count also has a latent-attention twin at the same KV bytes (`kvslim convert
+--to-mla --method mha2mla`, which needs no calibration text: what fits depends on the bytes, and
+the throughput on the attention's form, not on the weights' quality)."""
 from __future__ import annotations
 
 import time
@@ -27,6 +30,7 @@ class CapacityEntry:
     output_tokens_per_s: float
     preemptions: int
     seconds: float
+    latent: str | None = None       # an MLA model's cached row: "kv_lora_rank+qk_rope_head_dim"
 
 
 @dataclass
@@ -41,8 +45,10 @@ class CapacityResult:
         return asdict(self)
 
 
-def conversions(mha_dir: Path, kv_heads: list[int], work: Path, show_progress: bool) -> list[Path]:
-    """The MHA model and its mean-pooled conversions (made once, under `work`)."""
+def conversions(mha_dir: Path, kv_heads: list[int], work: Path, show_progress: bool,
+                mla: bool = False) -> list[Path]:
+    """The MHA model and its mean-pooled conversions, each followed (`mla`) by its latent twin
+    at the same KV bytes (made once, under `work`)."""
     from kvslim.surgery.convert import convert_to_gqa
     dirs = [Path(mha_dir)]
     for k in kv_heads:
@@ -50,7 +56,20 @@ def conversions(mha_dir: Path, kv_heads: list[int], work: Path, show_progress: b
         if not (out / "config.json").is_file():
             convert_to_gqa(mha_dir, out, k, "mean", show_progress=show_progress)
         dirs.append(out)
+        if mla:
+            dirs.append(_latent_twin(mha_dir, k, work, show_progress))
     return dirs
+
+
+def _latent_twin(mha_dir: Path, k: int, work: Path, show_progress: bool) -> Path:
+    from kvslim.surgery.mla.convert import convert_to_mla
+    from kvslim.surgery.mla.options import MLAOptions, mla_widths
+    out = work / f"{Path(mha_dir).name}-k{k}-mla"
+    if not (out / "config.json").is_file():
+        rope_dim, rank = mla_widths(ModelConfig.from_dir(mha_dir), k, "mha2mla", 0.5)
+        convert_to_mla(mha_dir, out, MLAOptions("mha2mla", rank, rope_dim, "exact"),
+                       show_progress=show_progress)
+    return out
 
 
 def run_capacity(model_dirs: list[Path], kv_cache_memory: str | int = "64MiB",
@@ -85,7 +104,8 @@ def run_capacity(model_dirs: list[Path], kv_cache_memory: str | int = "64MiB",
             max_sequences=stats.num_blocks // blocks_per_seq,
             peak_running=llm.engine.peak_num_running,
             output_tokens_per_s=round(sum(len(o.outputs[0].token_ids) for o in outs) / seconds, 1),
-            preemptions=llm.kv_cache_stats().num_preemptions, seconds=round(seconds, 1)))
+            preemptions=llm.kv_cache_stats().num_preemptions, seconds=round(seconds, 1),
+            latent=(f"{cfg.mla.kv_lora_rank}+{cfg.mla.qk_rope_head_dim}" if cfg.mla else None)))
     return result
 
 
@@ -100,7 +120,8 @@ def format_capacity(r: CapacityResult) -> str:
              f"{'peak':>5} {'out tok/s':>10} {'preempt':>8}"]
     base = r.entries[0] if r.entries else None
     for e in r.entries:
-        lines.append(f"{e.model:<28} {e.kv_heads:>8} {e.kv_bytes_per_token:>8} "
+        heads = f"MLA {e.latent}" if e.latent else e.kv_heads
+        lines.append(f"{e.model:<28} {heads:>8} {e.kv_bytes_per_token:>8} "
                      f"{e.num_blocks:>7} {e.max_sequences:>5} {e.peak_running:>5} "
                      f"{e.output_tokens_per_s:>10.1f} {e.preemptions:>8}")
     for e in r.entries[1:]:

@@ -69,6 +69,8 @@ def register_engine_benchmarks(kinds) -> None:
     p = kinds.add_parser("capacity", help="an MHA model vs its GQA/MQA conversions, one budget")
     p.add_argument("--model", default="models/ref-mha", help="the MHA model")
     p.add_argument("--kv-heads", default=None, help="conversions to compare (default H/4,1)")
+    p.add_argument("--mla", action="store_true",
+                   help="also each conversion's latent-attention (MLA) twin at its KV bytes")
     add_engine_flags(p, "kv_cache_memory", kv_cache_memory=dict(default="64MiB"))
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--num-requests", type=int, default=None)
@@ -188,7 +190,8 @@ def run_capacity_cmd(args) -> int:
     h = ModelConfig.from_dir(model).num_key_value_heads
     ks = [int(k) for k in args.kv_heads.split(",")] if args.kv_heads else sorted({h // 4, 1},
                                                                                  reverse=True)
-    dirs = conversions(model, ks, Path(args.work_dir), show_progress=not args.json)
+    dirs = conversions(model, ks, Path(args.work_dir), show_progress=not args.json,
+                       mla=args.mla)
     result = run_capacity(dirs, args.kv_cache_memory, args.context, args.num_requests,
                           show_progress=not args.json)
     return _emit(args, result, format_capacity)

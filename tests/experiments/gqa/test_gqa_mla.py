@@ -7,10 +7,10 @@ from pathlib import Path
 from test_gqa_experiment import tiny_setup
 
 from kvslim.experiments.gqa.goals import goal_checks
-from kvslim.experiments.gqa.mla_arms import mla_widths
 from kvslim.experiments.gqa.report import write_report
 from kvslim.experiments.gqa.study import Experiment, RunResult
 from kvslim.models.config import ModelConfig
+from kvslim.surgery.mla.options import mla_widths
 from kvslim.train.trainer import train
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvslim.models.config import ModelConfig
 from kvslim.surgery.mla.convert import convert_to_mla
-from kvslim.surgery.mla.options import MLAOptions, rope_key_width
+from kvslim.surgery.mla.options import MLAOptions, mla_widths
 
 # arm -> `convert --to-mla --method`: transmla is the arm that is uptrained; mha2mla's partial
 # RoPE is far behind it before uptraining (docs/mla-conversion.md), so it is scored at alpha = 0
@@ -24,22 +24,6 @@ CONVERSION_ONLY = ("mla-mha2mla",)
 
 def is_mla(method: str) -> bool:
     return method.removesuffix("-kd") in MLA_CONVERSIONS
-
-
-def mla_row(config: ModelConfig, k: float) -> int:
-    """Cached elements per token and layer of GQA with k KV heads: the row an MLA arm gets."""
-    return round(k * config.kv_elements_per_token(1) / config.num_hidden_layers)
-
-
-def mla_widths(config: ModelConfig, k: float, method: str, rope_fraction: float
-               ) -> tuple[int, int]:
-    """(`--rope-dim`, `--kv-lora-rank`) for `method` (transmla or mha2mla) at GQA-k's bytes.
-    mha2mla's rope dim is per KV head (its shared key holds one per head), transmla's is the
-    shared key's width; both even, at least 2."""
-    row = mla_row(config, k)
-    per = config.num_key_value_heads if method == "mha2mla" else 1
-    rope_dim = max(2, round(row * rope_fraction / per / 2) * 2)
-    return rope_dim, row - rope_key_width(config, method, rope_dim)
 
 
 def convert_mla_arm(src: str | Path, out: Path, k: float, method: str, calib: str,

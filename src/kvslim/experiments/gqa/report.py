@@ -9,8 +9,9 @@ from pathlib import Path
 from kvslim.experiments.gqa.study import RESULTS, Experiment
 from kvslim.experiments.gqa.goals import (METHOD_ORDER, SMOLLM2_TOKEN_BUDGET, bytes_name,
                                           goal_checks, ref_index, smollm2_tokens)
-from kvslim.experiments.gqa.mla_arms import is_mla, mla_widths
+from kvslim.experiments.gqa.mla_arms import is_mla
 from kvslim.experiments.gqa.plots import plot
+from kvslim.surgery.mla.options import mla_widths
 
 __all__ = ["goal_checks", "write_report"]
 

@@ -108,3 +108,20 @@ def check_options(config: ModelConfig, options: MLAOptions) -> None:
     if options.latent_norm == "exact" and config.torch_dtype == "float16":
         raise KvslimError("--latent-norm exact scales the latent below float16's range; "
                           "convert a float32 or bfloat16 model")
+
+
+def mla_row(config: ModelConfig, k: float) -> int:
+    """Cached elements per token and layer of GQA with k KV heads: the row an MLA model at
+    GQA-k's KV bytes gets."""
+    return round(k * config.kv_elements_per_token(1) / config.num_hidden_layers)
+
+
+def mla_widths(config: ModelConfig, k: float, method: str, rope_fraction: float
+               ) -> tuple[int, int]:
+    """(`--rope-dim`, `--kv-lora-rank`) for `method` (transmla or mha2mla) at GQA-k's bytes.
+    mha2mla's rope dim is per KV head (its shared key holds one per head), transmla's is the
+    shared key's width; both even, at least 2."""
+    row = mla_row(config, k)
+    per = config.num_key_value_heads if method == "mha2mla" else 1
+    rope_dim = max(2, round(row * rope_fraction / per / 2) * 2)
+    return rope_dim, row - rope_key_width(config, method, rope_dim)
