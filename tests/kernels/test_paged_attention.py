@@ -1,6 +1,7 @@
 """The decode kernel reading the paged cache in place: the plain-torch reference within a stated
 bound for float32 and int8 caches, GQA, MQA and MHA, windows and a table that starts past the
-first block; a sequence's bits independent of the batch and of the tables' padding."""
+first block, a latent cache whose value is a view of its key; a sequence's bits independent of the
+batch and of the tables' padding."""
 import pytest
 import torch
 
@@ -53,6 +54,26 @@ def test_the_kernel_matches_its_reference(h, kvh, d, int8, window, key_start, wi
     assert (got.double() - ref).abs().max() / ref.abs().max() < BOUND
 
 
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("window,key_start", [(None, 0), (5, 0), (None, 8)])
+def test_a_latent_cache_whose_value_is_a_view_of_its_key(int8, window, key_start):
+    """DeepSeek's latent rows (attention/latent_cache.py): one KV head, the key the row
+    [c_kv; k_rope] (48 + 16), the value a view of its first 48 entries with the key's scales;
+    the output has the value's width."""
+    k, _, ks, _ = caches(1, 64, int8)
+    v = k[..., :48]
+    q, tables, lens = step(5, 8, 64, width=38)
+    lens = lens + key_start
+    got = paged_attention.paged_decode(q, k, v, ks, ks, tables, lens, key_start, window, 0.125)
+    ref = paged_attention.reference_paged_decode(q, k, v, ks, ks, tables, lens, key_start,
+                                                 window, 0.125)
+    assert got.shape == (5, 8, 48) and ref.shape == got.shape
+    assert (got.double() - ref).abs().max() / ref.abs().max() < BOUND
+    copied = paged_attention.paged_decode(q, k, v.contiguous(), ks, ks, tables, lens,
+                                          key_start, window, 0.125)
+    assert torch.equal(got, copied)
+
+
 @pytest.mark.parametrize("width", [6, 30])
 def test_a_sequence_does_not_depend_on_the_batch_or_the_padding(width):
     kv = caches(3, 64, int8=False)
@@ -79,6 +100,8 @@ def test_bad_inputs_are_refused():
         paged_attention.paged_decode(q.double(), k, v, None, None, tables, lens, 0, None, 1.0)
     with pytest.raises(RuntimeError, match="one block table and one length per query"):
         paged_attention.paged_decode(q, k, v, None, None, tables[:1], lens, 0, None, 1.0)
+    with pytest.raises(RuntimeError, match="at most the keys' width"):
+        paged_attention.paged_decode(q, k[..., :8], v, None, None, tables, lens, 0, None, 1.0)
     with pytest.raises(RuntimeError, match="float32, or int8 with float16 scales"):
         paged_attention.paged_decode(q, k.to(torch.int8), v.to(torch.int8), None, None,
                                      tables, lens, 0, None, 1.0)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from checkpoints import VOCAB, hf_config
 from engine.engine_helpers import GREEDY, engine, hf_greedy, prompts_of, run, tokens
 from kvslim.engine.sampling_params import SamplingParams
-from kvslim.errors import ConfigError, KvslimError
+from kvslim.errors import ConfigError
 from kvslim.formats.info import count_parameters
 from kvslim.formats.loader import load_model
 from kvslim.formats.writer import save_model
@@ -124,14 +124,29 @@ def test_int8_latent_cache(hf_checkpoints, variant):
     assert 0 < (lf - lq).abs().max() <= 0.5 and (lf - lq).abs().mean() <= 0.05
 
 
-def test_flex_reads_the_latent_cache_and_the_kernel_refuses_it(hf_checkpoints):
+def test_flex_and_the_kernel_read_the_latent_cache(hf_checkpoints):
     path = hf_checkpoints["deepseek_v2"]
     prompts = prompts_of([3, 17])
     refs = hf_greedy(hf_model(path), prompts, 4)
     few = SamplingParams(max_tokens=4, **GREEDY)
     assert tokens(run(engine(path, attention_backend="flex"), prompts, few)) == refs
-    with pytest.raises(KvslimError, match="kernel does not read MLA's latent KV cache"):
-        engine(path, attention_backend="kernel")
+    assert tokens(run(engine(path, attention_backend="kernel"), prompts, few)) == refs
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_kernel_over_the_latent_cache_is_batch_invariant(case, kv_cache_dtype):
+    """Every token through the C++ kernel (one KV head, the value a view of the key): a
+    prompt's logprobs alone, batched and chunked are the same to the last bit."""
+    path, prompts, expected = case
+    scored = SamplingParams(max_tokens=NEW, logprobs=0, **GREEDY)
+    eng = engine(path, attention_backend="kernel", kv_cache_dtype=kv_cache_dtype)
+    alone = [run(eng, [p], scored)[0] for p in prompts]
+    batched = run(engine(path, attention_backend="kernel", kv_cache_dtype=kv_cache_dtype,
+                         max_num_batched_tokens=16), prompts, scored)
+    logprobs = [[lp.logprob for lp in o.outputs[0].logprobs] for o in alone]
+    assert [[lp.logprob for lp in o.outputs[0].logprobs] for o in batched] == logprobs
+    if kv_cache_dtype == "auto":
+        assert tokens(alone) == expected
 
 
 @pytest.mark.parametrize("variant", DEEPSEEK)

@@ -11,8 +11,8 @@
   position: batch-invariant, and a prompt's numbers do not depend on its chunking or on a
   prefix-cache hit. float32 models, float32 or int8 caches.
 - "auto": flex on CUDA; on the CPU the kernel where it runs (`CPU_DEFAULT`, measured), else
-  gather. A model with DeepSeek's latent cache (MLA, `latent_cache.py`) gets gather: the kernel
-  reads K and V heads, not one latent row whose value is a view of its key, and refuses it.
+  gather. A model with DeepSeek's latent cache (MLA, `latent_cache.py`) gets gather; the kernel
+  reads it too (one KV head, the value a view of the key's first entries) when asked.
 
 The engine resolves the name once (`resolve_attention_backend`) and builds each step's context
 with `build_paged_attention`, on the eager path and on the decode-graph path alike."""
@@ -70,14 +70,10 @@ def resolve_attention_backend(name: str, device: torch.device, kv_quantized: boo
                               latent: bool = False) -> str:
     """"gather", "flex" or "kernel" for a cache on `device`; `kernel_usable`: the decode
     kernel is built and takes this model's dtype and cache dtype (`decode_kernel_usable`);
-    `latent`: the cache holds MLA's latent rows (latent_cache.py), which the kernel does not
-    read (its value is not a tensor of its own); "auto" gathers them on every device (flex
-    reads them too, checked on the CPU only; which is faster is not measured yet)."""
+    `latent`: the cache holds MLA's latent rows (latent_cache.py); "auto" gathers them on every
+    device (flex and the kernel read them too)."""
     check_attention_backend(name)
     on_cuda = device.type == "cuda"
-    if latent and name == "kernel":
-        raise KvslimError("attention_backend=kernel does not read MLA's latent KV cache "
-                          "(DeepSeek-V2/V3): use gather or flex")
     if latent and name == "auto":
         return "gather"
     if name == "kernel":

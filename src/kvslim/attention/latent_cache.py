@@ -47,7 +47,8 @@ class QuantizedLatentKVCacheLayer(LatentKVCacheLayer):
     def __init__(self, cache: torch.Tensor, scales: torch.Tensor, value_width: int,
                  dtype: torch.dtype):
         super().__init__(cache, value_width)
-        self.k_scales, self.dtype = scales, dtype
+        # the value is a view of the key: one scale per row serves both
+        self.k_scales, self.v_scales, self.dtype = scales, scales, dtype
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None):
         q, s = quantize(k, self.k_cache.dtype)

@@ -24,10 +24,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, key_start: int,
                  window: int | None, scale: float, tree_base: torch.Tensor | None = None,
                  tree_bits: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D]: each decode over the keys before its length (and inside its
+    """q [B, H, D] -> [B, H, Dv]: each decode over the keys before its length (and inside its
     window) of the blocks its table lists, from position `key_start` on. With tree_base and
     tree_bits [B] (int64), a row's keys from its base on are its path's (the length counts
-    them: base + number of set bits)."""
+    them: base + number of set bits). The values may be narrower than the keys (Dv <= D) and a
+    view of them: DeepSeek's latent cache, whose value is its row's first entries."""
     return torch.ops.kvslim.paged_decode(q, k_cache, v_cache, k_scales, v_scales, block_tables,
                                          context_lens, key_start, window or 0, scale,
                                          tree_base, tree_bits)
@@ -39,8 +40,8 @@ def reference_paged_decode(q, k_cache, v_cache, k_scales, v_scales, block_tables
     """The kernel's attention in float64, each row's keys picked out by their positions (a
     tree row's path from its ancestor bits)."""
     b, h, d = q.shape
-    kvh = k_cache.shape[2]
-    out = torch.zeros(b, h, d, dtype=torch.float64)
+    kvh, dv = k_cache.shape[2], v_cache.shape[-1]
+    out = torch.zeros(b, h, dv, dtype=torch.float64)
     for i in range(b):
         keys, values = (_rows(c, s, block_tables[i]) for c, s in ((k_cache, k_scales),
                                                                   (v_cache, v_scales)))
@@ -59,7 +60,7 @@ def reference_paged_decode(q, k_cache, v_cache, k_scales, v_scales, block_tables
         keys, values = keys[seen], values[seen]                  # [n, KVH, D]
         qi = q[i].double().view(kvh, h // kvh, d)
         scores = torch.einsum("kgd,nkd->kgn", qi, keys) * scale
-        out[i] = torch.einsum("kgn,nkd->kgd", scores.softmax(-1), values).reshape(h, d)
+        out[i] = torch.einsum("kgn,nkd->kgd", scores.softmax(-1), values).reshape(h, dv)
     return out
 
 
@@ -70,7 +71,8 @@ def _rows(cache, scales, table):
     return rows
 
 
-FAKES = {"paged_decode": lambda q, *args: torch.empty_like(q)}
+FAKES = {"paged_decode": lambda q, k_cache, v_cache, *args: q.new_empty(*q.shape[:2],
+                                                                         v_cache.shape[-1])}
 
 
 def available() -> bool:

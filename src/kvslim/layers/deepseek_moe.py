@@ -15,6 +15,7 @@ it, on float32 scores:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvslim.layers.linear import LinearQuantization
 from kvslim.layers.mlp import SwiGLUMLP
@@ -43,7 +44,7 @@ class DeepseekMoE(SparseMoE):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.gate(x).float()
         if self.scoring == "sigmoid":
-            return self._noaux_tc(logits.sigmoid())
+            return self._noaux_tc(_row_sigmoid(logits))
         scores = logits.softmax(dim=-1)
         if self.topk_method == "group_limited_greedy":
             keep = self._group_mask(scores.view(len(x), self.n_group, -1).amax(dim=-1))
@@ -55,7 +56,9 @@ class DeepseekMoE(SparseMoE):
         biased = scores + self.gate.e_score_correction_bias.float()
         group_scores = biased.view(len(scores), self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
         biased = biased.masked_fill(~self._group_mask(group_scores), float("-inf"))
-        chosen = torch.topk(biased, self.top_k, dim=-1, sorted=False)[1]
+        # in expert order: an unsorted top-k's order may change with the number of rows, and
+        # with it the order of the weights' sum below (batch invariance)
+        chosen = torch.topk(biased, self.top_k, dim=-1, sorted=False)[1].sort(dim=-1).values
         weights = scores.gather(1, chosen)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -68,6 +71,15 @@ class DeepseekMoE(SparseMoE):
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         experts = len(self.experts) // self.n_group
         return keep.unsqueeze(-1).expand(-1, -1, experts).reshape(len(group_scores), -1)
+
+
+def _row_sigmoid(logits: torch.Tensor) -> torch.Tensor:
+    """sigmoid, each row's bits the same whatever the number of rows. torch's CPU loop takes
+    two SIMD vectors at a time (16 floats on AVX2, 32 on AVX-512) and the rest in scalar code,
+    whose exp rounds otherwise: a row of 8 experts alone is all scalar, among others mostly
+    SIMD. Rows padded to a multiple of 64 take the SIMD path alone or batched."""
+    width = logits.shape[-1]
+    return F.pad(logits, (0, -width % 64)).sigmoid()[..., :width]
 
 
 def layer_is_sparse(moe, layer_idx: int) -> bool:

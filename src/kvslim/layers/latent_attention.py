@@ -22,7 +22,8 @@ Two forms of the same attention, chosen by the backend context (`attn.caches_lat
   value is c_kv; the head's output is out_latent @ W_UV^T. Multi-query attention over
   kv_lora_rank + qk_rope_head_dim per token and layer: decodes and prefill chunks alike read the
   latent (no expansion of the cached context). W_UK and W_UV are copied out of kv_b_proj once
-  (`absorb`, before the linear kernels take the weights).
+  (`absorb`, before the linear kernels take the weights), and multiplied per head by
+  kernels/head_mm.py (on the CPU in float32: a row's numbers whatever the batch).
 - expanded (dense: training, `model.logits`): K and V per head, with as many KV heads as query
   heads and head_dim = qk_nope_head_dim + qk_rope_head_dim; values are zero-padded to that width
   (the dense backend's one head_dim) and the output is cut back to v_head_dim before `o_proj`
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvslim.kernels.head_mm import head_mm
 from kvslim.layers.linear import LinearQuantization, make_linear
 from kvslim.layers.norm import RMSNorm
 from kvslim.layers.rope import apply_rope
@@ -109,11 +111,11 @@ class LatentAttention(nn.Module):
         [N, 1, rope]. Returns [N, H, v_head_dim]."""
         if not hasattr(self, "w_uk"):
             self.absorb()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        q_latent = head_mm(q_nope, self.w_uk)
         q = torch.cat((q_latent, q_rope), dim=-1)                      # [N, H, L + rope]
         row = torch.cat((latent.unsqueeze(-2), k_rope), dim=-1)        # [N, 1, L + rope]
         out = attn.attend(self.layer_idx, q, row, row[..., :self.kv_lora_rank], self.scale)
-        return torch.bmm(out.transpose(0, 1), self.w_uv_t).transpose(0, 1)
+        return head_mm(out, self.w_uv_t)
 
     def _attend_expanded(self, q_nope, q_rope, latent, k_rope, attn) -> torch.Tensor:
         """Every head's K and V from the latent (dense attention). Returns [..., H, v_dim]."""

@@ -8,3 +8,4 @@
 #include "paged_attention.cpp"
 #include "store_slots.cpp"
 #include "sparse24_gemm.cpp"
+#include "head_mm.cpp"

@@ -17,7 +17,10 @@
 //
 // Cache layout: [blocks, block_size, kv_heads, head_dim], float32, or int8 with a float16
 // scale per (slot, kv head) ([blocks, block_size, kv_heads]): an element is int8 * scale, as
-// attention/kv_cache.py dequantizes it.
+// attention/kv_cache.py dequantizes it. The value cache may be narrower than the key cache and a
+// view of it (DeepSeek's latent cache, attention/latent_cache.py: one KV head whose key is the
+// row [c_kv; k_rope] and whose value is its first kv_lora_rank entries, sharing its scales): the
+// output then has the value's width.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -35,15 +38,16 @@ struct Cache {
   const float* f32 = nullptr;         // float32 elements, or
   const int8_t* i8 = nullptr;         // int8 elements with
   const c10::Half* scales = nullptr;  // their scales
-  int64_t block_stride, slot_stride;  // elements per block, per slot (kv_heads * head_dim)
+  int64_t block_stride, slot_stride, head_stride;   // elements per block, slot, kv head
+  int64_t scale_block, scale_slot;                   // scales per block, per slot
   int64_t kv_heads, head_dim;
 
   // Row `slot` of `block` for kv head `h` as float32: the cache's own row (float32), or
   // `out` [head_dim] holding it dequantized (int8).
   const float* row(int64_t block, int64_t slot, int64_t h, float* out) const {
-    const int64_t at = block * block_stride + slot * slot_stride + h * head_dim;
+    const int64_t at = block * block_stride + slot * slot_stride + h * head_stride;
     if (f32 != nullptr) return f32 + at;
-    const float s = (float)scales[(block * block_stride + slot * slot_stride) / head_dim + h];
+    const float s = (float)scales[block * scale_block + slot * scale_slot + h];
     for (int64_t d = 0; d < head_dim; ++d) out[d] = (float)i8[at + d] * s;
     return out;
   }
@@ -68,6 +72,7 @@ Cache cache_of(const at::Tensor& cache, const std::optional<at::Tensor>& scales)
   Cache c;
   c.block_stride = cache.stride(0);
   c.slot_stride = cache.stride(1);
+  c.head_stride = cache.stride(2);
   c.kv_heads = cache.size(2);
   c.head_dim = cache.size(3);
   if (cache.scalar_type() == at::kFloat) {
@@ -78,6 +83,8 @@ Cache cache_of(const at::Tensor& cache, const std::optional<at::Tensor>& scales)
                 "paged_decode: a cache is float32, or int8 with float16 scales");
     c.i8 = cache.data_ptr<int8_t>();
     c.scales = scales->data_ptr<c10::Half>();
+    c.scale_block = scales->stride(0);
+    c.scale_slot = scales->stride(1);
   }
   return c;
 }
@@ -96,9 +103,9 @@ struct Scratch {
 };
 
 // One partition of a (sequence, KV head)'s keys, positions [lo, hi): per query head its
-// largest score m, the sum l of exp(score - m) and the unnormalized sum of values acc[D].
+// largest score m, the sum l of exp(score - m) and the unnormalized sum of values acc[Dv].
 void attend_partition(const Cache& kc, const Cache& vc, const float* q, const int64_t* table,
-                      const Path& path, int64_t h, int64_t G, int64_t D, int64_t BS,
+                      const Path& path, int64_t h, int64_t G, int64_t D, int64_t Dv, int64_t BS,
                       int64_t key_start, int64_t lo, int64_t hi, float sc, float* m, float* l,
                       float* acc, Scratch& t) {
   const int64_t n = hi - lo;
@@ -118,14 +125,14 @@ void attend_partition(const Cache& kc, const Cache& vc, const float* q, const in
     m[g] = mx;
     l[g] = sum;
   }
-  std::fill(acc, acc + G * D, 0.f);
+  std::fill(acc, acc + G * Dv, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = path.at(lo + j) - key_start;
     const float* v = vc.row(table[pos / BS], pos % BS, h, t.row.data());
     for (int64_t g = 0; g < G; ++g) {
-      float* o = acc + g * D;
+      float* o = acc + g * Dv;
       const float w = scores[g * n + j];
-      for (int64_t d = 0; d < D; ++d) o[d] += w * v[d];
+      for (int64_t d = 0; d < Dv; ++d) o[d] += w * v[d];
     }
   }
 }
@@ -170,9 +177,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                         double scale, const std::optional<at::Tensor>& tree_base,
                         const std::optional<at::Tensor>& tree_bits) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "paged_decode: q must be float32 [B, H, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "paged_decode: caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.is_contiguous() &&
+                  v_cache.stride(3) == 1 && v_cache.size(3) <= k_cache.size(3) &&
+                  k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3),
+              "paged_decode: caches must be [blocks, block_size, kv_heads, head_dim], the keys "
+              "contiguous, the values as many rows of at most the keys' width");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
                   context_lens.numel() == q.size(0),
               "paged_decode: one block table and one length per query");
@@ -180,7 +189,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor lens = context_lens.to(at::kLong).contiguous();
   const Cache kc = cache_of(k_cache, k_scales), vc = cache_of(v_cache, v_scales);
-  const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2);
+  const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2), Dv = vc.head_dim;
   const int64_t KVH = kc.kv_heads, G = H / KVH, BS = k_cache.size(1), W = tables.size(1);
   TORCH_CHECK(D == kc.head_dim && H % KVH == 0, "paged_decode: q's heads do not fit the cache");
   const int64_t* tp = tables.data_ptr<int64_t>();
@@ -196,8 +205,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     first[b + 1] = first[b] + parts;
   }
   const int64_t P = first[B];
-  at::Tensor out = at::zeros_like(qc);
-  std::vector<float> m(P * H), l(P * H), acc(P * H * D);
+  at::Tensor out = at::zeros({B, H, Dv}, qc.options());
+  std::vector<float> m(P * H), l(P * H), acc(P * H * Dv);
   std::vector<int64_t> seq_of(P);
   for (int64_t b = 0; b < B; ++b) std::fill(seq_of.begin() + first[b], seq_of.begin() + first[b + 1], b);
   const float* qp = qc.data_ptr<float>();
@@ -210,8 +219,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       const int64_t c = lo[b] / PART + (p - first[b]);
       const int64_t a = std::max(lo[b], c * PART), z = std::min(hi[b], (c + 1) * PART);
       const int64_t at = p * H + h * G;
-      attend_partition(kc, vc, qp + (b * H + h * G) * D, tp + b * W, paths[b], h, G, D, BS,
-                       key_start, a, z, sc, m.data() + at, l.data() + at, acc.data() + at * D, scratch);
+      attend_partition(kc, vc, qp + (b * H + h * G) * D, tp + b * W, paths[b], h, G, D, Dv, BS,
+                       key_start, a, z, sc, m.data() + at, l.data() + at, acc.data() + at * Dv,
+                       scratch);
     }
   });
   float* op = out.data_ptr<float>();
@@ -222,15 +232,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t p = first[b]; p < first[b + 1]; ++p) mx = std::max(mx, m[p * H + hq]);
       float sum = 0.f;
-      float* o = op + item * D;
+      float* o = op + item * Dv;
       for (int64_t p = first[b]; p < first[b + 1]; ++p) {
         const float w = std::exp(m[p * H + hq] - mx);
         sum += w * l[p * H + hq];
-        const float* a = acc.data() + (p * H + hq) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        const float* a = acc.data() + (p * H + hq) * Dv;
+        for (int64_t d = 0; d < Dv; ++d) o[d] += w * a[d];
       }
       const float inv = 1.f / sum;
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
     }
   });
   return out;
