@@ -46,6 +46,13 @@ def test_experiment_runs_and_reports(hf_checkpoints, tmp_path):
     report = write_report(exp, tmp_path / "docs" / "speculative.md", "kvslim experiment x", "m")
     body = report.read_text()
     assert "| gqa | self | free | 1 |" in body and "## Thresholds for adaptivity" in body
+    assert "not measured to the end" not in body
+    partial = SpecExperiment(SpecExperimentConfig(
+        [target, Target("later", target.model, {})], str(text), str(tmp_path / "work"),
+        batch_sizes=[1, 2], max_tokens=8, passage_tokens=20, repeats=2), show_progress=False)
+    partial.runs, partial.thresholds = exp.runs, exp.thresholds
+    body = write_report(partial, tmp_path / "p.md", "kvslim experiment x", "m").read_text()
+    assert "not measured to the end yet: later (" in body
     assert (tmp_path / "docs" / "img" / "speculative_speedup.png").stat().st_size > 0
     saved = json.loads(exp.results_path.read_text())
     assert len(saved["runs"]) == len(exp.runs)

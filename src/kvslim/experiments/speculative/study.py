@@ -64,7 +64,7 @@ class SpecExperiment:
         self.runs = [r for runs in kept.values() for r in runs]
         self.thresholds = {name: t for name, t in self.thresholds.items() if name in kept}
         todo = [t for t in cfg.targets if t.name not in kept]
-        total = sum(self._runs_per_target(t) for t in todo)
+        total = sum(self.runs_per_target(t) for t in todo)
         with tqdm(total=total, desc="speculative", unit="run",
                   disable=not self.show_progress) as bar:
             for target in todo:
@@ -72,7 +72,7 @@ class SpecExperiment:
         self._save()
         return list(kept)
 
-    def _runs_per_target(self, target: Target) -> int:
+    def runs_per_target(self, target: Target) -> int:
         cfg = self.cfg
         return (len(target.proposers) + 1) * 2 * len(WORKLOADS) * len(cfg.batch_sizes) \
             * cfg.repeats
@@ -94,7 +94,7 @@ class SpecExperiment:
         for target in self.cfg.targets:
             mine = [r for r in runs if r.target == target.name]
             if (defined.get(target.name) == asdict(target) and target.name in self.thresholds
-                    and len(mine) == self._runs_per_target(target)):
+                    and len(mine) == self.runs_per_target(target)):
                 kept[target.name] = mine
         return kept
 
