@@ -62,6 +62,16 @@ def test_experiment_runs_and_reports(hf_checkpoints, tmp_path):
     # A complete target is kept by the next run under the same settings, not measured again.
     assert exp2.run() == ["gqa"]
     assert exp2.runs == exp.runs and exp2.thresholds == exp.thresholds
+    # A target whose first phase is complete goes on with its second only.
+    saved = json.loads(exp.results_path.read_text())
+    saved["runs"] = [r for r in saved["runs"] if r["phase"] == 1]
+    saved["thresholds"] = {}
+    exp.results_path.write_text(json.dumps(saved))
+    exp3 = SpecExperiment(cfg, show_progress=False)
+    assert exp3.run() == []
+    first = [r for r in exp.runs if r.phase == 1]
+    assert [r for r in exp3.runs if r.phase == 1] == first
+    assert len(exp3.runs) == len(exp.runs) and set(exp3.thresholds) == {"gqa"}
     changed = SpecExperimentConfig([target], str(text), str(tmp_path / "work"),
                                    batch_sizes=[1, 2], max_tokens=9, passage_tokens=20,
                                    repeats=2)

@@ -15,6 +15,7 @@ come from its own runs, taken in turns, so a study too long for one sitting can 
 another."""
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import asdict
@@ -55,12 +56,14 @@ class SpecExperiment:
             indent=1) + "\n")
 
     def run(self, resume: bool = True) -> list[str]:
-        """Measure every target (those complete in results.json kept when `resume`); returns
-        the names of the targets kept."""
+        """Measure every target (with `resume`, those complete in results.json kept, and a
+        target whose first phase is complete there goes on with its second); returns the
+        names of the targets kept whole."""
         from tqdm import tqdm
         cfg = self.cfg
         text = Path(cfg.test_text).read_text(encoding="utf-8")
-        kept = self._completed_targets() if resume else {}
+        saved = self._saved_runs() if resume else {}
+        kept = {n: r for n, r in saved.items() if len(r) == self.runs_per_target(_named(cfg, n))}
         self.runs = [r for runs in kept.values() for r in runs]
         self.thresholds = {name: t for name, t in self.thresholds.items() if name in kept}
         todo = [t for t in cfg.targets if t.name not in kept]
@@ -68,7 +71,9 @@ class SpecExperiment:
         with tqdm(total=total, desc="speculative", unit="run",
                   disable=not self.show_progress) as bar:
             for target in todo:
-                self._run_target(target, text, bar)
+                first = [r for r in saved.get(target.name, []) if r.phase == 1]
+                whole = len(first) == self.runs_per_target(target) // 2
+                self._run_target(target, text, bar, first if whole else None)
         self._save()
         return list(kept)
 
@@ -77,9 +82,9 @@ class SpecExperiment:
         return (len(target.proposers) + 1) * 2 * len(WORKLOADS) * len(cfg.batch_sizes) \
             * cfg.repeats
 
-    def _completed_targets(self) -> dict[str, list[Run]]:
-        """target name -> its runs in results.json, for each target whose runs there are
-        complete and were measured with this target's definition and these settings."""
+    def _saved_runs(self) -> dict[str, list[Run]]:
+        """target name -> its runs in results.json, for each target measured there with this
+        target's definition and these settings (complete or not)."""
         if not self.results_path.exists():
             return {}
         data = json.loads(self.results_path.read_text())
@@ -90,13 +95,14 @@ class SpecExperiment:
         self.thresholds = data.get("thresholds", {})
         defined = {t["name"]: t for t in saved["targets"]}
         runs = [Run(**r) for r in data["runs"]]
-        kept = {}
-        for target in self.cfg.targets:
-            mine = [r for r in runs if r.target == target.name]
-            if (defined.get(target.name) == asdict(target) and target.name in self.thresholds
-                    and len(mine) == self.runs_per_target(target)):
-                kept[target.name] = mine
-        return kept
+        return {t.name: [r for r in runs if r.target == t.name] for t in self.cfg.targets
+                if defined.get(t.name) == asdict(t)}
+
+    def _completed_targets(self) -> dict[str, list[Run]]:
+        """The targets `run` keeps whole: complete in results.json, their thresholds there."""
+        return {name: runs for name, runs in self._saved_runs().items()
+                if name in self.thresholds
+                and len(runs) == self.runs_per_target(_named(self.cfg, name))}
 
     def _engines(self, target: Target, specs: dict[str, dict], arm: str
                  ) -> dict[tuple[str, str], LLM]:
@@ -112,9 +118,17 @@ class SpecExperiment:
                          use_tqdm=False)
         return engines
 
-    def _run_target(self, target: Target, text: str, bar) -> None:
+    def _run_target(self, target: Target, text: str, bar,
+                    first_phase: list[Run] | None = None) -> None:
+        """Both phases; `first_phase`: the first's runs, measured before (only the second
+        runs)."""
         prompts = None
-        for phase, arm in ((1, "spec"), (2, "adaptive")):
+        phases = ((1, "spec"), (2, "adaptive"))
+        if first_phase:
+            self.runs += first_phase
+            bar.update(len(first_phase))
+            phases = phases[1:]
+        for phase, arm in phases:
             # Phase 1 measures speculation itself: no adaptivity, whatever the defaults.
             specs = {label: {**spec, "disable_by_batch_size": None, "backoff_acceptance": 0.0}
                      for label, spec in target.proposers.items()}
@@ -131,7 +145,10 @@ class SpecExperiment:
                                                self.cfg.passage_tokens, self.cfg.seed)
                            for w in WORKLOADS}
             self._rounds(target, engines, prompts, phase, bar)
-            del engines
+            # the next phase's engines need the memory: nine SmolLM2 engines hold ~14 GB, and
+            # an engine's reference cycles keep it until the collector runs
+            engines.clear()
+            gc.collect()
 
     def _rounds(self, target: Target, engines: dict, prompts: dict, phase: int, bar) -> None:
         cfg = self.cfg
@@ -163,6 +180,10 @@ def _timed(llm: LLM, prompts: list, params: SamplingParams) -> tuple[dict, list]
     return dict(seconds=seconds, output_tokens=sum(len(t) for t in tokens),
                 draft_tokens=after[0] - before[0], accepted_tokens=after[1] - before[1],
                 verifications=after[2] - before[2], steps=llm.engine.num_steps - steps), tokens
+
+
+def _named(cfg: SpecExperimentConfig, name: str) -> Target:
+    return next(t for t in cfg.targets if t.name == name)
 
 
 def _config_dict(cfg: SpecExperimentConfig) -> dict:
