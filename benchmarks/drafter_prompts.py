@@ -1,8 +1,10 @@
-"""Chat prompts to train a drafter on (kvslim train-drafter --prompts): templates over topics,
-none of them the free-generation questions the speculative study measures with
-(experiments/speculative/workloads.py), so a drafter is measured on prompts it never saw.
+"""Prompts to train a drafter on (kvslim train-drafter --prompts): for a chat model, templates
+over topics, none of them the free-generation questions the speculative study measures with
+(experiments/speculative/workloads.py), so a drafter is measured on prompts it never saw; for a
+base model (`--passages TEXT`), passages of ~300 characters from random places of a training
+text (the study's base-model prompts come from the test text).
 
-    python benchmarks/drafter_prompts.py OUT.txt [--n 480]
+    python benchmarks/drafter_prompts.py OUT.txt [--n 480] [--passages TEXT --seed 0]
 """
 from __future__ import annotations
 
@@ -35,12 +37,30 @@ def prompts(n: int, seed: int = 0) -> list[str]:
     return every[:n]
 
 
+def passages(path: str, n: int, seed: int = 0, chars: int = 300) -> list[str]:
+    """n passages of about `chars` characters, whitespace collapsed, cut at word boundaries."""
+    text = open(path, encoding="utf-8").read()
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        start = rng.randrange(0, len(text) - 4 * chars)
+        words = " ".join(text[start:start + 2 * chars].split()).split(" ")[1:]   # whole words
+        line = ""
+        while words and len(line) + len(words[0]) + 1 <= chars:
+            line = f"{line} {words.pop(0)}".strip()
+        out.append(line)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--n", type=int, default=480)
+    ap.add_argument("--passages", default=None, help="a text to take base-model prompts from")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    lines = prompts(args.n)
+    lines = (passages(args.passages, args.n, args.seed) if args.passages
+             else prompts(args.n, args.seed))
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {len(lines)} prompts to {args.out}")
