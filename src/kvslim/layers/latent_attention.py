@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvslim.kernels import head_mm as head_mm_kernel
 from kvslim.kernels.head_mm import head_mm
 from kvslim.layers.linear import LinearQuantization, make_linear
 from kvslim.layers.norm import RMSNorm
@@ -83,6 +84,7 @@ class LatentAttention(nn.Module):
         """Keep W_UK [heads, qk_nope, kv_lora_rank] and W_UV^T [heads, kv_lora_rank, v_head_dim]
         out of kv_b_proj's weight (dequantized for a quantized layer), as non-persistent
         buffers: call it while the weight is readable (before `prepare_for_inference`)."""
+        head_mm_kernel.available()          # resolved here, outside any compiled step
         proj = self.kv_b_proj
         w = proj.dequantized_weight() if hasattr(proj, "dequantized_weight") else proj.weight
         w = w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
