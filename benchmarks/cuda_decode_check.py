@@ -4,7 +4,11 @@
     python benchmarks/cuda_decode_check.py --smoke --out /tmp/check.json   # any machine, tiny
 
 (`--models smollm2` or `--models llama` checks one model, to split the run in two; `--sparse24`
-adds benchmarks/cuda_sparse24_check.py's comparison of 2:4 semi-structured sparse linears.)
+adds benchmarks/cuda_sparse24_check.py's comparison of 2:4 semi-structured sparse linears,
+`--quantized` benchmarks/cuda_quantized_check.py's int8 (W8A8) and int4 weight engines.
+`--config-from DIR` takes SmolLM2's config and tokenizer from DIR and gives it random float32
+weights: for a machine that cannot hold the embedded GGUF, such as a GPU reached by copying a
+working tree; its speeds are SmolLM2's, its tokens are not.)
 
 On each model, SmolLM2-135M-Instruct (the embedded GGUF's float32 import) and a ~1B-parameter
 Llama shape with random weights in bfloat16 (Llama 3.2 1B's layers over SmolLM2's vocabulary and
@@ -78,14 +82,15 @@ def timed(device: str, fn):
     return out, time.perf_counter() - start
 
 
-def random_llama(tokenizer_dir: Path, shape: dict, device: str, root: Path) -> Path:
-    """A Llama checkpoint of `shape` with random weights (bf16), SmolLM2's tokenizer beside."""
+def random_llama(tokenizer_dir: Path, shape: dict, device: str, root: Path,
+                 dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A Llama checkpoint of `shape` with random weights, SmolLM2's tokenizer beside."""
     from transformers import AutoModelForCausalLM, LlamaConfig
     vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
     config = LlamaConfig(vocab_size=vocab, bos_token_id=None, eos_token_id=None, **shape)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(root)
     del model
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -134,7 +139,10 @@ def measure_engine(llm: LLM, prompts: list[list[int]], check: list[list[int]], p
     n = plan["new_tokens"]
     outs = llm.generate(check, greedy(n), use_tqdm=False)
     result = {"tokens": [o.outputs[0].token_ids for o in outs]}
-    llm.generate(prompts, greedy(4), use_tqdm=False)        # warm-up: every prefill shape
+    # warm-up: every shape timed below (a compiled flex kernel meeting a new one compiles, and
+    # the first GPU run timed such a compilation into batch-1's first token: a negative rate)
+    llm.generate(prompts, greedy(4), use_tqdm=False)
+    llm.generate(prompts[:1], greedy(4), use_tqdm=False)
     _, first = timed(device, lambda: llm.generate(prompts[:1], greedy(1), use_tqdm=False))
     _, whole = timed(device, lambda: llm.generate(prompts[:1], greedy(n), use_tqdm=False))
     step_s = (whole - first) / max(1, n - 1)
@@ -241,19 +249,55 @@ def failed(report: dict) -> bool:
                for m in report["models"] for e in m["engines"])
 
 
+SMOLLM2_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                      "rope_theta", "rms_norm_eps", "tie_word_embeddings")
+
+
+def smollm2_source(config_from: Path | None) -> Path:
+    """The directory whose tokenizer (and, with `config_from`, config) the models take."""
+    return config_from if config_from is not None else default_model_dir(show_progress=False)
+
+
 def models_to_check(args, device: str, root: Path, notes: list[str]):
-    """(name, directory, dtype) of each model asked for; SmolLM2's import is needed for both
-    (its tokenizer serves the random Llama)."""
+    """(name, directory, dtype) of each model asked for; SmolLM2's import (or `--config-from`)
+    is needed for both (its tokenizer serves the random Llama)."""
     try:
-        smollm2 = default_model_dir(show_progress=False)
+        smollm2 = smollm2_source(args.config_from)
     except ConfigError as e:
         notes.append(f"skipped every model: {e}")
         return
-    if "smollm2" in args.models:
+    if "smollm2" in args.models and args.config_from is not None:
+        config = json.loads((smollm2 / "config.json").read_text())
+        shape = {k: config[k] for k in SMOLLM2_SHAPE_KEYS if k in config}
+        notes.append(f"SmolLM2's shape from {smollm2} with random float32 weights")
+        yield "SmolLM2-135M-random", random_llama(smollm2, shape, device, root / "smollm2",
+                                                  torch.float32), "float32"
+    elif "smollm2" in args.models:
         yield "SmolLM2-135M", smollm2, "float32"
     if "llama" in args.models:
         shape, name = (LLAMA_SMOKE, "llama-tiny") if args.smoke else (LLAMA_1B, "llama-1B-random")
         yield name, random_llama(smollm2, shape, device, root / name), "bfloat16"
+
+
+def extra_checks(args, report: dict) -> None:
+    """The optional quantized and 2:4 sparse checks, each saved as soon as it is measured."""
+    checks = []
+    if args.quantized:
+        from cuda_quantized_check import check_quantized
+        checks.append(("quantized", check_quantized))
+    if args.sparse24:
+        from cuda_sparse24_check import check_sparse24
+        checks.append(("sparse24", check_sparse24))
+    for key, check in checks:
+        try:
+            report[key] = check(args.smoke, smollm2_source(args.config_from))
+        except Exception as e:       # one check failing must not lose the others' numbers
+            traceback.print_exc()
+            report[key] = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(report[key], indent=2))
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def main() -> int:
@@ -265,6 +309,12 @@ def main() -> int:
     ap.add_argument("--sparse24", action="store_true",
                     help="also compare cuda_sparse_24 with the dense kernels on the random Llama "
                          "pruned 2:4 (benchmarks/cuda_sparse24_check.py)")
+    ap.add_argument("--quantized", action="store_true",
+                    help="also run int8 (W8A8) and int4 weight engines on the random Llama "
+                         "(benchmarks/cuda_quantized_check.py)")
+    ap.add_argument("--config-from", type=Path, default=None,
+                    help="SmolLM2's config.json and tokenizer from this directory, its weights "
+                         "random (where the embedded GGUF cannot be had)")
     ap.add_argument("--models", default="smollm2,llama",
                     help="which of smollm2, llama (the random ~1B Llama) to check (default both)")
     args = ap.parse_args()
@@ -284,12 +334,7 @@ def main() -> int:
                                                 args.hbm_gbps))
             if args.out:
                 args.out.write_text(json.dumps(report, indent=2) + "\n")
-    if args.sparse24:
-        from cuda_sparse24_check import check_sparse24
-        report["sparse24"] = check_sparse24(args.smoke)
-        print(json.dumps(report["sparse24"], indent=2))
-        if args.out:
-            args.out.write_text(json.dumps(report, indent=2) + "\n")
+    extra_checks(args, report)
     print(gpu_table(report))
     return 1 if failed(report) else 0
 

@@ -37,7 +37,8 @@ def measure(model_dir: Path, sparse: bool, plan: dict, prompts, long_prompts, ch
         max_num_batched_tokens=8192, enable_prefix_caching=False, cuda_sparse_24=sparse))
     n = plan["new_tokens"]
     tokens = [o.outputs[0].token_ids for o in llm.generate(check, greedy(n), use_tqdm=False)]
-    llm.generate(long_prompts, greedy(1), use_tqdm=False)                  # warm-up
+    llm.generate(long_prompts, greedy(1), use_tqdm=False)                  # warm-up,
+    llm.generate(prompts[:1], greedy(4), use_tqdm=False)                   # every timed shape
     _, prefill_s = timed("cuda", lambda: llm.generate(long_prompts, greedy(1), use_tqdm=False))
     _, first = timed("cuda", lambda: llm.generate(prompts[:1], greedy(1), use_tqdm=False))
     _, whole = timed("cuda", lambda: llm.generate(prompts[:1], greedy(n), use_tqdm=False))
@@ -51,14 +52,15 @@ def measure(model_dir: Path, sparse: bool, plan: dict, prompts, long_prompts, ch
     return out
 
 
-def check_sparse24(smoke: bool = False) -> dict:
-    """Dense against sparse engines on the pruned model; {"skipped": why} without CUDA."""
+def check_sparse24(smoke: bool = False, tokenizer_dir: Path | None = None) -> dict:
+    """Dense against sparse engines on the pruned model; {"skipped": why} without CUDA.
+    `tokenizer_dir`: the tokenizer the random Llama takes (default: SmolLM2's import)."""
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA"}
     plan = SMOKE if smoke else FULL
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        dense = random_llama(default_model_dir(show_progress=False),
+        dense = random_llama(tokenizer_dir or default_model_dir(show_progress=False),
                              LLAMA_SMOKE if smoke else LLAMA_1B, "cuda", root / "dense")
         pruned = prune_model(dense, root / "p24", "magnitude", SparsityTarget(n=2, m=4),
                              show_progress=False)

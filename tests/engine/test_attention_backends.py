@@ -13,7 +13,8 @@ import torch
 import kvslim.engine.model_runner as model_runner
 from engine_helpers import GREEDY, engine, prompts_of, run, tokens
 from kvslim.attention import resolve_attention_backend
-from kvslim.attention.backends import CPU_DEFAULT
+from kvslim.attention import backends
+from kvslim.attention.backends import CPU_DEFAULT, CUDA_DEFAULT
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.llm_engine import LLMEngine
 from kvslim.engine.model_runner import ModelRunner
@@ -152,7 +153,7 @@ def test_a_step_forward_never_reads_tensors_back(hf_checkpoints, monkeypatch, ba
     run(eng, workload()[:5], PARAMS)
 
 
-def test_choosing_a_backend(hf_checkpoints):
+def test_choosing_a_backend(hf_checkpoints, monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert CPU_DEFAULT == "kernel"      # the fastest, and batch-invariant (backends.py)
     assert resolve_attention_backend("auto", cpu, False, 16, kernel_usable=True) == "kernel"
@@ -163,6 +164,9 @@ def test_choosing_a_backend(hf_checkpoints):
     bf16 = LLMEngine(hf_checkpoints["gqa"], EngineConfig(dtype="bfloat16", device="cpu",
                                                          kv_cache_memory="8MiB"))
     assert bf16.runner.attention_backend == "gather"
+    assert CUDA_DEFAULT == "gather"     # faster on the H200 measured (backends.py)
+    assert resolve_attention_backend("auto", cuda, False, 16) == "gather"
+    monkeypatch.setattr(backends, "CUDA_DEFAULT", "flex")
     assert resolve_attention_backend("auto", cuda, False, 16) == "flex"
     assert resolve_attention_backend("auto", cuda, False, 8) == "gather"   # kernel tile: 16
     assert resolve_attention_backend("flex", cpu, False, 8) == "flex"

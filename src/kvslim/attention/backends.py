@@ -10,9 +10,10 @@
   blocks in place once for its group of query heads, each query over the keys before its own
   position: batch-invariant, and a prompt's numbers do not depend on its chunking or on a
   prefix-cache hit. float32 models, float32 or int8 caches.
-- "auto": flex on CUDA; on the CPU the kernel where it runs (`CPU_DEFAULT`, measured), else
-  gather. A model with DeepSeek's latent cache (MLA, `latent_cache.py`) gets gather; the kernel
-  reads it too (one KV head, the value a view of the key's first entries) when asked.
+- "auto": gather on CUDA (`CUDA_DEFAULT`, measured on an H200); on the CPU the kernel where it runs (`CPU_DEFAULT`, measured), else
+  gather; a model with DeepSeek's latent cache (MLA, `latent_cache.py`) likewise
+  (`CPU_DEFAULT_LATENT`): the kernel reads it as one KV head whose value is a view of the key's
+  first entries.
 
 The engine resolves the name once (`resolve_attention_backend`) and builds each step's context
 with `build_paged_attention`, on the eager path and on the decode-graph path alike."""
@@ -57,6 +58,22 @@ ATTENTION_BACKENDS = ("auto", "gather", "flex", "kernel")
 # prompts faster. Where the kernel cannot run (no extension, a bfloat16 model, an fp8 cache)
 # the CPU gathers.
 CPU_DEFAULT = "kernel"
+# CUDA's default, measured on an H200 (docs/cuda_decode_check.json, 2026-12-04: `python
+# benchmarks/cuda_decode_check.py`; contexts of 128-256 tokens, greedy tokens identical):
+#                                 batch-1 decode tok/s      offline 64 x 128/128 tok/s
+#                                 gather+graphs  flex+graphs  gather+graphs  flex+graphs
+#   SmolLM2-135M shape, float32       275           —             6531          3462
+#   Llama 1B shape, bfloat16          376          345            9919          6169
+# Gathering these short contexts costs less than FlexAttention's block-mask machinery and its
+# per-shape kernels (each new step shape compiles one: start-up pays for every graph size).
+# Long contexts, where reading K/V in place should pay, are not measured yet.
+CUDA_DEFAULT = "gather"
+# A latent (MLA) cache's CPU default, measured by `python benchmarks/mla_decode_backend.py`:
+# `... runs/mla/ref-k2-mla runs/mla/ref-k1-mla runs/mla/smollm2-r64-mla --json` (kvslim convert
+# --to-mla of ref-mha at ranks 64 and 32 and of SmolLM2 at 64; docs/mla_decode_backend.json,
+# 2 threads, 128 tokens in, 64 out): the kernel 1.16-1.19x gather at batch 1, 0.93-1.02x at
+# batch 32. It is also the batch-invariant one, as for CPU_DEFAULT: it takes the latent cache.
+CPU_DEFAULT_LATENT = "kernel"
 
 
 def check_attention_backend(name: str) -> None:
@@ -70,12 +87,15 @@ def resolve_attention_backend(name: str, device: torch.device, kv_quantized: boo
                               latent: bool = False) -> str:
     """"gather", "flex" or "kernel" for a cache on `device`; `kernel_usable`: the decode
     kernel is built and takes this model's dtype and cache dtype (`decode_kernel_usable`);
-    `latent`: the cache holds MLA's latent rows (latent_cache.py); "auto" gathers them on every
-    device (flex and the kernel read them too)."""
+    `latent`: the cache holds MLA's latent rows (latent_cache.py); "auto" gathers them on CUDA
+    (flex reads them too, not measured there yet)."""
     check_attention_backend(name)
     on_cuda = device.type == "cuda"
     if latent and name == "auto":
-        return "gather"
+        # the kernel where it runs (CPU_DEFAULT_LATENT, measured), else gather: flex's eager
+        # calls cost milliseconds on the CPU, and on CUDA it is not measured yet
+        usable = not on_cuda and kernel_usable
+        return CPU_DEFAULT_LATENT if usable and CPU_DEFAULT_LATENT == "kernel" else "gather"
     if name == "kernel":
         if not kernel_usable:
             raise KvslimError("attention_backend=kernel needs the CPU, a float32 model, a "
@@ -91,7 +111,7 @@ def resolve_attention_backend(name: str, device: torch.device, kv_quantized: boo
         # keep the gather path, which dequantizes what it gathers.
         return "gather"
     if name == "auto":
-        return "flex" if block_size % 16 == 0 else "gather"
+        return "flex" if CUDA_DEFAULT == "flex" and block_size % 16 == 0 else "gather"
     if name == "flex" and on_cuda and block_size % 16:
         raise KvslimError(f"attention_backend=flex on CUDA needs a block_size that is a "
                           f"multiple of 16 (the kernel's tile), got {block_size}")

@@ -77,8 +77,19 @@ def flex_function(device: torch.device, block_size: int):
     return functools.partial(_compiled_flex(), kernel_options=options)
 
 
+# Compiled programs the one flex function may hold. Each step shape the engine meets (CUDA
+# graphs' batch x table-width captures; the eager path's token counts until dynamo makes them
+# symbolic) can be one: the first GPU run hit dynamo's default of 8 while capturing graphs, and
+# fullgraph=True turns that into a hard failure.
+FLEX_RECOMPILE_LIMIT = 128
+
+
 @functools.cache
 def _compiled_flex():
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit,
+                                             4 * FLEX_RECOMPILE_LIMIT)
     return torch.compile(flex_attention, fullgraph=True)
 
 

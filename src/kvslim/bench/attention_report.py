@@ -27,9 +27,9 @@ KV cache:
   tile of 16 queries may read (both built once per step and window,
   `attention/flex_metadata.py`). Compiled to Triton kernels on CUDA; eager on the CPU, where it
   scores every slot of the pool.
-- **auto** (the default): flex on CUDA (with blocks of a multiple of 16 tokens), gather on the
-  CPU, as measured below. A quantized (int8/fp8) KV cache always gathers: it dequantizes what it
-  gathers, and FlexAttention would read the raw elements.
+- **auto** (the default): what measured faster below: gather on CUDA (flex lost at these
+  contexts on the H200), on the CPU the kernel where it runs, else gather. A quantized
+  (int8/fp8) KV cache never takes flex: FlexAttention would read the raw elements.
 
 ### CPU: what set the default
 
@@ -68,7 +68,34 @@ def _gpu_part(gpu: dict | None) -> str:
                 "offline throughput at batch 64 and HF transformers on SmolLM2-135M (float32) "
                 "and a random-weight 1B Llama (bfloat16); `kvslim bench report --from-json "
                 "docs/benchmarks.json` then puts its table here.")
-    return f"`{gpu['command']}`:\n\n{gpu_table(gpu)}"
+    return f"`{gpu['command']}`:\n\n{gpu_table(gpu)}\n\n{gpu_goals(gpu)}"
+
+
+def gpu_goals(report: dict) -> str:
+    """The GPU goals (parity on every engine; the fastest engine's batch-1 decode >= 70% of
+    HBM bandwidth on the 1B shape, >= 3x HF's batch-1 rate and >= 5x its offline throughput),
+    each PASS or FAIL from the report's numbers."""
+    lines = ["Goals, from these numbers:", ""]
+    for m in report["models"]:
+        runs = [e for e in m["engines"] if "error" not in e]
+        same = all(e["tokens_identical"] for e in runs) and len(runs) == len(m["engines"])
+        lines.append(f"- {m['model']} ({m['dtype']}): greedy parity on every engine "
+                     f"{'PASS' if same else 'FAIL'}")
+        rated = [e for e in runs if e.get("decode_tok_s", 0) > 0]
+        hf = m["hf"]
+        if not rated or "decode_tok_s" not in hf:
+            continue
+        best = max(rated, key=lambda e: e["decode_tok_s"])
+        top = max(e["throughput_tok_s"] for e in runs)
+        b1, off = best["decode_tok_s"] / hf["decode_tok_s"], top / hf["throughput_tok_s"]
+        lines.append(f"- {m['model']}: batch-1 {b1:.1f}x HF transformers (>= 3x: "
+                     f"{'PASS' if b1 >= 3 else 'FAIL'}), offline {off:.1f}x (>= 5x: "
+                     f"{'PASS' if off >= 5 else 'FAIL'})")
+        if "1B" in m["model"] and best.get("hbm_fraction") is not None:
+            frac = best["hbm_fraction"]
+            lines.append(f"- {m['model']}: batch-1 decode at {frac:.0%} of HBM bandwidth "
+                         f"(>= 70%: {'PASS' if frac >= 0.7 else 'FAIL'})")
+    return "\n".join(lines)
 
 
 def cpu_table(result: dict) -> str:
@@ -99,7 +126,38 @@ def gpu_table(report: dict) -> str:
         model = f"{m['model']} ({m['dtype']})"
         lines += [_engine_row(model, e, graphs) for e in m["engines"]]
         lines.append(_hf_row(model, m["hf"]))
-    return "\n".join(lines + [""] + [f"- {note}" for note in report["notes"]])
+    return "\n".join(lines + [""] + [f"- {note}" for note in report["notes"]]
+                     + _weights_tables(report))
+
+
+def _weights_tables(report: dict) -> list[str]:
+    """The optional checks' engines (--quantized, --sparse24): one table each, when run."""
+    out = []
+    for key, what in (("quantized", "weights"), ("sparse24", "cuda_sparse_24")):
+        part = report.get(key) or {}
+        if "engines" not in part:
+            if part:
+                out += ["", f"`--{key}`: {part.get('skipped') or part.get('error')}"]
+            continue
+        out += ["", f"`--{key}` on {part['model']}:", "",
+                "| engine | batch-1 decode tok/s | offline tok/s | prompts with the reference's "
+                "greedy tokens | start-up s |", "|---|---|---|---|---|"]
+        for e in part["engines"]:
+            same = e.get("prompts_equal_bf16", e.get("tokens_equal_dense"))
+            same = "—" if same is None else f"{same} of {e['prompts']}"
+            start = e.get("startup_s")
+            out.append(f"| {what} = {e[what]} | {_rate(e.get('decode_tok_s'))} | "
+                       f"{e.get('throughput_tok_s', e.get('error', '—')[:120])} | {same} | "
+                       f"{'—' if start is None else f'{start:.1f}'} |")
+    return out
+
+
+def _rate(x) -> str:
+    """A tokens/s figure; a negative one timed a compilation into its first token (the first
+    GPU run's warm-up missed that shape), so it measured nothing."""
+    if x is None:
+        return "—"
+    return str(x) if x > 0 else "not measured (a compilation fell inside the timing)"
 
 
 def _engine_row(model: str, e: dict, graphs: str) -> str:
@@ -108,8 +166,11 @@ def _engine_row(model: str, e: dict, graphs: str) -> str:
         same = f"error: {e['error'][:80]}"
     else:
         same = "yes" if e["tokens_identical"] else f"no (prompt, token) {e['first_difference']}"
-    return (f"| {model} | {name} | {same} | {e.get('decode_tok_s', '—')} | "
-            f"{e.get('gb_s', '—')} | {_pct(e.get('hbm_fraction'))} | "
+    rate = e.get("decode_tok_s")
+    valid = rate is not None and rate > 0
+    return (f"| {model} | {name} | {same} | {_rate(rate)} | "
+            f"{e.get('gb_s', '—') if valid else '—'} | "
+            f"{_pct(e.get('hbm_fraction')) if valid else '—'} | "
             f"{e.get('throughput_tok_s', '—')} | {e.get('startup_s', 0):.1f} |")
 
 

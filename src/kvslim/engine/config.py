@@ -99,8 +99,8 @@ class EngineConfig:
         "auto", "paged attention: gather (copies each context out, the reference), flex "
                 "(FlexAttention reading the cache in place), kernel (the CPU: decodes through "
                 "kvslim's C++ kernel, reading the cache in place; float32 models, float32 or "
-                "int8 caches) or auto (flex on CUDA, on the CPU what measured faster; flex "
-                "never takes a quantized KV cache; DeepSeek's latent cache: gather)",
+                "int8 caches) or auto (what measured faster: gather on CUDA, the kernel on the "
+                "CPU where it runs; flex never takes a quantized KV cache)",
         choices=ATTENTION_BACKENDS)
     # kernels/activations.py: int8 is llama.cpp's arithmetic, faster in batches; float32 keeps
     # the dequantized weight's float rounding (the default until a quality check says more).

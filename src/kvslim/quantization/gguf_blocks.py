@@ -114,7 +114,8 @@ def block_kernel(qvalues: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
     unknown = [t for t in qtypes if t not in (*FOUR_BIT_TYPES, *EIGHT_BIT_ZEROS)]
     if unknown:
         raise ConfigError(f"GGUF block weights of unsupported type id {unknown[0]}")
-    zeros = torch.cat([torch.full((n,), EIGHT_BIT_ZEROS.get(t, 0), dtype=torch.int16)
+    zeros = torch.cat([torch.full((n,), EIGHT_BIT_ZEROS.get(t, 0), dtype=torch.int16,
+                                  device=qvalues.device)
                        for t, n in zip(qtypes, sizes)])
     kernels = [_run_kernel(qvalues[rows], scales[rows], mins[rows], zeros[rows], four_bit)
                for rows, four_bit in _runs(qtypes, sizes)]

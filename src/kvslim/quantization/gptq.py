@@ -149,12 +149,13 @@ class GPTQLinear(QuantLinear):
         if any(not torch.equal(g.long(), g_idx) for g in self.g_idx[1:]) or self.in_features % group:
             return None
         perm = torch.argsort(g_idx, stable=True)
-        if not torch.equal(g_idx[perm], torch.arange(self.in_features) // group):
+        inputs = torch.arange(self.in_features, device=g_idx.device)
+        if not torch.equal(g_idx[perm], inputs // group):
             return None
         q = unpack_int32(self.qweight, 4, 0)[perm].t()                       # [out, in]
         zeros = self.spec.zeros_from_stored(unpack_int32(self.qzeros, 4, 1)).t()
         weight = pack_int4(q, self.scales.t().float(), zeros.float(), group)
-        identity = torch.equal(perm, torch.arange(self.in_features))
+        identity = torch.equal(perm, inputs)
         return weight, None if identity else perm
 
     # ---- checkpoint tensors ----------------------------------------------------------------

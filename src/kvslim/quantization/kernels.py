@@ -94,7 +94,7 @@ def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
 def _chunked_mm(rows: torch.Tensor, out_features: int, dequant_rows) -> torch.Tensor:
     """rows @ W^T with W dequantized CHUNK_ROWS output rows at a time: the float copy of a
     chunk stays in cache instead of a whole float weight going through memory."""
-    out = torch.empty(rows.shape[0], out_features, dtype=rows.dtype)
+    out = torch.empty(rows.shape[0], out_features, dtype=rows.dtype, device=rows.device)
     for start in range(0, out_features, CHUNK_ROWS):
         stop = min(start + CHUNK_ROWS, out_features)
         torch.mm(rows, dequant_rows(start, stop, rows.dtype).t(), out=out[:, start:stop])

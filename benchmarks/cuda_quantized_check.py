@@ -1,0 +1,110 @@
+"""Quantized weights on CUDA: int8 weights with int8 activations (W8A8, `torch._int_mm`) and
+4-bit weights (RTN, GPTQ layout), against the same model in bfloat16, on the random ~1B Llama of
+cuda_decode_check.py:
+
+    python benchmarks/cuda_quantized_check.py --out docs/cuda_quantized_check.json
+    python benchmarks/cuda_decode_check.py --quantized ...     # the same, inside the GPU check
+
+For each engine (gather attention, CUDA graphs): start-up seconds, batch-1 decode tokens/s,
+offline throughput (64 x 128 tokens in, 128 out), the checkpoint's bytes on disk, and how many
+prompts of a mixed batch get the bfloat16 engine's greedy tokens (quantization changes the
+numbers, so this is reported, not required). Without CUDA it writes why it did not run, except
+with `--smoke`, which runs the tiny shapes on the CPU."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+
+from cuda_decode_check import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, build_engine, measure_engine,
+                               random_llama, release, timed)
+from kvslim.bench.workload import Workload, special_ids
+from kvslim.formats.registry import default_model_dir
+from kvslim.quantization import QuantSpec
+from kvslim.quantization.w8a8 import W8A8_SPEC
+from kvslim.surgery.quantize.model import quantize_model
+from kvslim.tokenizer.tokenizer import Tokenizer
+
+VARIANTS = {"w8a8": ("w8a8", W8A8_SPEC),
+            "int4-g32": ("rtn", QuantSpec(4, 32, sym=False, checkpoint_format="gptq_v2"))}
+
+
+def disk_bytes(model_dir: Path) -> int:
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+
+
+def measure(name: str, model_dir: Path, plan: dict, prompts, check, device: str) -> dict:
+    entry = {"weights": name, "disk_bytes": disk_bytes(model_dir)}
+    try:
+        llm, entry["startup_s"] = timed(device, lambda: build_engine(
+            model_dir, "bfloat16", device, "gather", True, plan))
+        entry.update(measure_engine(llm, prompts, check, plan, device))
+        entry.pop("step_bytes", None)         # parameters only: a packed weight's buffers differ
+        del llm
+    except Exception as e:                    # the other variants' numbers survive
+        traceback.print_exc()
+        entry["error"] = f"{type(e).__name__}: {e}"
+    release(device)
+    print(f"[quantized] {name}: { {k: v for k, v in entry.items() if k != 'tokens'} }",
+          file=sys.stderr, flush=True)
+    return entry
+
+
+def check_quantized(smoke: bool = False, tokenizer_dir: Path | None = None) -> dict:
+    """bfloat16 against W8A8 and int4 engines; {"skipped": why} without CUDA (unless
+    `smoke`: then on the CPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not smoke:
+        return {"skipped": "no CUDA"}
+    plan = SMOKE if smoke else FULL
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        dense = random_llama(tokenizer_dir or default_model_dir(show_progress=False),
+                             LLAMA_SMOKE if smoke else LLAMA_1B, device, root / "dense")
+        vocab = json.loads((dense / "config.json").read_text())["vocab_size"]
+        prompts = Workload(plan["batch"], plan["prompt_len"], 0, seed=1).prompts(
+            vocab, special_ids(Tokenizer.from_dir(dense)))
+        check = [p[:max(1, len(p) * (i + 1) // plan["check_prompts"])]
+                 for i, p in enumerate(prompts[:plan["check_prompts"]])]
+        entries = [measure("bfloat16", dense, plan, prompts, check, device)]
+        for name, (method, spec) in VARIANTS.items():
+            try:
+                path, seconds = timed(device, lambda: quantize_model(
+                    dense, root / name, method, spec, show_progress=False))
+            except Exception as e:
+                traceback.print_exc()
+                entries.append({"weights": name, "error": f"{type(e).__name__}: {e}"})
+                continue
+            entries.append({**measure(name, path, plan, prompts, check, device),
+                            "quantize_s": round(seconds, 1)})
+    reference = entries[0].get("tokens")
+    for e in entries:
+        tokens = e.pop("tokens", None)
+        if tokens is not None and reference is not None:
+            e["prompts_equal_bf16"] = sum(a == b for a, b in zip(tokens, reference))
+            e["prompts"] = len(reference)
+    return {"model": "llama-tiny" if smoke else "llama-1B-random",
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "engines": entries}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes")
+    ap.add_argument("--out", type=Path, help="write the numbers here (JSON)")
+    args = ap.parse_args()
+    report = check_quantized(args.smoke)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    return 1 if any("error" in e for e in report.get("engines", [])) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
