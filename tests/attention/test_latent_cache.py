@@ -107,7 +107,8 @@ def test_int8_latent_cache_is_near_the_float_one():
 def test_backends_of_the_latent_cache():
     cpu = torch.device("cpu")
     assert resolve_attention_backend("kernel", cpu, False, 16, True, latent=True) == "kernel"
-    assert resolve_attention_backend("auto", cpu, False, 16, True, latent=True) == "gather"
+    assert resolve_attention_backend("auto", cpu, False, 16, True, latent=True) == "kernel"
+    assert resolve_attention_backend("auto", cpu, False, 16, False, latent=True) == "gather"
     cuda = torch.device("cuda")                      # auto gathers the latent on CUDA too
     assert resolve_attention_backend("auto", cuda, False, 16, latent=True) == "gather"
     assert resolve_attention_backend("flex", cuda, False, 16, latent=True) == "flex"

@@ -51,7 +51,8 @@ def test_mla_arms_have_gqa_bytes_uptrain_time_decode_and_report(tmp_path, calib_
     assert teachers["ref-k2-mla-kd-a0.05"] == cfg.model and teachers["ref-k2-mla-a0.05"] is None
     assert set(exp.decode) == {"decode-k2-b1", "decode-k2-b2", "decode-k1-b1", "decode-k1-b2"}
     d = exp.decode["decode-k2-b2"]
-    assert d.models == {"mla": "ref-k2-mla", "gqa": "ref-k2-align", "gqa-gather": "ref-k2-align"}
+    assert d.models == {"mla": "ref-k2-mla", "gqa": "ref-k2-align", "mla-gather": "ref-k2-mla",
+                        "gqa-gather": "ref-k2-align"}
     assert set(d.kv_bytes_per_token_bf16.values()) == {128} and min(d.tokens_per_s.values()) > 0
 
     again = Experiment(cfg, show_progress=False)                      # resumes: all recorded

@@ -1,10 +1,11 @@
 """The study's decode-speed records: an MLA arm against the GQA conversion with the same KV bytes
 per token, decode tokens/s through kvslim's engine (the MLA model decodes with its absorbed
-matrices over the latent cache), both models held at once and taking turns in every round
-(`bench.latency.models_decode_speed`), at each batch size. GQA runs twice: on the engine's
-default CPU backend (the C++ paged-attention kernel) and on the gather backend that MLA's latent
-cache uses, so that a gap is not put down to the backend when it is the attention's arithmetic.
-Only the conversions are timed: uptraining changes weights, not shapes, so not speed."""
+matrices over the latent cache), the models held at once and taking turns in every round
+(`bench.latency.models_decode_speed`), at each batch size. Each runs twice: on the engine's
+default CPU backend (the C++ paged-attention kernel, which reads the latent row too) and on the
+gather backend, so that a gap is not put down to a backend when it is the attention's
+arithmetic. Only the conversions are timed: uptraining changes weights, not shapes, so not
+speed."""
 from __future__ import annotations
 
 import time
@@ -19,6 +20,7 @@ from kvslim.models.config import ModelConfig
 PREFIX = "decode-"
 # the arms timed: name -> (the study's conversion, engine options)
 ARMS = {"mla": ("mla", {}), "gqa": ("align", {}),
+        "mla-gather": ("mla", {"attention_backend": "gather"}),
         "gqa-gather": ("align", {"attention_backend": "gather"})}
 
 

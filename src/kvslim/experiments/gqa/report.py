@@ -66,20 +66,24 @@ def decode_table(exp: Experiment) -> str:
     if not exp.decode:
         return "_not measured_\n"
     lines = ["| KV bytes of | KV bytes/token (bf16) | batch | MLA tokens/s | GQA tokens/s | "
-             "GQA, gather backend | MLA / GQA | models |", "|---|---|---|---|---|---|---|---|"]
+             "MLA / GQA | gather backend: MLA / GQA | models |",
+             "|---|---|---|---|---|---|---|---|"]
     for d in sorted(exp.decode.values(), key=lambda d: (-d.kv_heads, d.batch)):
-        mla, gqa, gather = (d.tokens_per_s.get(a) for a in ("mla", "gqa", "gqa-gather"))
+        s = d.tokens_per_s
+        mla, gqa = s["mla"], s["gqa"]
         sizes = " / ".join(f"{v:,}" for v in sorted(set(d.kv_bytes_per_token_bf16.values())))
+        gathered = " / ".join(f"{s[a]:.1f}" if s.get(a) else "—"
+                              for a in ("mla-gather", "gqa-gather"))
         lines.append(f"| {bytes_name(d.kv_heads)} | {sizes} | {d.batch} | {mla:.1f} | {gqa:.1f} "
-                     f"| {f'{gather:.1f}' if gather else '—'} | {mla / gqa:.2f}x | "
+                     f"| {mla / gqa:.2f}x | {gathered} | "
                      f"`{d.models['mla']}`, `{d.models['gqa']}` |")
     first = next(iter(exp.decode.values()))
     return ("\n".join(lines) + f"\n\n{first.input_len}-token prompts, {first.output_len} tokens "
             f"generated per sequence, float32, {first.threads} CPU thread(s), the median time per "
-            f"output token of {first.repeats} rounds, the models taking turns in each. GQA runs "
-            f"on the engine's default CPU backend, the C++ paged-attention kernel, and again on "
-            f"the gather backend, the one MLA's latent cache is read with (the kernel reads K and "
-            f"V heads, not a latent row: attention/backends.py).\n")
+            f"output token of {first.repeats} rounds, the models taking turns in each. Both run "
+            f"on the engine's default CPU backend, the C++ paged-attention kernel (for MLA: one "
+            f"KV head, the cached latent row its key, the row's first kv_lora_rank entries its "
+            f"value), and again on the gather backend (attention/backends.py).\n")
 
 
 def allocation_table(exp: Experiment) -> str:
