@@ -197,6 +197,32 @@ def first_difference(got: list[list[int]], want: list[list[int]]) -> list[int] |
     return None
 
 
+def count_equal_to_first(entries: list[dict], key: str) -> None:
+    """Each entry's `tokens` (popped) against the first entry's: `key` = how many prompts got
+    the same greedy tokens, with `prompts` beside it."""
+    reference = entries[0].get("tokens") if entries else None
+    for e in entries:
+        tokens = e.pop("tokens", None)
+        if tokens is not None and reference is not None:
+            e[key] = sum(a == b for a, b in zip(tokens, reference))
+            e["prompts"] = len(reference)
+
+
+def check_main(check, description: str) -> int:
+    """The command line of a check that returns {"engines": [...]} (cuda_quantized_check,
+    cuda_sparse24_check): --smoke, --out; exit status 1 when an engine failed."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes")
+    ap.add_argument("--out", type=Path, help="write the numbers here (JSON)")
+    args = ap.parse_args()
+    report = check(args.smoke)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    return 1 if any("error" in e for e in report.get("engines", [])) else 0
+
+
 def release(device: str) -> None:
     gc.collect()
     if device == "cuda":

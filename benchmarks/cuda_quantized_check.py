@@ -12,7 +12,6 @@ numbers, so this is reported, not required). Without CUDA it writes why it did n
 with `--smoke`, which runs the tiny shapes on the CPU."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -21,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from cuda_decode_check import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, build_engine, measure_engine,
-                               random_llama, release, timed)
+from cuda_decode_check import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, build_engine, check_main,
+                               count_equal_to_first, measure_engine, random_llama, release,
+                               timed)
 from kvslim.bench.workload import Workload, special_ids
 from kvslim.formats.registry import default_model_dir
 from kvslim.quantization import QuantSpec
@@ -82,29 +82,11 @@ def check_quantized(smoke: bool = False, tokenizer_dir: Path | None = None) -> d
                 continue
             entries.append({**measure(name, path, plan, prompts, check, device),
                             "quantize_s": round(seconds, 1)})
-    reference = entries[0].get("tokens")
-    for e in entries:
-        tokens = e.pop("tokens", None)
-        if tokens is not None and reference is not None:
-            e["prompts_equal_bf16"] = sum(a == b for a, b in zip(tokens, reference))
-            e["prompts"] = len(reference)
+    count_equal_to_first(entries, "prompts_equal_bf16")
     return {"model": "llama-tiny" if smoke else "llama-1B-random",
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "engines": entries}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes")
-    ap.add_argument("--out", type=Path, help="write the numbers here (JSON)")
-    args = ap.parse_args()
-    report = check_quantized(args.smoke)
-    text = json.dumps(report, indent=2)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
-    return 1 if any("error" in e for e in report.get("engines", [])) else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(check_main(check_quantized, __doc__.splitlines()[0]))

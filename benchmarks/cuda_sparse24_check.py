@@ -10,7 +10,6 @@ mixed batch equal the dense engine's. This says whether the option should be on 
 the GPU measured (layers/cuda_sparse24.py). Without CUDA it writes why it did not run."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -18,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from cuda_decode_check import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, greedy, random_llama,
-                               release, timed)
+from cuda_decode_check import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, check_main,
+                               count_equal_to_first, greedy, random_llama, release, timed)
 from kvslim.bench.workload import Workload, special_ids
 from kvslim.engine.llm import LLM
 from kvslim.formats.registry import default_model_dir
@@ -76,28 +75,10 @@ def check_sparse24(smoke: bool = False, tokenizer_dir: Path | None = None) -> di
                 entries.append(measure(pruned, sparse, plan, prompts, long_prompts, check))
             except Exception as e:                 # the dense numbers survive a sparse failure
                 entries.append({"cuda_sparse_24": sparse, "error": f"{type(e).__name__}: {e}"})
-    reference = entries[0].get("tokens")
-    for e in entries:
-        tokens = e.pop("tokens", None)
-        if tokens is not None and reference is not None:
-            e["tokens_equal_dense"] = sum(a == b for a, b in zip(tokens, reference))
-            e["prompts"] = len(reference)
+    count_equal_to_first(entries, "tokens_equal_dense")
     return {"model": "llama-tiny" if smoke else "llama-1B-random, 2:4 magnitude",
             "device": torch.cuda.get_device_name(), "engines": entries}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes")
-    ap.add_argument("--out", type=Path, help="write the numbers here (JSON)")
-    args = ap.parse_args()
-    report = check_sparse24(args.smoke)
-    text = json.dumps(report, indent=2)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
-    return 1 if any("error" in e for e in report.get("engines", [])) else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(check_main(check_sparse24, __doc__.splitlines()[0]))
