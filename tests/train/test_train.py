@@ -10,6 +10,7 @@ from kvslim.models.config import ModelConfig
 from kvslim.formats.loader import load_model
 from kvslim.surgery.convert import convert_to_gqa
 from kvslim.train.train_config import ModelShape, TrainConfig
+from kvslim.train import trainer
 from kvslim.train.trainer import train
 
 
@@ -70,3 +71,21 @@ def test_empty_data_file(tmp_path):
     empty.write_text("")
     with pytest.raises(KvslimError, match="empty"):
         train(tiny_train_config(empty, tmp_path / "x"), show_progress=False)
+
+
+def test_compiled_step_trains_as_eager(tmp_path, calib_file, monkeypatch):
+    # --compile: the loss's forward and backward traced once, then the same losses step by step
+    monkeypatch.setattr(trainer, "COMPILE_BACKEND", "aot_eager")
+    compiled = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or
+                        real_compile(fn, **kw))
+    runs = {}
+    for mode in (False, True):
+        out = tmp_path / f"compile-{mode}"
+        train(tiny_train_config(calib_file, out, steps=6, log_every=1, eval_every=6,
+                                save_every=6, compile=mode), show_progress=False)
+        runs[mode] = [r["loss"] for r in read_log(out)]
+    assert compiled == [{"backend": "aot_eager"}]
+    assert runs[True] == pytest.approx(runs[False], rel=1e-4)
+    assert len(runs[True]) == 6 and runs[True][-1] < runs[True][0]

@@ -52,6 +52,9 @@ def add_loop_args(p, steps: int, lr: float, warmup: int) -> None:
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--device", default="auto")
     p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the loss's forward and backward (the first steps pay the "
+                        "compilation; benchmarks/train_compile.py measures whether it pays)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print final metrics as JSON")
 
@@ -61,8 +64,9 @@ def loop_kwargs(args) -> dict:
                 lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
                 weight_decay=args.weight_decay, grad_clip=args.grad_clip, dtype=args.dtype,
                 eval_every=args.eval_every, eval_windows=args.eval_windows,
-                save_every=args.save_every, log_every=args.log_every, seed=args.seed, threads=args.threads,
-                device=args.device, resume=args.resume)
+                save_every=args.save_every, log_every=args.log_every, seed=args.seed,
+                threads=args.threads,
+                device=args.device, resume=args.resume, compile=args.compile)
 
 
 def run_train_tokenizer(args) -> int:

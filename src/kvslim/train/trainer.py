@@ -98,6 +98,8 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     torch.manual_seed(cfg.seed)
     model, optimizer, start = _model_and_optimizer(cfg, tokenizer, out, device)
     loss_fn = make_loss(cfg, model, tokenizer, device)
+    if cfg.compile:
+        loss_fn = compiled_loss(loss_fn)
     # a pruned model's zeros; an exact latent norm's scaled rows (their modules say why)
     hooks = [h for h in (PrunedMasks.of(model), ExactLatentRows.of(model)) if h is not None]
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
@@ -152,6 +154,19 @@ def make_loss(cfg: TrainConfig, model: LlamaForCausalLM, tokenizer: Tokenizer,
     teacher = load_teacher(cfg.teacher, model, tokenizer, device)
     return Distiller(teacher, cfg.distill_temperature, cfg.distill_weight,
                      cfg.attention_weight if cfg.match_attention else None)
+
+
+# torch.compile's backend for `--compile` (tests trace with "aot_eager": the same graphs and
+# autograd split, eager kernels, seconds instead of C++ builds)
+COMPILE_BACKEND = "inductor"
+
+
+def compiled_loss(loss_fn):
+    """`loss_fn(model, batch)` through torch.compile: Inductor generates the forward and, through
+    AOTAutograd, the backward; the optimizer step and the hooks stay eager."""
+    def loss(model, batch):
+        return loss_fn(model, batch)
+    return torch.compile(loss, backend=COMPILE_BACKEND)
 
 
 def _train_step(model: LlamaForCausalLM, optimizer, cfg: TrainConfig, train_tokens, step: int,
