@@ -269,14 +269,16 @@ heads per layer on average). {_smollm2_mla_note(exp)}
 """
 
 
-# Why SmolLM2's MLA arm starts so far off, measured by hand (the latent norm, not the rank):
+# Why SmolLM2's MLA arm keeps the exact latent norm, measured by hand (the norm, not the rank):
 SMOLLM2_MLA_REASON = (
-    "The calibrated latent norm, not the truncation, is what breaks it: at full rank (`kvslim "
+    "The calibrated latent norm would break it before any truncation: at full rank (`kvslim "
     "convert SMOLLM2 OUT --to-mla --method transmla --rope-dim 192 --kv-lora-rank 192 --calib "
     "../shared/corpus/train.txt`, the source's 384 per layer) the first 2,000 test tokens score "
     "711.6 with `--latent-norm calibrated` and 37.60 with `exact`, the source's 37.60: "
     "DeepSeek's RMSNorm of the latent rescales every token to the calibrated RMS, which SmolLM2's "
-    "tokens of outlying norm do not survive (ref-mha's: 70.09 -> 70.62, docs/mla-conversion.md).")
+    "tokens of outlying norm do not survive (ref-mha's: 70.09 -> 70.62, docs/mla-conversion.md); "
+    "the exact norm's tiny latent rows are uptrained at their own scale "
+    "(train/latent_rows.py).")
 
 
 def _smollm2_mla_note(exp: Experiment) -> str:
@@ -284,9 +286,11 @@ def _smollm2_mla_note(exp: Experiment) -> str:
     runs = [r for r in exp.results.values() if r.model == "smollm2" and is_mla(r.method)]
     if not runs:
         return ""
+    norm = exp.cfg.smollm2_mla_latent_norm
     text = (f"The MLA arm keeps a quarter of the KV bytes: {mla_label(runs[0])} per token and "
-            f"layer (`transmla`, calibrated latent norm), uptrained "
-            f"{exp.cfg.smollm2_mla_steps} steps by default. {SMOLLM2_MLA_REASON}")
+            f"layer (`transmla`, {norm} latent norm), uptrained "
+            f"{exp.cfg.smollm2_mla_steps} steps by default. "
+            f"{SMOLLM2_MLA_REASON if norm == 'exact' else ''}")
     trained = [r for r in runs if r.uptrain_steps]
     if trained:
         r = max(trained, key=lambda r: r.uptrain_steps)
