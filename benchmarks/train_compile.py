@@ -1,4 +1,4 @@
-"""Uptraining throughput, eager against a compiled training step (`kvslim uptrain --compile`):
+"""Uptraining throughput, eager against a compiled step (`kvslim uptrain --compile-step`):
 the same steps of `kvslim uptrain`'s loop on each model, tokens/s from its train_log.jsonl.
 
     python benchmarks/train_compile.py MODEL_DIR... --data ../shared/corpus/train.txt
@@ -6,7 +6,7 @@ the same steps of `kvslim uptrain`'s loop on each model, tokens/s from its train
 
 For each model and mode: the first logged window (the compiled step's compilation falls there),
 the median of the later windows (the steady rate), and the whole run's wall time. Whether
-`--compile` pays on a run of N steps follows from the two: compilation seconds against the
+`--compile-step` pays on a run of N steps follows from the two: compilation seconds against the
 steady gain per step. MODEL_DIR: any model `kvslim uptrain` takes (ref-mha, a GQA or MLA
 conversion, SmolLM2's import)."""
 from __future__ import annotations
@@ -27,7 +27,8 @@ def run(model: str, data: str, compiled: bool, args) -> dict:
         cfg = TrainConfig(data=data, out=out, init_from=model, seq_len=args.seq_len,
                           steps=args.steps, batch_size=args.batch_size, lr=2e-4,
                           warmup_steps=1, eval_every=args.steps, save_every=args.steps,
-                          log_every=args.log_every, threads=args.threads, compile=compiled)
+                          log_every=args.log_every, threads=args.threads,
+                          compile_step=compiled)
         start = time.perf_counter()
         train(cfg, show_progress=False)
         wall = time.perf_counter() - start

@@ -74,7 +74,7 @@ def test_empty_data_file(tmp_path):
 
 
 def test_compiled_step_trains_as_eager(tmp_path, calib_file, monkeypatch):
-    # --compile: the loss's forward and backward traced once, then the same losses step by step
+    # --compile-step: the loss's forward and backward traced once, then eager's losses
     monkeypatch.setattr(trainer, "COMPILE_BACKEND", "aot_eager")
     compiled = []
     real_compile = torch.compile
@@ -84,7 +84,7 @@ def test_compiled_step_trains_as_eager(tmp_path, calib_file, monkeypatch):
     for mode in (False, True):
         out = tmp_path / f"compile-{mode}"
         train(tiny_train_config(calib_file, out, steps=6, log_every=1, eval_every=6,
-                                save_every=6, compile=mode), show_progress=False)
+                                save_every=6, compile_step=mode), show_progress=False)
         runs[mode] = [r["loss"] for r in read_log(out)]
     assert compiled == [{"backend": "aot_eager"}]
     assert runs[True] == pytest.approx(runs[False], rel=1e-4)

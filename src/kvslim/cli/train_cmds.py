@@ -52,7 +52,7 @@ def add_loop_args(p, steps: int, lr: float, warmup: int) -> None:
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--device", default="auto")
     p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
-    p.add_argument("--compile", action="store_true",
+    p.add_argument("--compile-step", action="store_true",
                    help="torch.compile the loss's forward and backward (the first steps pay the "
                         "compilation; benchmarks/train_compile.py measures whether it pays)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -66,7 +66,7 @@ def loop_kwargs(args) -> dict:
                 eval_every=args.eval_every, eval_windows=args.eval_windows,
                 save_every=args.save_every, log_every=args.log_every, seed=args.seed,
                 threads=args.threads,
-                device=args.device, resume=args.resume, compile=args.compile)
+                device=args.device, resume=args.resume, compile_step=args.compile_step)
 
 
 def run_train_tokenizer(args) -> int:

@@ -57,7 +57,7 @@ class TrainConfig:
     device: str = "auto"             # auto: cuda when available, else cpu
     resume: bool = False
     # torch.compile the loss's forward and backward (benchmarks/train_compile.py measures it)
-    compile: bool = False
+    compile_step: bool = False
     # Distillation (uptraining a converted model from the unconverted one, see distill.py)
     teacher: str | None = None       # teacher model directory; None: labels only
     distill_temperature: float = 2.0

@@ -98,7 +98,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     torch.manual_seed(cfg.seed)
     model, optimizer, start = _model_and_optimizer(cfg, tokenizer, out, device)
     loss_fn = make_loss(cfg, model, tokenizer, device)
-    if cfg.compile:
+    if cfg.compile_step:
         loss_fn = compiled_loss(loss_fn)
     # a pruned model's zeros; an exact latent norm's scaled rows (their modules say why)
     hooks = [h for h in (PrunedMasks.of(model), ExactLatentRows.of(model)) if h is not None]
