@@ -2,7 +2,7 @@
 its JSON, then its table, with failures shown as such."""
 import json
 
-from kvslim.bench.attention_report import attention_section, gpu_table
+from kvslim.bench.attention_report import attention_section, gpu_goals, gpu_table
 
 ENGINE = dict(backend="flex", graphs=True, startup_s=12.5, decode_tok_s=410.2, gb_s=221.0,
               hbm_fraction=0.046, throughput_tok_s=9000.0, tokens_identical=True,
@@ -39,3 +39,28 @@ def test_gpu_table_from_the_checks_json(tmp_path):
 def test_a_smoke_run_is_not_a_gpu_table(tmp_path):
     (tmp_path / "cuda_decode_check.json").write_text(json.dumps(dict(GPU, smoke=True)))
     assert "Pending: not run on a GPU yet" in attention_section(tmp_path)
+
+
+def test_goals_and_unmeasured_rates(tmp_path):
+    # a negative rate timed a compilation: shown as not measured, and left out of the goals
+    compiled_in = dict(ENGINE, decode_tok_s=-211.7, gb_s=-115.8, hbm_fraction=-0.024)
+    llama = dict(model="llama-1B-random", dtype="bfloat16", strict=False,
+                 engines=[dict(ENGINE, backend="gather"), compiled_in],
+                 hf=dict(GPU["models"][0]["hf"], throughput_tok_s=2000.0))
+    report = dict(GPU, models=[GPU["models"][0], llama],
+                  quantized=dict(model="llama-1B-random", engines=[
+                      dict(weights="bfloat16", decode_tok_s=351.2, throughput_tok_s=8455.7,
+                           prompts_equal_bf16=8, prompts=8, startup_s=1.29),
+                      dict(weights="int4-g32", error="RuntimeError: device")]))
+    rows = gpu_table(report).splitlines()
+    assert ("| llama-1B-random (bfloat16) | kvslim flex, CUDA graphs | yes | not measured (a "
+            "compilation fell inside the timing) | — | — | 9000.0 | 12.5 |") in rows
+    assert "| weights = bfloat16 | 351.2 | 8455.7 | 8 of 8 | 1.3 |" in rows
+    assert "| weights = int4-g32 | — | RuntimeError: device | — | — |" in rows
+    goals = gpu_goals(report).splitlines()
+    assert "- SmolLM2-135M (float32): greedy parity on every engine FAIL" in goals
+    assert "- llama-1B-random (bfloat16): greedy parity on every engine PASS" in goals
+    assert ("- llama-1B-random: batch-1 8.2x HF transformers (>= 3x: PASS), offline 4.5x "
+            "(>= 5x: FAIL)") in goals
+    assert "- llama-1B-random: batch-1 decode at 5% of HBM bandwidth (>= 70%: FAIL)" in goals
+    assert not any("SmolLM2-135M: batch-1 decode at" in g for g in goals)
