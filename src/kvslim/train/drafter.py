@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import random
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -71,16 +72,19 @@ class DrafterTrainConfig:
 def train_drafter(cfg: DrafterTrainConfig, show_progress: bool = True) -> dict:
     from kvslim.engine.llm import LLM
     from kvslim.formats.loader import load_model
+    start = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     llm = LLM(cfg.model, kv_cache_memory="256MiB")
     answers, texts = _self_distilled(llm, cfg, out, show_progress), _text_sequences(llm, cfg)
+    seconds = {"answers": time.perf_counter() - start}
     sequences = answers + texts
     model_dir = llm.model_dir
     eos = list(llm.engine.eos_token_ids)
     del llm                                      # its KV cache: not needed from here on
     model = load_model(model_dir).eval()
     hidden, targets, prompt_lens = _cached_hidden_states(model, sequences, out, show_progress)
+    seconds["hidden_states"] = time.perf_counter() - start - sum(seconds.values())
     lm_head = _frozen_lm_head(model)
     if cfg.kind == "eagle":
         drafter, log = _train_eagle(model, model_dir, lm_head, hidden, targets, sequences, eos,
@@ -95,7 +99,11 @@ def train_drafter(cfg: DrafterTrainConfig, show_progress: bool = True) -> dict:
     summary = {"config": asdict(cfg), "sequences": len(sequences),
                "answer_tokens": sum(len(a) for _, a in answers),
                "text_tokens": sum(len(t) for _, t in texts),
-               "log": log, "final": log[-1] if log else {}}
+               "log": log, "final": log[-1] if log else {},
+               # the cost as paid: answers or hidden states found in OUT cost ~0 here
+               "seconds": {**{k: round(v, 1) for k, v in seconds.items()},
+                           "steps": round(time.perf_counter() - start - sum(seconds.values()), 1),
+                           "total": round(time.perf_counter() - start, 1)}}
     (out / LOG_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 

@@ -43,6 +43,9 @@ class Run:
     verifications: int = 0
     steps: int = 0                     # engine steps (target forward passes)
     identical: bool = True             # greedy tokens equal to plain decoding's
+    # per draft depth: verifications that drafted that deep, and those accepted to that depth
+    drafted_per_depth: list[int] = field(default_factory=list)
+    accepted_per_depth: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:

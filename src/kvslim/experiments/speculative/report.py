@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvslim.experiments.speculative.drafters_report import (LEARNED, drafters_section,
+                                                            training_goals)
 from kvslim.experiments.speculative.study import SpecExperiment
 from kvslim.experiments.speculative.thresholds import cells
 from kvslim.experiments.speculative.workloads import WORKLOADS
@@ -22,7 +24,7 @@ def goal_checks(exp: SpecExperiment, table: dict) -> list[tuple[str, bool, str]]
                                "input-grounded workload", cell["speedup"] >= 2,
                                f"{cell['speedup']:.2f}x"))
             cell = table.get((target.name, label, "free", 1, "spec"))
-            learned = target.proposers[label]["method"] in ("medusa", "eagle")
+            learned = target.proposers[label]["method"] in LEARNED
             if label != "ngram" and cell:
                 # A learned drafter's goal is its own issue's: 2x where nothing can be copied.
                 goal, kind = (2.0, "learned drafter") if learned else (1.5, "draft")
@@ -35,6 +37,7 @@ def goal_checks(exp: SpecExperiment, table: dict) -> list[tuple[str, bool, str]]
         checks.append((f"with adaptivity on, never slower than plain decoding (>= {NOISE}x, "
                        "the noise of repeated runs)", worst >= NOISE,
                        f"worst {worst:.2f}x ({', '.join(map(str, worst_key[:4]))})"))
+    checks += training_goals(exp)
     mismatched = [k for k, v in table.items() if not v["identical"]]
     checks.append(("greedy speculative output identical to plain decoding in every run",
                    not mismatched, f"{len(mismatched)} cells differ" if mismatched else "all"))
@@ -146,7 +149,7 @@ just read). Raw runs: `{exp.results_path}` (not committed).
 ![speedup vs batch size]({image.relative_to(report.parent)})
 
 {speedup_table(exp, table)}
-
+{drafters_section(exp, table)}
 ## Thresholds for adaptivity
 
 A verification step scores k + 1 tokens per sequence; where it costs c plain steps, it pays

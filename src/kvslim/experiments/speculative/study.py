@@ -167,19 +167,27 @@ class SpecExperiment:
 
 
 def _timed(llm: LLM, prompts: list, params: SamplingParams) -> tuple[dict, list]:
-    stats = llm.engine.spec_decode_stats()
-    before = (0, 0, 0) if stats is None else (stats.num_draft_tokens, stats.num_accepted_tokens,
-                                              stats.num_verifications)
+    before = _spec_counts(llm)
     steps = llm.engine.num_steps
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = [o.outputs[0].token_ids for o in outs]
-    after = (0, 0, 0) if stats is None else (stats.num_draft_tokens, stats.num_accepted_tokens,
-                                             stats.num_verifications)
+    during = {k: [a - b for a, b in zip(v, before[k])] if isinstance(v, list) else v - before[k]
+              for k, v in _spec_counts(llm).items()}
     return dict(seconds=seconds, output_tokens=sum(len(t) for t in tokens),
-                draft_tokens=after[0] - before[0], accepted_tokens=after[1] - before[1],
-                verifications=after[2] - before[2], steps=llm.engine.num_steps - steps), tokens
+                steps=llm.engine.num_steps - steps, **during), tokens
+
+
+def _spec_counts(llm: LLM) -> dict:
+    """The engine's speculation counters so far, under Run's names (none: plain decoding)."""
+    stats = llm.engine.spec_decode_stats()
+    if stats is None:
+        return {}
+    return dict(draft_tokens=stats.num_draft_tokens, accepted_tokens=stats.num_accepted_tokens,
+                verifications=stats.num_verifications,
+                drafted_per_depth=list(stats.drafted_per_position),
+                accepted_per_depth=list(stats.accepted_per_position))
 
 
 def _named(cfg: SpecExperimentConfig, name: str) -> Target:

@@ -38,9 +38,22 @@ def cells(runs: list[Run]) -> dict[tuple, dict]:
             speedup_max=max(speedups),
             acceptance=accepted / drafts if drafts else None,
             tokens_per_verification=1 + accepted / verifications if verifications else None,
+            acceptance_by_depth=_acceptance_by_depth(group),
             identical=all(r.identical for r in group),
             seconds_per_step=statistics.median(steps) if steps else None)
     return out
+
+
+def _acceptance_by_depth(group: list[Run]) -> list[float]:
+    """Per draft depth: the share of verifications drafting that deep that were accepted to
+    it (so depth 2 counts only where depth 1 was accepted too)."""
+    depth = max((len(r.drafted_per_depth) for r in group), default=0)
+    drafted, accepted = [0] * depth, [0] * depth
+    for r in group:
+        for i, (d, a) in enumerate(zip(r.drafted_per_depth, r.accepted_per_depth)):
+            drafted[i] += d
+            accepted[i] += a
+    return [a / d for a, d in zip(accepted, drafted) if d]
 
 
 def break_even_acceptance(cost_ratio: float, k: int) -> float | None:
