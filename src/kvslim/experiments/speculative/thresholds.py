@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
+from kvslim.engine.speculative.config import SpeculativeConfig
 from kvslim.experiments.speculative.records import Run, Target
 from kvslim.experiments.speculative.workloads import WORKLOADS
 
@@ -80,7 +81,8 @@ def adaptive_settings(runs: list[Run], batch_sizes: list[int], target: Target
     table = cells([r for r in runs if r.target == target.name and r.phase == 1])
     out = {}
     for label, spec in target.proposers.items():
-        k = spec.get("num_speculative_tokens", 3)
+        # the depth a verification drafts (a tree's depth, not its nodes), as the engine does
+        k = SpeculativeConfig(**spec).num_speculative_tokens
         wins = [b for b in sorted(batch_sizes)
                 if all(table.get((target.name, label, w, b, "spec"), {}).get("speedup", 0) >= 1
                        for w in WORKLOADS)]
