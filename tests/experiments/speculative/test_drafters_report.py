@@ -37,6 +37,9 @@ def test_a_trained_drafter_is_reported_with_cost_accuracy_and_depths(hf_checkpoi
                                               batch_sizes=[1], max_tokens=8, passage_tokens=20,
                                               repeats=1), show_progress=False)
     exp.run()
+    # batch 1 decodes min_prompts (4) prompts, one at a time: a token per engine step
+    plain = [r for r in exp.runs if r.arm == "plain"]
+    assert all(r.output_tokens > 8 and r.steps >= r.output_tokens for r in plain)
     spec = [r for r in exp.runs if r.arm == "spec" and r.proposer == "heads"]
     assert all(len(r.drafted_per_depth) == 2 and r.drafted_per_depth[0] == r.verifications
                for r in spec)

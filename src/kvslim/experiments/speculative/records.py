@@ -20,6 +20,9 @@ class SpecExperimentConfig:
     work_dir: str = "runs/speculative"
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32])
     max_tokens: int = 64
+    # A batch smaller than this decodes this many prompts, a batch at a time: one prompt's
+    # answer (a chat answer may end after 8 tokens) is too few tokens to time or to judge.
+    min_prompts: int = 4
     passage_tokens: int = 120
     repeats: int = 2
     # The adaptive arm: the measured thresholds, then these settings over them.

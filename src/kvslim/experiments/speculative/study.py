@@ -141,7 +141,7 @@ class SpecExperiment:
             if prompts is None:
                 tokenizer = engines[("plain", "plain")].tokenizer
                 prompts = {w: workload_prompts(target, tokenizer, w, text,
-                                               max(self.cfg.batch_sizes),
+                                               max(*self.cfg.batch_sizes, self.cfg.min_prompts),
                                                self.cfg.passage_tokens, self.cfg.seed)
                            for w in WORKLOADS}
             self._rounds(target, engines, prompts, phase, bar)
@@ -157,8 +157,9 @@ class SpecExperiment:
             for workload in WORKLOADS:
                 for batch in cfg.batch_sizes:
                     reference = None
+                    batch_prompts = prompts[workload][:max(batch, cfg.min_prompts)]
                     for (label, arm), llm in engines.items():
-                        run, tokens = _timed(llm, prompts[workload][:batch], params)
+                        run, tokens = _timed(llm, batch_prompts, params, batch)
                         reference = tokens if reference is None else reference
                         self.runs.append(Run(target.name, label, workload, batch, arm, repeat,
                                              phase, identical=tokens == reference, **run))
@@ -166,11 +167,14 @@ class SpecExperiment:
                     self._save()
 
 
-def _timed(llm: LLM, prompts: list, params: SamplingParams) -> tuple[dict, list]:
+def _timed(llm: LLM, prompts: list, params: SamplingParams, batch: int
+           ) -> tuple[dict, list]:
+    """`prompts` decoded `batch` at a time (one generate call each), timed as one run."""
     before = _spec_counts(llm)
     steps = llm.engine.num_steps
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = [o for i in range(0, len(prompts), batch)
+            for o in llm.generate(prompts[i:i + batch], params, use_tqdm=False)]
     seconds = time.perf_counter() - start
     tokens = [o.outputs[0].token_ids for o in outs]
     during = {k: [a - b for a, b in zip(v, before[k])] if isinstance(v, list) else v - before[k]
