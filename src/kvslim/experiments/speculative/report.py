@@ -146,7 +146,8 @@ def write_report(exp: SpecExperiment, report: Path, command: str, machine: str) 
     report.write_text(f"""# Speculative decoding: measured
 
 Written by `{command}` on {machine}. Greedy decoding of the same prompts with and without
-speculation, {cfg.max_tokens} new tokens at most, {cfg.repeats} repeats taking turns (tables:
+speculation, {cfg.max_tokens} new tokens at most (a batch of b decodes max(b, {cfg.min_prompts})
+prompts, b at a time), {cfg.repeats} repeats taking turns (tables:
 medians; the speedup's min–max over repeats shows the noise). The adaptive arm runs in a second
 phase, beside plain decoding again, with each proposer's thresholds measured in the first
 (table below){f" and these settings over them: {cfg.adaptive}" if cfg.adaptive else ""}.
