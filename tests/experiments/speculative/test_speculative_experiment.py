@@ -81,3 +81,16 @@ def test_experiment_runs_and_reports(hf_checkpoints, tmp_path):
                                    batch_sizes=[1, 2], max_tokens=8, passage_tokens=20,
                                    repeats=2)
     assert SpecExperiment(regrown, show_progress=False)._completed_targets() == {}
+
+
+def test_the_adaptive_goal_is_judged_overall_and_from_batch_8_on(tmp_path):
+    exp = SpecExperiment(SpecExperimentConfig([Target("t", "m", {})], "x"), show_progress=False)
+    cell = dict(identical=True)
+    table = {("t", "ngram", "free", 1, "adaptive"): dict(cell, speedup=0.80),
+             ("t", "ngram", "free", 8, "adaptive"): dict(cell, speedup=0.97),
+             ("t", "draft", "grounded", 32, "adaptive"): dict(cell, speedup=1.10)}
+    checks = {text.split(" (")[0]: (ok, detail) for text, ok, detail in goal_checks(exp, table)}
+    assert checks["with adaptivity on, never slower than plain decoding"] == (
+        False, "worst 0.80x (t, ngram, free, 1)")
+    assert checks["with adaptivity on, never slower than plain decoding at batch >= 8"] == (
+        True, "worst 0.97x (t, ngram, free, 8)")
