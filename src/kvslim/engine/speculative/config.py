@@ -25,7 +25,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4               # and the longest, tried first
     # No speculation in a step with more running sequences than this (None: always). The
     # default is measured (`kvslim experiment speculative`, docs/speculative.md): on the CPUs
-    # measured every proposer lost from 8 concurrent sequences on; measure on a GPU.
+    # measured every draft model and learned drafter lost from 8 concurrent sequences on, and
+    # n-gram won or lost there by model and workload (0.90-1.27x); measure on a GPU.
     disable_by_batch_size: int | None = 1
     # Per sequence: after `backoff_window` drafted tokens with acceptance below
     # `backoff_acceptance` (0: never), the sequence stops proposing for `backoff_steps` steps,
