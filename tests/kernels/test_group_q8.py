@@ -15,8 +15,6 @@ BOUND = 1e-5
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    if extension.available() and not group_q8.available():
-        pytest.skip("this CPU has no AVX-512 VNNI: the kernel has no path here")
     assert group_q8.available(), extension.load()
 
 

@@ -1,6 +1,7 @@
 """x @ w^T over group-quantized weights with x quantized to int8 per block of 32 inputs, as
 llama.cpp runs its Q4/Q8 files: `torch.ops.kvslim.group_mm_q8` (csrc/group_q8.cpp says the
-arithmetic and the layout), AVX-512 VNNI integer dot products, batch-invariant by construction
+arithmetic and the layout), integer dot products (AVX-512 VNNI, AVX2 or scalar C++, the same
+bits), batch-invariant by construction
 (each row quantized on its own, integer sums exact, the float steps in one fixed order).
 
 The activations' rounding is llama.cpp's (max |x| / 127 per block of 32), not float32's: the
@@ -139,5 +140,10 @@ FAKES = {"quantize_blocks": lambda x: (x.new_empty(x.shape, dtype=torch.int8),
 
 
 def available() -> bool:
-    """Built, and this CPU has AVX-512 VNNI (the kernel's only path)."""
-    return extension.ensure(FAKES) and bool(torch.ops.kvslim.has_vnni())
+    """Built: every build has a path (AVX-512 VNNI, AVX2 or scalar C++), all the same bits."""
+    return extension.ensure(FAKES)
+
+
+def isa() -> str | None:
+    """The integer dot products this build runs: avx512_vnni, avx2, scalar; None unbuilt."""
+    return str(torch.ops.kvslim.q8_isa()) if available() else None

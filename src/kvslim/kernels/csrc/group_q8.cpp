@@ -31,10 +31,19 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 
+// Three builds of the integer dot products, all exact, all with the float steps below in the
+// same order per output, so they give the same bits: AVX-512 VNNI (vpdpbusd), AVX2 (vpmaddubsw
+// then vpmaddwd, as llama.cpp runs its Q8 dots on AVX2: 4-bit weights as the unsigned side;
+// 8-bit ones as |q| against x with q's sign, so no pair of products passes int16's range) and
+// scalar C++.
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define KVSLIM_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVSLIM_Q8_AVX2 1
 #endif
 
 namespace kvslim_group_q8 {
@@ -43,6 +52,7 @@ constexpr int NT = 16;
 constexpr int64_t QB = 32;          // activation block
 
 #if KVSLIM_VNNI
+const char* kQ8Isa = "avx512_vnni";
 constexpr int RMAX = 4;           // rows per call when they are many (one tile at a time)
 constexpr int FEW_ROWS = 1;       // up to this many rows, CT tiles side by side
 constexpr int CT = 4;
@@ -127,15 +137,165 @@ void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
   }
 }
 
+#elif KVSLIM_Q8_AVX2
+const char* kQ8Isa = "avx2";
+constexpr int RMAX = 2;           // 16 ymm registers: 2 rows x 2 halves of float and int sums
+constexpr int FEW_ROWS = 1;
+constexpr int CT = 2;
+
+// A 16-column tile as two halves of 8 columns (bytes 32h..32h+31 of each 64-byte run): lane
+// j of a half's int32 sums is column 8h + j, as the VNNI kernel's lane 8h + j.
+template <int R, int C, int BITS, bool ROW>
+void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* w,
+              const float* s, const float* m, const int32_t*, float* y, int64_t K, int64_t N,
+              int64_t groups, int64_t t0, int64_t r0) {
+  const int64_t group = K / groups, blocks = ROW ? 1 : K / QB;
+  const int64_t sub = ROW ? K : std::min<int64_t>(group, QB);
+  const int64_t tile_bytes = K * NT * BITS / 8;
+  __m256 acc[R][C][2];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t k0 = 0; k0 < K; k0 += sub) {
+    __m256i isum[R][C][2];
+    if (BITS == 4) {
+      // int16 sums over at most 32 inputs: 4 runs of 8, each pair of products <= 2 * 15 * 127,
+      // so a lane holds at most 4 * 2 * 3810 = 30480 and never saturates.
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) isum[r][c][0] = isum[r][c][1] = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k0 + sub; k += 8)
+        for (int c = 0; c < C; ++c)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_loadu_si256(
+                (const __m256i*)(w + (t0 + c) * tile_bytes + k * NT / 2 + 32 * h));
+            const __m256i lo = _mm256_and_si256(v, low);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for (int r = 0; r < R; ++r) {
+              const int32_t* xr = (const int32_t*)(xq + (r0 + r) * K + k);
+              const __m256i p = _mm256_add_epi16(
+                  _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[0])),
+                  _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[1])));
+              isum[r][c][h] = _mm256_add_epi16(isum[r][c][h], p);
+            }
+          }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c)
+          for (int h = 0; h < 2; ++h) isum[r][c][h] = _mm256_madd_epi16(isum[r][c][h], ones);
+    } else {
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) isum[r][c][0] = isum[r][c][1] = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k0 + sub; k += 4)
+        for (int c = 0; c < C; ++c)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_loadu_si256(
+                (const __m256i*)(w + (t0 + c) * tile_bytes + k * NT + 32 * h));
+            const __m256i a = _mm256_sign_epi8(v, v);                 // |q| (128 for -128)
+            for (int r = 0; r < R; ++r) {
+              const int32_t* xr = (const int32_t*)(xq + (r0 + r) * K + k);
+              const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xr[0]), v);
+              isum[r][c][h] = _mm256_add_epi32(
+                  isum[r][c][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs), ones));
+            }
+          }
+    }
+    const int64_t g = k0 / group, b = ROW ? 0 : k0 / QB;
+    for (int c = 0; c < C; ++c) {
+      const int64_t t = t0 + c;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 sv = _mm256_loadu_ps(s + (t * groups + g) * NT + 8 * h);
+        for (int r = 0; r < R; ++r) {
+          const __m256 dxv = _mm256_set1_ps(dx[(r0 + r) * blocks + b]);
+          const __m256 exact = _mm256_cvtepi32_ps(isum[r][c][h]);
+          if (ROW)
+            acc[r][c][h] = _mm256_mul_ps(_mm256_mul_ps(exact, dxv), sv);
+          else
+            acc[r][c][h] = _mm256_fmadd_ps(_mm256_mul_ps(sv, dxv), exact, acc[r][c][h]);
+        }
+        if (BITS == 4 && (k0 + sub) % group == 0) {
+          const __m256 mv = _mm256_loadu_ps(m + (t * groups + g) * NT + 8 * h);
+          for (int r = 0; r < R; ++r)
+            acc[r][c][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xsum[(r0 + r) * groups + g]),
+                                           acc[r][c][h]);
+        }
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const int64_t cols = std::min<int64_t>(NT, N - (t0 + c) * NT);
+    for (int r = 0; r < R; ++r) {
+      float* out = y + (r0 + r) * N + (t0 + c) * NT;
+      if (cols == NT) {
+        _mm256_storeu_ps(out, acc[r][c][0]);
+        _mm256_storeu_ps(out + 8, acc[r][c][1]);
+      } else {
+        alignas(32) float tmp[NT];
+        _mm256_store_ps(tmp, acc[r][c][0]);
+        _mm256_store_ps(tmp + 8, acc[r][c][1]);
+        for (int64_t j = 0; j < cols; ++j) out[j] = tmp[j];
+      }
+    }
+  }
+}
+
+#else
+const char* kQ8Isa = "scalar";
+constexpr int RMAX = 4;
+constexpr int FEW_ROWS = 1;
+constexpr int CT = 1;
+
+// The same integer sums and float steps per output, one column at a time.
+template <int R, int C, int BITS, bool ROW>
+void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* w,
+              const float* s, const float* m, const int32_t*, float* y, int64_t K, int64_t N,
+              int64_t groups, int64_t t0, int64_t r0) {
+  const int64_t group = K / groups, blocks = ROW ? 1 : K / QB;
+  const int64_t sub = ROW ? K : std::min<int64_t>(group, QB);
+  const int64_t tile_bytes = K * NT * BITS / 8;
+  for (int c = 0; c < C; ++c) {
+    const int64_t t = t0 + c, cols = std::min<int64_t>(NT, N - t * NT);
+    const uint8_t* wt = w + t * tile_bytes;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + (r0 + r) * K;
+      for (int64_t j = 0; j < cols; ++j) {
+        float acc = 0.f;
+        for (int64_t k0 = 0; k0 < K; k0 += sub) {
+          int32_t exact = 0;
+          for (int64_t k = k0; k < k0 + sub; ++k) {
+            int32_t q;
+            if (BITS == 4) {
+              const uint8_t byte = wt[(k / 8) * 8 * NT / 2 + 4 * j + (k % 4)];
+              q = (k % 8) < 4 ? (byte & 15) : (byte >> 4);
+            } else {
+              q = (int8_t)wt[(k / 4) * 4 * NT + 4 * j + (k % 4)];
+            }
+            exact += q * (int32_t)x[k];
+          }
+          const int64_t g = k0 / group, b = ROW ? 0 : k0 / QB;
+          const float sv = s[(t * groups + g) * NT + j], d = dx[(r0 + r) * blocks + b];
+          if (ROW) acc = ((float)exact * d) * sv;
+          else acc = std::fma(sv * d, (float)exact, acc);
+          if (BITS == 4 && (k0 + sub) % group == 0)
+            acc = std::fma(m[(t * groups + g) * NT + j], xsum[(r0 + r) * groups + g], acc);
+        }
+        y[(r0 + r) * N + t * NT + j] = acc;
+      }
+    }
+  }
+}
+#endif
+
 using Q8Fn = decltype(&q8_block<1, 1, 4, false>);
 
 template <int BITS, bool ROW>
 Q8Fn q8_kernel(int64_t rows, int64_t tiles) {
-  static const Q8Fn few[FEW_ROWS][CT] = {{q8_block<1, 1, BITS, ROW>, q8_block<1, 2, BITS, ROW>,
-                                          q8_block<1, 3, BITS, ROW>, q8_block<1, 4, BITS, ROW>}};
-  static const Q8Fn many[RMAX] = {q8_block<1, 1, BITS, ROW>, q8_block<2, 1, BITS, ROW>,
-                                  q8_block<3, 1, BITS, ROW>, q8_block<4, 1, BITS, ROW>};
-  return tiles > 1 ? few[rows - 1][tiles - 1] : many[rows - 1];
+  static_assert(FEW_ROWS == 1 && CT <= 4 && RMAX <= 4, "the tables below hold these sizes");
+  static const Q8Fn few[4] = {q8_block<1, 1, BITS, ROW>, q8_block<1, std::min(2, CT), BITS, ROW>,
+                              q8_block<1, std::min(3, CT), BITS, ROW>,
+                              q8_block<1, std::min(4, CT), BITS, ROW>};
+  static const Q8Fn many[4] = {q8_block<1, 1, BITS, ROW>, q8_block<std::min(2, RMAX), 1, BITS, ROW>,
+                               q8_block<std::min(3, RMAX), 1, BITS, ROW>,
+                               q8_block<std::min(4, RMAX), 1, BITS, ROW>};
+  return tiles > 1 ? few[tiles - 1] : many[rows - 1];
 }
 
 // Few rows: work items of CT tiles, all rows at once; more rows: one tile per item, RMAX
@@ -164,7 +324,6 @@ at::Tensor run_tiles(const int8_t* xp, const float* dp, const float* sp, const a
   });
   return y;
 }
-#endif
 
 
 // x's int8 blocks: xq [M, K] and dx [M, K / 32], each row in one fixed order.
@@ -209,7 +368,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& x) {
 at::Tensor group_mm_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins,
                        const std::optional<at::Tensor>& colsum, int64_t bits, int64_t n) {
-#if KVSLIM_VNNI
   TORCH_CHECK(bits == 4 || bits == 8, "group_mm_q8: bits must be 4 or 8");
   const int64_t groups = scales.size(1), tiles = scales.size(0);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "group_mm_q8: x must be 2-D float32");
@@ -231,9 +389,6 @@ at::Tensor group_mm_q8(const at::Tensor& x, const at::Tensor& qweight, const at:
                    xsum ? xsum->data_ptr<float>() : nullptr, qweight, scales,
                    mins ? mins->data_ptr<float>() : nullptr,
                    colsum ? colsum->data_ptr<int32_t>() : nullptr, M, K, n, bits, false);
-#else
-  TORCH_CHECK(false, "group_mm_q8: this build has no AVX-512 VNNI");
-#endif
 }
 
 // x's int8 rows with one scale each, quantization/kernels.py's quantize_per_token step for step:
@@ -280,7 +435,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
 // (scales [tiles, 1, 16]), colsum [tiles, 1, 16] each output's sum of q over all K.
 at::Tensor row_mm_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      const at::Tensor& colsum, const std::optional<at::Tensor>& amax, int64_t n) {
-#if KVSLIM_VNNI
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % QB == 0,
               "row_mm_q8: x must be float32 [M, K] with K a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1), tiles = scales.size(0);
@@ -290,18 +444,10 @@ at::Tensor row_mm_q8(const at::Tensor& x, const at::Tensor& qweight, const at::T
   auto [xq, sx] = quantize_rows(x, amax);
   return run_tiles(xq.data_ptr<int8_t>(), sx.data_ptr<float>(), nullptr, qweight, scales, nullptr,
                    colsum.data_ptr<int32_t>(), M, K, n, 8, true);
-#else
-  TORCH_CHECK(false, "row_mm_q8: this build has no AVX-512 VNNI");
-#endif
 }
 
-bool has_vnni() {
-#if KVSLIM_VNNI
-  return true;
-#else
-  return false;
-#endif
-}
+// Which integer dot products this build runs: avx512_vnni, avx2 or scalar.
+std::string q8_isa() { return kQ8Isa; }
 
 }  // namespace kvslim_group_q8
 
@@ -312,7 +458,7 @@ TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("quantize_rows(Tensor x, Tensor? amax) -> (Tensor, Tensor)");
   m.def("row_mm_q8(Tensor x, Tensor qweight, Tensor scales, Tensor colsum, Tensor? amax, int n) "
         "-> Tensor");
-  m.def("has_vnni() -> bool", &kvslim_group_q8::has_vnni);
+  m.def("q8_isa() -> str", &kvslim_group_q8::q8_isa);
 }
 
 TORCH_LIBRARY_IMPL(kvslim, CPU, m) {
