@@ -36,6 +36,23 @@ class PagedAttention:
         attends with one KV head, its key the row, its value the row's first entries."""
         return self.kv_caches[layer_idx].latent
 
+    def native_inputs(self, layer_idx: int) -> tuple | None:
+        """What kernels/decoder_layer.py's native layer needs of this step to do the layer's
+        cache writes and attention itself: the kernel path over a float32 cache, no tree. None
+        where the layer must run its modules."""
+        cache = self.kv_caches[layer_idx]
+        if not self.kernel or type(cache) is not KVCacheLayer or cache.k_cache.dtype != torch.float32:
+            return None
+        meta = self.layer_metas[layer_idx]
+        key = id(meta)
+        if key not in self.kernel_rows:
+            self.kernel_rows[key] = _rows_of_tokens(meta.layout, cache.block_size)
+        tables, lens, key_start, tree_base, _ = self.kernel_rows[key]
+        if tree_base is not None:
+            return None
+        return (cache.k_cache, cache.v_cache, meta.layout.slot_mapping, tables, lens, key_start,
+                meta.sliding_window or 0)
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         """q [N, H, D]; k, v [N, KVH, D] for the step's new tokens (a latent cache: v is a view

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from kvslim.bench.machine import Bandwidth, memory_bandwidth
 from kvslim.bench.runners import kvslim_llm, peers
 from kvslim.bench.workload import Workload, special_ids
+from kvslim.engine.config import EngineConfig
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.formats.info import weight_bytes as stored_weight_bytes
 
@@ -78,7 +79,7 @@ def run_latency(model_dir, input_len: int = 128, output_len: int = 64,
                 show_progress: bool = True, repeats: int = 3,
                 kv_cache_dtype: str = "auto", bandwidth: Bandwidth | None = None,
                 speculative: dict | None = None, parallel: dict | None = None,
-                linear_activations: str = "float32") -> LatencyResult:
+                linear_activations: str | None = None) -> LatencyResult:
     """Each engine and batch measured `repeats` times, the engines taking turns within every
     round, so that a slow spell of a shared machine does not fall on one engine only; the
     tables show medians. `bandwidth`: the machine's, measured once by a caller that runs this
@@ -108,7 +109,7 @@ def _measure_all(llm, model_dir, input_len, output_len, batches, compare, show_p
     w = Workload(max(batches), input_len, output_len, seed=1)
     prompts = w.prompts(llm.engine.model_config.vocab_size, special_ids(llm.tokenizer))
     label = "kvslim" if ranks == 1 else f"kvslim ({ranks} tensor-parallel ranks)"
-    if llm.engine.config.linear_activations != "float32":
+    if llm.engine.config.linear_activations != EngineConfig.linear_activations:
         label += f", {llm.engine.config.linear_activations} activations"
     engines = [("kvslim", label, kvslim_measure(llm, prompts, output_len))]
     for name, runner in peers(compare, model_dir, result.skipped, show_progress):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from kvslim.engine.config import EngineConfig
 from kvslim.engine.llm import LLM
 from kvslim.errors import KvslimError
 from kvslim.paths import kvslim_home
@@ -24,13 +25,15 @@ def parse_compare(value: str | None) -> list[str]:
 def kvslim_llm(model_dir, kv_cache_memory="1GiB", max_num_seqs: int = 256,
                max_num_batched_tokens: int = 2048, dtype: str = "float32",
                kv_cache_dtype: str = "auto", speculative: dict | None = None,
-               linear_activations: str = "float32", **parallel) -> LLM:
+               linear_activations: str | None = None, **parallel) -> LLM:
     """`parallel`: LLM's tensor-parallel options (tensor_parallel_size, ...), and
-    compile_decode."""
+    compile_decode. `linear_activations` None: the engine's default."""
     return LLM(str(model_dir), dtype=dtype, device="cpu", kv_cache_memory=kv_cache_memory,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype,
-               speculative=speculative, linear_activations=linear_activations, **parallel)
+               speculative=speculative,
+               linear_activations=linear_activations or EngineConfig.linear_activations,
+               **parallel)
 
 
 def exported_gguf(model_dir: Path, dtype: str = "f32") -> Path:

@@ -10,6 +10,7 @@ import torch
 
 from kvslim.bench.runners import kvslim_llm, peers
 from kvslim.bench.workload import Workload, special_ids
+from kvslim.engine.config import EngineConfig
 from kvslim.engine.sampling_params import SamplingParams
 
 
@@ -56,7 +57,7 @@ def _entry(engine, label, seconds, w: Workload) -> EngineThroughput:
 def run_throughput(model_dir, w: Workload, compare: list[str], hf_batch_size: int = 8,
                    kv_cache_memory: str = "2GiB", show_progress: bool = True,
                    kv_cache_dtype: str = "auto", speculative: dict | None = None,
-                   parallel: dict | None = None, linear_activations: str = "float32"
+                   parallel: dict | None = None, linear_activations: str | None = None
                    ) -> ThroughputResult:
     """`parallel`: kvslim's tensor-parallel options; its ranks share the threads."""
     result = ThroughputResult(str(model_dir), asdict(w), torch.get_num_threads(), "float32",
@@ -75,7 +76,7 @@ def run_throughput(model_dir, w: Workload, compare: list[str], hf_batch_size: in
     ranks = parallel.get("tensor_parallel_size", 1)
     label = "kvslim (continuous batching)" if ranks == 1 else \
         f"kvslim (continuous batching, {ranks} tensor-parallel ranks)"
-    if linear_activations != "float32":
+    if linear_activations not in (None, EngineConfig.linear_activations):
         label += f", {linear_activations} activations"
     result.results.append(_entry("kvslim", label, seconds, w))
     llm.shutdown()                           # its ranks give the cores back to the peers

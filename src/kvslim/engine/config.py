@@ -102,12 +102,13 @@ class EngineConfig:
                 "int8 caches) or auto (what measured faster: gather on CUDA, the kernel on the "
                 "CPU where it runs; flex never takes a quantized KV cache)",
         choices=ATTENTION_BACKENDS)
-    # kernels/activations.py: int8 is llama.cpp's arithmetic, faster in batches; float32 keeps
-    # the dequantized weight's float rounding (the default until a quality check says more).
+    # kernels/activations.py: int8 is llama.cpp's arithmetic and the faster one at every M
+    # (benchmarks/decode_gemm_stream.py); float32 is the exact reference of the dequantized weight.
     linear_activations: str = option(
-        "float32", "what the CPU's group-quantized layers (GGUF blocks, GPTQ/AWQ 4-bit, int8 "
-                   "per channel) do with their inputs: float32 (default) or int8 (quantized per "
-                   "block of 32, as llama.cpp does; AVX-512 VNNI, else float32)",
+        "int8", "what the CPU's group-quantized layers (GGUF blocks, GPTQ/AWQ 4-bit, int8 "
+                "per channel) do with their inputs: int8 (default: quantized per block of 32 "
+                "and multiplied in integers, as llama.cpp does) or float32 (the exact "
+                "reference of the dequantized weight)",
         choices=LINEAR_ACTIVATIONS)
     # The mask-only path, for comparison: sliding-window layers release nothing.
     keep_out_of_window_blocks: bool = option(

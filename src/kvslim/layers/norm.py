@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvslim.kernels import decoder_layer
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -13,6 +15,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if decoder_layer.rms_norm_usable(x):           # the kernel the native layer runs
+            return decoder_layer.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:                  # one fused kernel, same result
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 and cast back before the weight, exactly like the reference.

@@ -10,9 +10,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvslim.attention import DenseAttention
+from kvslim.kernels import decoder_layer as native_layer
+from kvslim.kernels.decoder_layer import NativeDecoderLayer
 from kvslim.layers.linear import Linear, ShardedLinear, make_linear
 from kvslim.layers.mlp import SwiGLUMLP
 from kvslim.layers.moe import SparseMoE
@@ -21,6 +24,7 @@ from kvslim.layers.norm import RMSNorm
 from kvslim.layers.rope import RotaryEmbedding
 from kvslim.quantization import QuantLinear
 from kvslim.quantization.base import prepare_linears_for_inference
+from kvslim.quantization.kernels import q8_weight_of
 from kvslim.quantization.gguf_embedding import BlockQuantEmbedding, TiedBlockQuantHead
 from kvslim.models.base import Family, GGUFLayout, write_attention_bias
 
@@ -43,10 +47,32 @@ class DecoderLayer(nn.Module):
                               config.quantization))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.native: NativeDecoderLayer | None = None
 
     def forward(self, x, cos, sin, attn):
+        if self.native is not None and not torch.compiler.is_compiling():
+            inputs = getattr(attn, "native_inputs", lambda _: None)(self.self_attn.layer_idx)
+            if inputs is not None and x.dim() == 2:
+                return self.native(x, cos, sin, inputs)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def prepare_native(self) -> None:
+        """Once the kernels are chosen: the whole layer in one native call where its modules
+        run what that call runs (kernels/decoder_layer.py), with the same bits."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = [q8_weight_of(getattr(m, "kernel", None)) for m in
+                   (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
+                    getattr(mlp, "down_proj", None))]
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if (None in linears or hasattr(attn, "q_norm") or not isinstance(mlp, SwiGLUMLP)
+                or mlp.act is not F.silu or any(type(n) is not RMSNorm for n in norms)
+                or norms[0].eps != norms[1].eps or not native_layer.available()):
+            self.native = None
+            return
+        self.native = NativeDecoderLayer.of(linears, norms[0].weight, norms[1].weight,
+                                            norms[0].eps, attn.num_heads, attn.num_kv_heads,
+                                            attn.head_dim, attn.scale)
 
 
 class LlamaModel(nn.Module):
@@ -164,8 +190,13 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare_for_inference(self) -> bool:
         """Once the weights are loaded: choose each linear layer's kernel (see
-        `prepare_linears_for_inference`). The model is for inference only afterwards."""
-        return prepare_linears_for_inference(self)
+        `prepare_linears_for_inference`), then where a decoder layer can run as one native call.
+        The model is for inference only afterwards."""
+        prepared = prepare_linears_for_inference(self)
+        for layer in self.model.layers:
+            if isinstance(layer, DecoderLayer):
+                layer.prepare_native()
+        return prepared
 
 
 def make_lm_head(config: ModelConfig, embed_tokens: nn.Module) -> nn.Module:

@@ -77,6 +77,18 @@ CUDA_INT_MM_MIN_ROWS = 24     # torch._int_mm on CUDA: more than 16 rows, a mult
 W8A8_MIN_ROWS = 1
 
 
+def q8_weight_of(kernel) -> Q8GroupWeight | None:
+    """The int8-activation weight a layer's chosen kernel runs, where it runs one alone, without
+    a bias or an input permutation (kernels/decoder_layer.py takes those layers whole)."""
+    keywords = getattr(kernel, "keywords", None) or {}
+    if keywords.get("bias") is not None or keywords.get("perm") is not None:
+        return None
+    weight = keywords.get("weight")
+    if isinstance(weight, Int4Weight):
+        weight = weight.group
+    return weight if isinstance(weight, Q8GroupWeight) else None
+
+
 def _native(name: str) -> bool:
     return hasattr(torch.ops.aten, name)
 

@@ -18,7 +18,7 @@ class KvslimEngine:
 
     def __init__(self, name: str, label: str, model_dir: Callable[[], Path],
                  kv_cache_memory: str = "1GiB", max_num_seqs: int = 64,
-                 compile_decode: bool = False, linear_activations: str = "float32"):
+                 compile_decode: bool = False, linear_activations: str | None = None):
         self.name, self.label = name, label
         self._model_dir, self._kv, self._seqs = model_dir, kv_cache_memory, max_num_seqs
         self._compile, self._activations = compile_decode, linear_activations

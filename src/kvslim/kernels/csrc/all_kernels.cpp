@@ -9,3 +9,4 @@
 #include "store_slots.cpp"
 #include "sparse24_gemm.cpp"
 #include "head_mm.cpp"
+#include "decoder_layer.cpp"
