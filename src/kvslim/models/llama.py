@@ -61,6 +61,9 @@ class DecoderLayer(nn.Module):
         """Once the kernels are chosen: the whole layer in one native call where its modules
         run what that call runs (kernels/decoder_layer.py), with the same bits."""
         attn, mlp = self.self_attn, self.mlp
+        if type(attn) is not Attention:                  # MLA's latent attention, say
+            self.native = None
+            return
         linears = [q8_weight_of(getattr(m, "kernel", None)) for m in
                    (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
                     getattr(mlp, "down_proj", None))]
