@@ -17,7 +17,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    llm = LLM()
+    llm = LLM(linear_activations="int8")
     layers = llm.engine.model.model.layers
     natives = [layer.native for layer in layers]
 

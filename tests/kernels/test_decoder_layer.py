@@ -17,7 +17,7 @@ def _answers(llm, prompts):
 
 def test_the_native_layer_gives_the_modules_bits(smollm2_gguf):
     assert decoder_layer.available(), extension.load()
-    llm = LLM(kv_cache_memory="64MiB")          # the shipped Q4_1 blocks
+    llm = LLM(kv_cache_memory="64MiB", linear_activations="int8")          # the shipped Q4_1 blocks
     layers = llm.engine.model.model.layers
     natives = [layer.native for layer in layers]
     assert all(n is not None for n in natives)

@@ -21,7 +21,7 @@ from kvslim.errors import ConfigError
 from kvslim.kernels import group_q8, tiled_gemm
 
 LINEAR_ACTIVATIONS = ("float32", "int8")
-_chosen = contextvars.ContextVar("linear_activations", default="int8")
+_chosen = contextvars.ContextVar("linear_activations", default="float32")
 
 
 @contextmanager

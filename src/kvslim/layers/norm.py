@@ -9,13 +9,15 @@ from kvslim.kernels import decoder_layer
 
 
 class RMSNorm(nn.Module):
+    native = False      # set where its layer runs as one native call: the same kernel then
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if decoder_layer.rms_norm_usable(x):           # the kernel the native layer runs
+        if self.native and decoder_layer.rms_norm_usable(x):   # the native layer's kernel
             return decoder_layer.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:                  # one fused kernel, same result
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

@@ -73,6 +73,8 @@ class DecoderLayer(nn.Module):
                 or norms[0].eps != norms[1].eps or not native_layer.available()):
             self.native = None
             return
+        for norm in norms:
+            norm.native = True
         self.native = NativeDecoderLayer.of(linears, norms[0].weight, norms[1].weight,
                                             norms[0].eps, attn.num_heads, attn.num_kv_heads,
                                             attn.head_dim, attn.scale)
