@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 
 class DecoderLayer(nn.Module):
+    # a class default: families whose layers build their own modules (DeepSeek) inherit it
+    native: NativeDecoderLayer | None = None
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(config.hidden_size, config.num_attention_heads,
@@ -47,7 +50,6 @@ class DecoderLayer(nn.Module):
                               config.quantization))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.native: NativeDecoderLayer | None = None
 
     def forward(self, x, cos, sin, attn):
         if self.native is not None and not torch.compiler.is_compiling():
