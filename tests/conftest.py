@@ -85,6 +85,16 @@ def run_lock(tmp_path_factory, name: str):
     return FileLock(str(run_folder(tmp_path_factory) / f"{name}.lock"))
 
 
+@pytest.fixture
+def float32_activations():
+    """Group-quantized layers packed inside run the float32-activation kernel, the exact
+    reference of the dequantized weight (the default, int8, rounds the activations as llama.cpp
+    does: tests/kernels/test_group_q8.py bounds it against its own reference)."""
+    from kvslim.kernels.activations import linear_activations
+    with linear_activations("float32"):
+        yield
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """variant name -> directory written by transformers' save_pretrained."""

@@ -26,7 +26,7 @@ NON_DEFAULT = {
     "--dtype": "bfloat16", "--device": "cpu", "--kv-cache-dtype": "int8",
     "--kv-cache-memory": "3MiB", "--block-size": "8", "--max-num-seqs": "3",
     "--max-num-batched-tokens": "64", "--max-model-len": "100", "--no-prefix-caching": None,
-    "--enforce-eager": None, "--compile": None, "--attention-backend": "flex", "--linear-activations": "int8",
+    "--enforce-eager": None, "--compile": None, "--attention-backend": "flex", "--linear-activations": "float32",
     "--keep-out-of-window-blocks": None, "--cuda-sparse-24": None,
     "--speculative-config": '{"method": "ngram", "num_speculative_tokens": 2}',
     "--tensor-parallel-size": "1", "--tensor-parallel-oversubscribe": None,
@@ -42,7 +42,7 @@ def test_every_generated_flag_round_trips_to_the_config():
         dtype="bfloat16", device="cpu", kv_cache_dtype="int8", kv_cache_memory=3 * 2**20,
         block_size=8, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=100,
         enable_prefix_caching=False, enforce_eager=True, compile_decode=True,
-        attention_backend="flex", linear_activations="int8",
+        attention_backend="flex", linear_activations="float32",
         keep_out_of_window_blocks=True, cuda_sparse_24=True, speculative={"method": "ngram",
                                                      "num_speculative_tokens": 2},
         tensor_parallel_oversubscribe=True, distributed_timeout=5.5)

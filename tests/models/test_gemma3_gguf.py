@@ -78,7 +78,8 @@ def test_named_model_on_the_cli(gemma3_dir, capsys):
 
 
 @torch.no_grad()
-def test_quantized_import_stays_close_to_the_float_import(gemma3_dir, gemma3_quantized_dir):
+def test_quantized_import_stays_close_to_the_float_import(gemma3_dir, gemma3_quantized_dir,
+                                                         float32_activations):
     """Its Q5_0, Q8_0, Q4_K and Q6_K blocks, the Q8_0 token table (scaled as the float path
     scales it) and the tied head over that table decode to exactly the float import's weights:
     equal logits before the kernels are chosen, within QUANTIZED_RTOL after."""

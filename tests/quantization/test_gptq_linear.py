@@ -12,6 +12,9 @@ from kvslim.kernels import tiled_gemm
 from kvslim.quantization import QuantSpec
 from kvslim.quantization.gptq import GPTQLinear
 
+# against the dequantized weight in float32: the exact reference kernels
+pytestmark = pytest.mark.usefixtures("float32_activations")
+
 IN, OUT = 128, 48
 
 

@@ -12,6 +12,9 @@ import torch.nn.functional as F
 
 from kvslim.quantization import kernels as qk
 
+# against the dequantized weight in float32: the exact reference kernels
+pytestmark = pytest.mark.usefixtures("float32_activations")
+
 IN, OUT, GROUP = 128, 96, 32
 ROWS = list(range(1, 65))
 NATIVE_RTOL, EXACT_RTOL = 1e-2, 1e-4

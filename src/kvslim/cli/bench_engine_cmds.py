@@ -18,8 +18,8 @@ KVSLIM_ONLY = dict(kv_cache_dtype=dict(help="kvslim's KV-cache storage (default 
                                             "dtype)"),
                    speculative=dict(help="kvslim's speculative decoding, as for generate and "
                                          "serve"),
-                   linear_activations=dict(help="kvslim's group-quantized layers: float32 (default) "
-                                                "or int8 activations"))
+                   linear_activations=dict(help="kvslim's group-quantized layers: int8 (default) "
+                                                "or float32 activations"))
 
 
 def _common(p) -> None:

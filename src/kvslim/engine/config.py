@@ -105,9 +105,9 @@ class EngineConfig:
     # kernels/activations.py: int8 is llama.cpp's arithmetic and the faster one at every M
     # (benchmarks/decode_gemm_stream.py); float32 is the exact reference of the dequantized weight.
     linear_activations: str = option(
-        "float32", "what the CPU's group-quantized layers (GGUF blocks, GPTQ/AWQ 4-bit, int8 "
-                "per channel) do with their inputs: int8 (quantized per block of 32 "
-                "and multiplied in integers, as llama.cpp does) or float32 (default: the exact "
+        "int8", "what the CPU's group-quantized layers (GGUF blocks, GPTQ/AWQ 4-bit, int8 "
+                "per channel) do with their inputs: int8 (default: quantized per block of 32 "
+                "and multiplied in integers, as llama.cpp does) or float32 (the exact "
                 "reference of the dequantized weight)",
         choices=LINEAR_ACTIVATIONS)
     # The mask-only path, for comparison: sliding-window layers release nothing.

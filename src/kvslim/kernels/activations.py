@@ -2,13 +2,14 @@
 (`EngineConfig.linear_activations`, `--linear-activations`) around the model's
 `prepare_for_inference`:
 
-    float32   kernels/tiled_gemm.py: x stays float32; outputs are the dequantized weight's
-              to float32 rounding (the default)
     int8      kernels/group_q8.py: x quantized to int8 per block of 32 (max |x| / 127), as
-              llama.cpp runs its Q4/Q8 files; VNNI integer dot products, faster from a few rows
-              up (benchmarks/decode_gemm_stream.py), with llama.cpp's activation rounding
+              llama.cpp runs its Q4/Q8 files; integer dot products (AVX-512 VNNI, AVX2 or
+              scalar, the same bits), faster at every M (benchmarks/decode_gemm_stream.py), with
+              llama.cpp's activation rounding (the default)
+    float32   kernels/tiled_gemm.py: x stays float32; outputs are the dequantized weight's
+              to float32 rounding: the exact reference
 
-Both are batch-invariant by construction. int8 needs AVX-512 VNNI and layers of whole blocks
+Both are batch-invariant by construction. int8 needs layers of whole blocks
 (group_q8.usable); any other layer keeps float32."""
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from kvslim.errors import ConfigError
 from kvslim.kernels import group_q8, tiled_gemm
 
 LINEAR_ACTIVATIONS = ("float32", "int8")
-_chosen = contextvars.ContextVar("linear_activations", default="float32")
+_chosen = contextvars.ContextVar("linear_activations", default="int8")
 
 
 @contextmanager

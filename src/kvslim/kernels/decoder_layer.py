@@ -28,9 +28,10 @@ def available() -> bool:
 
 
 def rms_norm_usable(x: torch.Tensor) -> bool:
-    """Inference on the CPU in float32 (the kernel has no backward)."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
-            and available())
+    """Inference on the CPU in float32 (the kernel has no backward). Whether the extension is
+    built is asked once, where a norm is marked native (DecoderLayer.prepare_native), not here:
+    a compiled step traces this and may not call the cached probe."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -66,11 +66,15 @@ class DecoderLayer(nn.Module):
         if type(attn) is not Attention:                  # MLA's latent attention, say
             self.native = None
             return
-        linears = [q8_weight_of(getattr(m, "kernel", None)) for m in
-                   (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
-                    getattr(mlp, "down_proj", None))]
+        modules = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
+                   getattr(mlp, "down_proj", None))
+        linears = [q8_weight_of(getattr(m, "kernel", None)) for m in modules]
+        # a module that does more than its kernel (a tensor-parallel shard's all-reduce hook)
+        # keeps its forward
+        hooked = any(m is not None and (m._forward_hooks or m._forward_pre_hooks)
+                     for m in (*modules, self, attn, mlp))
         norms = (self.input_layernorm, self.post_attention_layernorm)
-        if (None in linears or hasattr(attn, "q_norm") or not isinstance(mlp, SwiGLUMLP)
+        if (None in linears or hooked or hasattr(attn, "q_norm") or not isinstance(mlp, SwiGLUMLP)
                 or mlp.act is not F.silu or any(type(n) is not RMSNorm for n in norms)
                 or norms[0].eps != norms[1].eps or not native_layer.available()):
             self.native = None

@@ -87,7 +87,7 @@ def test_blocks_decode_to_the_gguf_dequantization(imported):
 
 
 @torch.no_grad()
-def test_logits_match_the_float_import(imported):
+def test_logits_match_the_float_import(imported, float32_activations):
     kept, dense, _ = imported
     ids = torch.randint(0, 260, (2, 11), generator=torch.Generator().manual_seed(0))
     ref = load_model(dense, dtype=torch.float32).logits(ids)

@@ -56,8 +56,9 @@ struct Cache {
 // sum_d a[d] * b[d] in 16 interleaved partial sums (lane j: every d = j mod 16, in order),
 // then combined as a fixed tree (j + 8, j + 4, j + 2, j + 1): one fixed order that the
 // compiler vectorizes into one 16-lane chain (-ffp-contract=off keeps each product and sum
-// rounded as written).
-float dot(const float* a, const float* b, int64_t n) {
+// rounded as written). Inlined: called per key and query head, its call and its partial sums'
+// trip through memory cost more than its 64 multiply-adds.
+__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t n) {
   float part[16] = {};
   int64_t d = 0;
   for (; d + 16 <= n; d += 16)
