@@ -126,7 +126,7 @@ def reference_group_linear_q8(x, q, scales, mins) -> torch.Tensor:
     w = (q.double().view(q.shape[0], groups, -1) * scales.double()[..., None]).view(q.shape)
     y = xd @ w.T
     if mins is not None:
-        y = y + x.double().view(x.shape[0], groups, -1).sum(-1) @ mins.double().T
+        y = y + xd.view(x.shape[0], groups, -1).sum(-1) @ mins.double().T
     return y
 
 

@@ -13,9 +13,9 @@ from kvslim.paths import kvslim_home
 
 # name -> label; the families are the part before the dash.
 ENGINES = {
-    "kvslim-q4_1": "kvslim, shipped Q4_1 blocks (what LLM() runs)",
+    "kvslim-q4_1": "kvslim, shipped Q4_1 blocks, int8 activations (what LLM() runs)",
     "kvslim-q4_1+compile": "kvslim, shipped Q4_1 blocks, compiled decode step (--compile)",
-    "kvslim-q4_1+int8": "kvslim, shipped Q4_1 blocks, int8 activations (--linear-activations int8)",
+    "kvslim-q4_1+f32act": "kvslim, shipped Q4_1 blocks, float32 activations (the exact reference)",
     "kvslim-w8a8": "kvslim W8A8 (compressed-tensors)",
     "kvslim-f32": "kvslim float32",
     "llamacpp-q4_0": "llama.cpp Q4_0",
@@ -104,7 +104,7 @@ def build(names: list[str], opts: PeerOptions) -> list:
             engines.append(KvslimEngine(name, ENGINES[name], dirs[kind],
                                         max_num_seqs=opts.max_num_seqs,
                                         compile_decode=variant == "compile",
-                                        linear_activations="int8" if variant == "int8"
+                                        linear_activations="float32" if variant == "f32act"
                                         else None))
         elif family == "llamacpp":
             engines.append(LlamaCppEngine(kind, ENGINES[name], tools, f32_gguf,
