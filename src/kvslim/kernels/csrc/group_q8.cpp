@@ -139,8 +139,9 @@ void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
 const char* kQ8Isa = "avx2";
 // One row streams each weight from memory once and the hardware's prefetcher alone keeps too
 // few lines in flight: each loop asks for the bytes PREFETCH ahead of its tile, the next
-// tiles' (benchmarks/decode_gemm_stream.py, a step's 80 MB of SmolLM2 Q4_1 at M = 1 on a 2-core
-// EPYC: 12.8 GB/s without, 19.7 / 22.9 / 22.1 GB/s at 2, 8 and 16 KiB).
+// tiles'. SmolLM2's Q4_1 layers (80 MB read once per step, M = 1, a shared 2-core EPYC, one
+// run each): 12.8 GB/s without, 19.7 / 22.9 / 22.1 GB/s at 2, 8 and 16 KiB;
+// benchmarks/decode_gemm_stream.py times the same read (q8 at M = 1).
 constexpr int64_t PREFETCH = 8192;
 constexpr int RMAX = 2;           // 16 ymm registers: 2 rows x 2 halves of float and int sums
 constexpr int FEW_ROWS = 1;
