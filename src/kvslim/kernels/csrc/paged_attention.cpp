@@ -1,7 +1,7 @@
 // Decode attention over the paged KV cache, read in place through the block tables.
 //
-// One work item per (sequence, KV head, partition of PART key positions): each key and value
-// row of that head is read once for the whole group of query heads that share it (GQA). Per
+// One work item per (sequence, partition of PART key positions), all KV heads: each key and
+// value row is read once for the whole group of query heads that share it (GQA). Per
 // query head: the scores of the keys the sequence may see (positions before its length, inside
 // its sliding window), their softmax per partition, the weighted sum of the values, then the
 // partitions combined, in float32, every sum in one fixed order (keys in position order,
@@ -98,42 +98,52 @@ struct Path {
   int64_t at(int64_t pos) const { return pos < base ? pos : base + path[pos - base]; }
 };
 
-// A thread's working memory: scores [G][n] and a dequantized row (int8 caches).
+// A thread's working memory: scores [H][n] and a dequantized row (int8 caches).
 struct Scratch {
   std::vector<float> scores, row;
 };
 
-// One partition of a (sequence, KV head)'s keys, positions [lo, hi): per query head its
-// largest score m, the sum l of exp(score - m) and the unnormalized sum of values acc[Dv].
+// One partition of a sequence's keys, positions [lo, hi), for all its KV heads: per query
+// head hq (KV head hq / G) its largest score m, the sum l of exp(score - m) and the unnormalized
+// sum of values acc[Dv]. A key slot's heads lie side by side in the cache, so the loops run
+// over the slots and inside them over the heads: the cache streams block by block instead of
+// a head's rows at a slot's stride (the sums' order per query head is unchanged: keys in order).
 void attend_partition(const Cache& kc, const Cache& vc, const float* q, const int64_t* table,
-                      const Path& path, int64_t h, int64_t G, int64_t D, int64_t Dv, int64_t BS,
-                      int64_t key_start, int64_t lo, int64_t hi, float sc, float* m, float* l,
-                      float* acc, Scratch& t) {
-  const int64_t n = hi - lo;
+                      const Path& path, int64_t KVH, int64_t G, int64_t D, int64_t Dv,
+                      int64_t BS, int64_t key_start, int64_t lo, int64_t hi, float sc, float* m,
+                      float* l, float* acc, Scratch& t) {
+  const int64_t n = hi - lo, H = KVH * G;
   std::vector<float>& scores = t.scores;
-  scores.assign(G * n, 0.f);
+  scores.assign(H * n, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = path.at(lo + j) - key_start;
-    const float* k = kc.row(table[pos / BS], pos % BS, h, t.row.data());
-    for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot(q + g * D, k, D) * sc;
+    const int64_t block = table[pos / BS], slot = pos % BS;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float* k = kc.row(block, slot, h, t.row.data());
+      for (int64_t hq = h * G; hq < (h + 1) * G; ++hq)
+        scores[hq * n + j] = dot(q + hq * D, k, D) * sc;
+    }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * n;
+  for (int64_t hq = 0; hq < H; ++hq) {
+    float* s = scores.data() + hq * n;
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
     float sum = 0.f;
     for (int64_t j = 0; j < n; ++j) { s[j] = std::exp(s[j] - mx); sum += s[j]; }
-    m[g] = mx;
-    l[g] = sum;
+    m[hq] = mx;
+    l[hq] = sum;
   }
-  std::fill(acc, acc + G * Dv, 0.f);
+  std::fill(acc, acc + H * Dv, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = path.at(lo + j) - key_start;
-    const float* v = vc.row(table[pos / BS], pos % BS, h, t.row.data());
-    for (int64_t g = 0; g < G; ++g) {
-      float* o = acc + g * Dv;
-      const float w = scores[g * n + j];
-      for (int64_t d = 0; d < Dv; ++d) o[d] += w * v[d];
+    const int64_t block = table[pos / BS], slot = pos % BS;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float* v = vc.row(block, slot, h, t.row.data());
+      for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
+        float* o = acc + hq * Dv;
+        const float w = scores[hq * n + j];
+        for (int64_t d = 0; d < Dv; ++d) o[d] += w * v[d];
+      }
     }
   }
 }
@@ -212,17 +222,16 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   for (int64_t b = 0; b < B; ++b) std::fill(seq_of.begin() + first[b], seq_of.begin() + first[b + 1], b);
   const float* qp = qc.data_ptr<float>();
   const float sc = (float)scale;
-  at::parallel_for(0, P * KVH, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     scratch.row.resize(D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item / KVH, h = item % KVH, b = seq_of[p];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t b = seq_of[p];
       const int64_t c = lo[b] / PART + (p - first[b]);
       const int64_t a = std::max(lo[b], c * PART), z = std::min(hi[b], (c + 1) * PART);
-      const int64_t at = p * H + h * G;
-      attend_partition(kc, vc, qp + (b * H + h * G) * D, tp + b * W, paths[b], h, G, D, Dv, BS,
-                       key_start, a, z, sc, m.data() + at, l.data() + at, acc.data() + at * Dv,
-                       scratch);
+      attend_partition(kc, vc, qp + b * H * D, tp + b * W, paths[b], KVH, G, D, Dv, BS,
+                       key_start, a, z, sc, m.data() + p * H, l.data() + p * H,
+                       acc.data() + p * H * Dv, scratch);
     }
   });
   float* op = out.data_ptr<float>();
