@@ -1,6 +1,7 @@
 """The int8-activation group kernel: its block quantization equals the plain-torch one exactly;
 the kernel matches the float64 reference of its arithmetic within a stated bound for 4- and
-8-bit weights, every M in 1..64 and odd output counts; rows bit-identical across M."""
+8-bit weights, every M in 1..64 and odd output counts; rows bit-identical across M; float16
+scales (packed where exact) give float32 scales' bits."""
 import pytest
 import torch
 
@@ -48,6 +49,25 @@ def test_a_rows_bits_do_not_depend_on_the_batch(bits):
     alone = torch.cat([group_q8.q8_linear(x[i:i + 1], packed) for i in range(len(x))])
     for m in (2, 3, 4, 5, 8, 40):
         assert torch.equal(group_q8.q8_linear(x[:m], packed), alone[:m]), m
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_float16_scales_give_the_float32_scales_bits(bits, monkeypatch):
+    """Scales and offsets that are float16 exactly (GGUF's) are packed at that width; the
+    kernel's outputs are the bits of the same weight packed with float32 scales."""
+    q, scales, mins = weight(bits, 70, 128, 32, seed=4)
+    scales, mins = scales.half().float(), None if mins is None else mins.half().float()
+    half = group_q8.pack_q8_weight(q, scales, mins, bits)
+    assert half.scales.dtype == torch.float16
+    monkeypatch.setattr(group_q8, "_scale_dtype", lambda *_: torch.float32)
+    full = group_q8.pack_q8_weight(q, scales, mins, bits)
+    assert full.scales.dtype == torch.float32
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(5))
+    for m in (1, 2, 9):
+        assert torch.equal(group_q8.q8_linear(x[:m], half), group_q8.q8_linear(x[:m], full)), m
+    monkeypatch.undo()
+    inexact = group_q8.pack_q8_weight(q, scales + 1e-7, mins, bits)   # not float16 any more
+    assert inexact.scales.dtype == torch.float32
 
 
 def test_shapes_it_cannot_take_are_refused():

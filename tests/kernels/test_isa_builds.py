@@ -57,6 +57,10 @@ def q8_bits() -> dict:
         q, scales, mins = weight(bits, 45, 256, group, seed=bits + group)
         packed = group_q8.pack_q8_weight(q, scales, mins, bits)
         out[f"{bits}-{group}"] = torch.cat([group_q8.q8_linear(x[:m], packed) for m in (1, 2, 9)])
+    q, scales, mins = weight(4, 45, 256, 32, seed=11)             # float16 scales and offsets
+    packed = group_q8.pack_q8_weight(q, scales.half().float(), mins.half().float(), 4)
+    assert packed.scales.dtype == torch.float16
+    out["4-32-half"] = torch.cat([group_q8.q8_linear(x[:m], packed) for m in (1, 2, 9)])
     g = torch.Generator().manual_seed(7)
     q = torch.randint(-127, 128, (45, 256), dtype=torch.int8, generator=g)
     out["w8a8"] = group_q8.w8a8_mm(x, group_q8.pack_w8a8_weight(q, torch.rand(45, generator=g)))

@@ -29,8 +29,8 @@ QBLOCK = 32
 @dataclass
 class Q8GroupWeight:
     qweight: torch.Tensor            # uint8 [tiles, in * 16 * bits / 8], the VNNI layout
-    scales: torch.Tensor             # float32 [tiles, groups, 16]
-    mins: torch.Tensor | None        # float32 [tiles, groups, 16], 4-bit
+    scales: torch.Tensor             # [tiles, groups, 16], float16 where exact, else float32
+    mins: torch.Tensor | None        # the same for 4-bit offsets
     colsum: torch.Tensor | None      # int32 [tiles, in / sub, 16], 8-bit: each block's sum of q
     bits: int
     out_features: int
@@ -81,10 +81,20 @@ def pack_q8_weight(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
         sub = k if per_row else min(k // groups, QBLOCK)
         colsum = q8.to(torch.int32).view(tiles, TILE, k // sub, sub).sum(-1)
         colsum = colsum.transpose(1, 2).to(torch.int32).contiguous()  # [tiles, blocks, 16]
-    scales_t = _tiles(scales.float(), tiles).transpose(1, 2).contiguous()
-    mins_t = None if mins is None else _tiles(mins.float(), tiles).transpose(1, 2).contiguous()
+    dtype = torch.float32 if per_row else _scale_dtype(scales, mins)
+    scales_t = _tiles(scales.to(dtype), tiles).transpose(1, 2).contiguous()
+    mins_t = None if mins is None else _tiles(mins.to(dtype), tiles).transpose(1, 2).contiguous()
     return Q8GroupWeight(packed.reshape(tiles, -1).contiguous(), scales_t, mins_t, colsum, bits,
                          out, k, per_row)
+
+
+def _scale_dtype(scales: torch.Tensor, mins: torch.Tensor | None) -> torch.dtype:
+    """float16 where every scale and offset is one exactly (GGUF's are: the kernel reads a
+    sixth fewer bytes per 4-bit weight and converts them exactly), else float32."""
+    for t in (scales, mins):
+        if t is not None and not torch.equal(t.float().half().float(), t.float()):
+            return torch.float32
+    return torch.float16
 
 
 def pack_w8a8_weight(q: torch.Tensor, scales: torch.Tensor) -> Q8GroupWeight:

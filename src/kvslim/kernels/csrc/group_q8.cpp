@@ -23,6 +23,7 @@
 // xq + 128 and the column sums of q (`colsum`, per 32-input block) take 128 * colsum back.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -49,19 +50,30 @@ namespace kvslim_group_q8 {
 constexpr int NT = 16;
 constexpr int64_t QB = 32;          // activation block
 
+// Scales and offsets are float32, or float16 where every one of them is a float16 exactly
+// (GGUF stores them so: group_q8.py packs them at their own width, a sixth fewer bytes in a
+// 4-bit step's stream). float16 -> float32 is exact, so both give the same bits.
+inline float scalar_of(const float* p) { return *p; }
+inline float scalar_of(const c10::Half* p) { return (float)*p; }
+
 #if KVSLIM_VNNI
 const char* kQ8Isa = "avx512_vnni";
 constexpr int RMAX = 4;           // rows per call when they are many (one tile at a time)
 constexpr int FEW_ROWS = 1;       // up to this many rows, CT tiles side by side
 constexpr int CT = 4;
 
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+
 // Rows r0..r0+R of tiles t0..t0+C. C tiles side by side give one row C independent chains of
 // vpdpbusd (one chain is bound by its latency); lo and hi nibbles sum into separate integer
 // accumulators, added before the float step. Integer sums are exact, so neither split changes
 // a bit of any output: the float steps stay one fixed sequence per output.
-template <int R, int C, int BITS, bool ROW>
+template <int R, int C, int BITS, bool ROW, typename S>
 void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* w,
-              const float* s, const float* m, const int32_t* colsum, float* y, int64_t K,
+              const S* s, const S* m, const int32_t* colsum, float* y, int64_t K,
               int64_t N, int64_t groups, int64_t t0, int64_t r0) {
   // ROW: one activation scale per row (dx [M, 1]) and one weight scale per output, so the
   // integer sum runs over all K and the float step is (sum * dx) * s, as
@@ -107,7 +119,7 @@ void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
     const int64_t g = k0 / group, b = ROW ? 0 : k0 / QB;
     for (int c = 0; c < C; ++c) {
       const int64_t t = t0 + c;
-      const __m512 sv = _mm512_loadu_ps(s + (t * groups + g) * NT);
+      const __m512 sv = load16(s + (t * groups + g) * NT);
       __m512i corr = _mm512_setzero_si512();
       if (BITS == 8)
         corr = _mm512_slli_epi32(_mm512_loadu_si512(colsum + (t * (K / sub) + k0 / sub) * NT), 7);
@@ -121,7 +133,7 @@ void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
           acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(sv, dxv), _mm512_cvtepi32_ps(exact), acc[r][c]);
       }
       if (BITS == 4 && (k0 + sub) % group == 0) {
-        const __m512 mv = _mm512_loadu_ps(m + (t * groups + g) * NT);
+        const __m512 mv = load16(m + (t * groups + g) * NT);
         for (int r = 0; r < R; ++r)
           acc[r][c] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[(r0 + r) * groups + g]), acc[r][c]);
       }
@@ -147,11 +159,22 @@ constexpr int RMAX = 2;           // 16 ymm registers: 2 rows x 2 halves of floa
 constexpr int FEW_ROWS = 1;
 constexpr int CT = 2;
 
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  alignas(32) float f[8];
+  for (int j = 0; j < 8; ++j) f[j] = (float)p[j];
+  return _mm256_load_ps(f);
+#endif
+}
+
 // A 16-column tile as two halves of 8 columns (bytes 32h..32h+31 of each 64-byte run): lane
 // j of a half's int32 sums is column 8h + j, as the VNNI kernel's lane 8h + j.
-template <int R, int C, int BITS, bool ROW>
+template <int R, int C, int BITS, bool ROW, typename S>
 void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* w,
-              const float* s, const float* m, const int32_t*, float* y, int64_t K, int64_t N,
+              const S* s, const S* m, const int32_t*, float* y, int64_t K, int64_t N,
               int64_t groups, int64_t t0, int64_t r0) {
   const int64_t group = K / groups, blocks = ROW ? 1 : K / QB;
   const int64_t sub = ROW ? K : std::min<int64_t>(group, QB);
@@ -212,7 +235,7 @@ void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
     for (int c = 0; c < C; ++c) {
       const int64_t t = t0 + c;
       for (int h = 0; h < 2; ++h) {
-        const __m256 sv = _mm256_loadu_ps(s + (t * groups + g) * NT + 8 * h);
+        const __m256 sv = load8(s + (t * groups + g) * NT + 8 * h);
         for (int r = 0; r < R; ++r) {
           const __m256 dxv = _mm256_set1_ps(dx[(r0 + r) * blocks + b]);
           const __m256 exact = _mm256_cvtepi32_ps(isum[r][c][h]);
@@ -222,7 +245,7 @@ void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
             acc[r][c][h] = _mm256_fmadd_ps(_mm256_mul_ps(sv, dxv), exact, acc[r][c][h]);
         }
         if (BITS == 4 && (k0 + sub) % group == 0) {
-          const __m256 mv = _mm256_loadu_ps(m + (t * groups + g) * NT + 8 * h);
+          const __m256 mv = load8(m + (t * groups + g) * NT + 8 * h);
           for (int r = 0; r < R; ++r)
             acc[r][c][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xsum[(r0 + r) * groups + g]),
                                            acc[r][c][h]);
@@ -254,9 +277,9 @@ constexpr int FEW_ROWS = 1;
 constexpr int CT = 1;
 
 // The same integer sums and float steps per output, one column at a time.
-template <int R, int C, int BITS, bool ROW>
+template <int R, int C, int BITS, bool ROW, typename S>
 void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* w,
-              const float* s, const float* m, const int32_t*, float* y, int64_t K, int64_t N,
+              const S* s, const S* m, const int32_t*, float* y, int64_t K, int64_t N,
               int64_t groups, int64_t t0, int64_t r0) {
   const int64_t group = K / groups, blocks = ROW ? 1 : K / QB;
   const int64_t sub = ROW ? K : std::min<int64_t>(group, QB);
@@ -281,11 +304,13 @@ void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
             exact += q * (int32_t)x[k];
           }
           const int64_t g = k0 / group, b = ROW ? 0 : k0 / QB;
-          const float sv = s[(t * groups + g) * NT + j], d = dx[(r0 + r) * blocks + b];
+          const float sv = scalar_of(s + (t * groups + g) * NT + j);
+          const float d = dx[(r0 + r) * blocks + b];
           if (ROW) acc = ((float)exact * d) * sv;
           else acc = std::fma(sv * d, (float)exact, acc);
           if (BITS == 4 && (k0 + sub) % group == 0)
-            acc = std::fma(m[(t * groups + g) * NT + j], xsum[(r0 + r) * groups + g], acc);
+            acc = std::fma(scalar_of(m + (t * groups + g) * NT + j), xsum[(r0 + r) * groups + g],
+                           acc);
         }
         y[(r0 + r) * N + t * NT + j] = acc;
       }
@@ -294,30 +319,27 @@ void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
 }
 #endif
 
-using Q8Fn = decltype(&q8_block<1, 1, 4, false>);
+template <typename S>
+using Q8Fn = decltype(&q8_block<1, 1, 4, false, S>);
 
-template <int BITS, bool ROW>
-Q8Fn q8_kernel(int64_t rows, int64_t tiles) {
+template <int BITS, bool ROW, typename S>
+Q8Fn<S> q8_kernel(int64_t rows, int64_t tiles) {
   static_assert(FEW_ROWS == 1 && CT <= 4 && RMAX <= 4, "the tables below hold these sizes");
-  static const Q8Fn few[4] = {q8_block<1, 1, BITS, ROW>, q8_block<1, std::min(2, CT), BITS, ROW>,
-                              q8_block<1, std::min(3, CT), BITS, ROW>,
-                              q8_block<1, std::min(4, CT), BITS, ROW>};
-  static const Q8Fn many[4] = {q8_block<1, 1, BITS, ROW>, q8_block<std::min(2, RMAX), 1, BITS, ROW>,
-                               q8_block<std::min(3, RMAX), 1, BITS, ROW>,
-                               q8_block<std::min(4, RMAX), 1, BITS, ROW>};
+  static const Q8Fn<S> few[4] = {
+      q8_block<1, 1, BITS, ROW, S>, q8_block<1, std::min(2, CT), BITS, ROW, S>,
+      q8_block<1, std::min(3, CT), BITS, ROW, S>, q8_block<1, std::min(4, CT), BITS, ROW, S>};
+  static const Q8Fn<S> many[4] = {
+      q8_block<1, 1, BITS, ROW, S>, q8_block<std::min(2, RMAX), 1, BITS, ROW, S>,
+      q8_block<std::min(3, RMAX), 1, BITS, ROW, S>, q8_block<std::min(4, RMAX), 1, BITS, ROW, S>};
   return tiles > 1 ? few[tiles - 1] : many[rows - 1];
 }
 
 // Few rows: work items of CT tiles, all rows at once; more rows: one tile per item, RMAX
 // rows per call. Which call computes a row changes nothing in its arithmetic.
-at::Tensor run_tiles(const int8_t* xp, const float* dp, const float* sp, const at::Tensor& qweight,
-                     const at::Tensor& scales, const float* mp, const int32_t* cp, int64_t M,
-                     int64_t K, int64_t n, int64_t bits, bool row) {
-  const int64_t groups = scales.size(1), tiles = scales.size(0);
-  at::Tensor y = at::empty({M, n}, scales.options());
-  const uint8_t* wp = qweight.data_ptr<uint8_t>();
-  const float* scp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+template <typename S>
+void run_tiles_of(const int8_t* xp, const float* dp, const float* sp, const uint8_t* wp,
+                  const S* scp, const S* mp, const int32_t* cp, float* yp, int64_t M, int64_t K,
+                  int64_t n, int64_t groups, int64_t tiles, int64_t bits, bool row) {
   const bool few = M <= FEW_ROWS;
   const int64_t per_item = few ? CT : 1, items = (tiles + per_item - 1) / per_item;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
@@ -325,15 +347,38 @@ at::Tensor run_tiles(const int8_t* xp, const float* dp, const float* sp, const a
       const int64_t t0 = i * per_item, c = std::min<int64_t>(per_item, tiles - t0);
       for (int64_t r = 0; r < M;) {
         const int64_t R = few ? M : std::min<int64_t>(RMAX, M - r);
-        const Q8Fn fn = row ? q8_kernel<8, true>(R, c)
-                            : bits == 4 ? q8_kernel<4, false>(R, c) : q8_kernel<8, false>(R, c);
+        const Q8Fn<S> fn = row ? q8_kernel<8, true, S>(R, c)
+                               : bits == 4 ? q8_kernel<4, false, S>(R, c)
+                                           : q8_kernel<8, false, S>(R, c);
         fn(xp, dp, sp, wp, scp, mp, cp, yp, K, n, groups, t0, r);
         r += R;
       }
     }
   });
+}
+
+at::Tensor run_tiles(const int8_t* xp, const float* dp, const float* sp, const at::Tensor& qweight,
+                     const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                     const int32_t* cp, int64_t M, int64_t K, int64_t n, int64_t bits, bool row) {
+  const int64_t groups = scales.size(1), tiles = scales.size(0);
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK((half || scales.scalar_type() == at::kFloat) &&
+                  (!mins || mins->scalar_type() == scales.scalar_type()),
+              "group_q8: scales (and mins) must be float32 or float16, both the same");
+  at::Tensor y = at::empty({M, n}, scales.options().dtype(at::kFloat));
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (half)
+    run_tiles_of<c10::Half>(xp, dp, sp, wp, scales.data_ptr<c10::Half>(),
+                            mins ? mins->data_ptr<c10::Half>() : nullptr, cp, yp, M, K, n,
+                            groups, tiles, bits, row);
+  else
+    run_tiles_of<float>(xp, dp, sp, wp, scales.data_ptr<float>(),
+                        mins ? mins->data_ptr<float>() : nullptr, cp, yp, M, K, n, groups,
+                        tiles, bits, row);
   return y;
 }
+
 
 // x's int8 blocks: xq [M, K] and dx [M, K / 32], each row in one fixed order.
 std::tuple<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& x) {
@@ -419,8 +464,7 @@ at::Tensor group_mm_q8(const at::Tensor& x, const at::Tensor& qweight, const at:
                          M, K, K / groups);
   }
   return run_tiles(xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
-                   xsum ? xsum->data_ptr<float>() : nullptr, qweight, scales,
-                   mins ? mins->data_ptr<float>() : nullptr,
+                   xsum ? xsum->data_ptr<float>() : nullptr, qweight, scales, mins,
                    colsum ? colsum->data_ptr<int32_t>() : nullptr, M, K, n, bits, false);
 }
 
@@ -475,8 +519,8 @@ at::Tensor row_mm_q8(const at::Tensor& x, const at::Tensor& qweight, const at::T
                   qweight.size(1) == K * NT && tiles == (n + NT - 1) / NT,
               "row_mm_q8: weight shape does not match");
   auto [xq, sx] = quantize_rows(x, amax);
-  return run_tiles(xq.data_ptr<int8_t>(), sx.data_ptr<float>(), nullptr, qweight, scales, nullptr,
-                   colsum.data_ptr<int32_t>(), M, K, n, 8, true);
+  return run_tiles(xq.data_ptr<int8_t>(), sx.data_ptr<float>(), nullptr, qweight, scales,
+                   std::nullopt, colsum.data_ptr<int32_t>(), M, K, n, 8, true);
 }
 
 // Which integer dot products this build runs: avx512_vnni, avx2 or scalar.
