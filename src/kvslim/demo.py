@@ -31,7 +31,7 @@ LIBRARY_QUESTIONS = [
 ]
 
 GENERAL_QUESTIONS = [
-    "What is the capital of France?",
+    "What is the capital of France? Answer in one sentence.",
     "Give me three tips for a good night's sleep.",
     "Explain what a KV cache is in one sentence.",
     "Write a haiku about autumn.",

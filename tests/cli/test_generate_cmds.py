@@ -26,8 +26,13 @@ def test_generate_bad_parameter_is_one_line(hf_checkpoints):
 
 
 def test_default_model_answers(smollm2_dir):
-    r = kvslim("generate", "--prompt", "What is the capital of France?", "--max-tokens", "16",
-               "--kv-cache-memory", "64MiB")
+    """A question the model answers decisively (first token 1.6 nats ahead of the next, int8
+    or float32 activations). The bare "What is the capital of France?" is a coin toss for
+    SmolLM2-135M Q4_1: "The" leads "L" by 0.08 nats in float32 activations and trails it by 0.02
+    in int8 ones, where it answers "L'Étoile, la Marseillaise, ..." — as llama.cpp does on the
+    same file."""
+    r = kvslim("generate", "--prompt", "What is the capital of France? Answer in one sentence.",
+               "--max-tokens", "16", "--kv-cache-memory", "64MiB")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 
