@@ -92,7 +92,8 @@ def _scale_dtype(scales: torch.Tensor, mins: torch.Tensor | None) -> torch.dtype
     """float16 where every scale and offset is one exactly (GGUF's are: the kernel reads a
     sixth fewer bytes per 4-bit weight and converts them exactly), else float32."""
     for t in (scales, mins):
-        if t is not None and not torch.equal(t.float().half().float(), t.float()):
+        f = None if t is None else t.float()
+        if f is not None and not torch.equal(f.half().float(), f):
             return torch.float32
     return torch.float16
 
