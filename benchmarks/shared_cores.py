@@ -1,6 +1,7 @@
 """Decode speed on CPU cores that another process is also using, by thread count and how
-OpenMP's idle threads wait (OMP_WAIT_POLICY, GOMP_SPINCOUNT). Each cell runs in a fresh interpreter, because OpenMP reads OMP_WAIT_POLICY
-only when torch is imported.
+idle threads wait: OpenMP's (OMP_WAIT_POLICY, GOMP_SPINCOUNT) or the thread team kvslim's
+kernels run on (KVSLIM_SPIN_US, csrc/thread_team.h). Each cell runs in a fresh interpreter,
+because both read their settings once.
 
 The workload is a decode step of SmolLM2-135M's shape (30 layers, hidden 576, MLP 1536,
 batch 1): matrix-vector products, the many small ops that make a step latency-bound.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -67,16 +69,24 @@ per_step = (time.perf_counter() - start) / steps if batch > 1 else \
 print(per_step, torch.get_num_threads())
 """
 
-# How OpenMP's idle threads wait: "unset" (libgomp spins a while, then sleeps), "PASSIVE"
-# (sleep at once), "ACTIVE" (spin), or "spin=N" (unset, GOMP_SPINCOUNT=N iterations).
-WAITS = ("unset", "PASSIVE", "spin=10000")
+# How idle threads wait. kvslim's kernels on torch's OpenMP pool (KVSLIM_THREAD_TEAM=0):
+# "unset" (libgomp spins a while, then sleeps), "PASSIVE" (sleep at once), "ACTIVE" (spin), or
+# "spin=N" (unset, GOMP_SPINCOUNT=N iterations); or "team=US": on kvslim's own team, whose
+# workers spin US microseconds before they sleep (torch's own ops on OpenMP with the CLI's
+# GOMP_SPINCOUNT=1000).
+WAITS = ("unset", "PASSIVE", "spin=10000", "team=1000")
 
 
 def wait_env(wait: str) -> dict:
     env = dict(os.environ)
-    env.pop("OMP_WAIT_POLICY", None)
-    env.pop("GOMP_SPINCOUNT", None)
-    if wait.startswith("spin="):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KVSLIM_SPIN_US"):
+        env.pop(name, None)
+    env["KVSLIM_THREAD_TEAM"] = "0"
+    if wait.startswith("team="):
+        env.pop("KVSLIM_THREAD_TEAM")
+        env["KVSLIM_SPIN_US"] = wait.removeprefix("team=")
+        env["GOMP_SPINCOUNT"] = "1000"
+    elif wait.startswith("spin="):
         env["GOMP_SPINCOUNT"] = wait.removeprefix("spin=")
     elif wait != "unset":
         env["OMP_WAIT_POLICY"] = wait
@@ -113,12 +123,22 @@ def main() -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1],
                    help="with --model: sequences decoded together (>1: wall time per step)")
     p.add_argument("--waits", nargs="+", default=list(WAITS),
-                   help="unset, PASSIVE, ACTIVE or spin=N (GOMP_SPINCOUNT)")
+                   help="unset, PASSIVE, ACTIVE, spin=N (GOMP_SPINCOUNT) or team=US "
+                        "(KVSLIM_SPIN_US)")
+    p.add_argument("--rounds", type=int, default=1, help="turns over the grid (medians)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    rows = [measure(t, wait, busy, args.steps, args.max_load_s, args.model, batch)
-            for batch in args.batch for busy in args.busy for t in dict.fromkeys(args.threads)
-            for wait in args.waits]
+    cells = [(t, wait, busy, batch) for batch in args.batch for busy in args.busy
+             for t in dict.fromkeys(args.threads) for wait in args.waits]
+    # Rounds take turns over the whole grid, so a slow minute of a shared host lands on every
+    # cell alike; each cell's median is reported.
+    runs: dict = {cell: [] for cell in cells}
+    for _ in range(args.rounds):
+        for t, wait, busy, batch in cells:
+            runs[(t, wait, busy, batch)].append(
+                measure(t, wait, busy, args.steps, args.max_load_s, args.model, batch))
+    rows = [dict(r[0], ms_per_step=statistics.median(x["ms_per_step"] for x in r))
+            for r in runs.values()]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -15,6 +15,8 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 # config.json hidden_act / hidden_activation -> the gate's activation
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
+# the activation -> its name in the native decoder layer (kernels/decoder_layer.py)
+GATE_ACTIVATIONS = {F.silu: "silu", _gelu_tanh: "gelu_tanh"}
 
 
 class SwiGLUMLP(nn.Module):

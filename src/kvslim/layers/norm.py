@@ -27,10 +27,17 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight the native kernel multiplies by (`native`'s path and the native layer)."""
+        return self.weight.detach()
+
 
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: the weight is an offset from one (initialised to zeros) and the product
     is taken in float32 before the cast back, not after it as in Llama."""
+
+    native = False      # as RMSNorm's, with the kernel multiplying by 1 + w
+    _kernel_weight: torch.Tensor | None = None
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -38,6 +45,15 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and decoder_layer.rms_norm_usable(x):
+            return decoder_layer.rms_norm(x, self.kernel_weight(), self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)
+
+    def kernel_weight(self) -> torch.Tensor:
+        """1 + w, as the reference adds it, made once: a norm marked native is for inference
+        only, its weight no longer changes."""
+        if self._kernel_weight is None:
+            self._kernel_weight = (1.0 + self.weight.detach().float()).contiguous()
+        return self._kernel_weight

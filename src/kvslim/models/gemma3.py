@@ -34,7 +34,9 @@ from kvslim.layers.rope import RotaryEmbedding
 from kvslim.layers.self_attention import Attention
 from kvslim.models.base import QK_NORM_TENSORS, Family, GGUFLayout, write_attention_bias
 from kvslim.models.hf_fields import rope_from_hf
-from kvslim.models.llama import LLAMA_LAYER_TENSORS, LlamaForCausalLM, make_lm_head
+from kvslim.kernels.decoder_layer import NativeDecoderLayer, NativeDecoderStack
+from kvslim.models.llama import (LLAMA_LAYER_TENSORS, LlamaForCausalLM, make_lm_head,
+                                 native_layer_of)
 from kvslim.quantization.gguf_embedding import BlockQuantEmbedding
 
 if TYPE_CHECKING:
@@ -58,14 +60,30 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
+    native: NativeDecoderLayer | None = None
+
     def forward(self, x, rope, attn):
         cos, sin = rope["local" if self.is_sliding else "global"]
+        if self.native is not None and x.dim() == 2 and not torch.compiler.is_compiling():
+            inputs = getattr(attn, "native_inputs", lambda _: None)(self.self_attn.layer_idx)
+            if inputs is not None:
+                return self.native(x, cos, sin, inputs)
         x = x + self.post_attention_layernorm(
             self.self_attn(self.input_layernorm(x), cos, sin, attn))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
+    def prepare_native(self) -> None:
+        """As the Llama layer's: the sandwich norms and the q/k head norms go to the op too."""
+        attn = self.self_attn
+        self.native = native_layer_of(self, [self.input_layernorm, self.post_attention_layernorm,
+                                             self.pre_feedforward_layernorm,
+                                             self.post_feedforward_layernorm, attn.q_norm,
+                                             attn.k_norm])
+
 
 class Gemma3Model(nn.Module):
+    native: NativeDecoderStack | None = None
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         quant = config.quantization
@@ -88,6 +106,10 @@ class Gemma3Model(nn.Module):
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         rope = {"global": self.rotary.cos_sin(positions, x.dtype, long_rope),
                 "local": self.local_rotary.cos_sin(positions, x.dtype)}
+        inputs = self.native.inputs(self.layers, x, attn) if self.native is not None else None
+        if inputs is not None:
+            kinds = [rope["local" if layer.is_sliding else "global"] for layer in self.layers]
+            return self.norm(self.native(x, [c for c, _ in kinds], [s for _, s in kinds], inputs))
         for layer in self.layers:
             x = layer(x, rope, attn)
         return self.norm(x)

@@ -10,17 +10,16 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvslim.attention import DenseAttention
 from kvslim.kernels import decoder_layer as native_layer
-from kvslim.kernels.decoder_layer import NativeDecoderLayer
+from kvslim.kernels.decoder_layer import NativeDecoderLayer, NativeDecoderStack
 from kvslim.layers.linear import Linear, ShardedLinear, make_linear
-from kvslim.layers.mlp import SwiGLUMLP
+from kvslim.layers.mlp import GATE_ACTIVATIONS, SwiGLUMLP
 from kvslim.layers.moe import SparseMoE
 from kvslim.layers.self_attention import Attention
-from kvslim.layers.norm import RMSNorm
+from kvslim.layers.norm import GemmaRMSNorm, RMSNorm
 from kvslim.layers.rope import RotaryEmbedding
 from kvslim.quantization import QuantLinear
 from kvslim.quantization.base import prepare_linears_for_inference
@@ -62,31 +61,42 @@ class DecoderLayer(nn.Module):
     def prepare_native(self) -> None:
         """Once the kernels are chosen: the whole layer in one native call where its modules
         run what that call runs (kernels/decoder_layer.py), with the same bits."""
-        attn, mlp = self.self_attn, self.mlp
-        if type(attn) is not Attention:                  # MLA's latent attention, say
-            self.native = None
-            return
-        modules = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
-                   getattr(mlp, "down_proj", None))
-        linears = [q8_weight_of(getattr(m, "kernel", None)) for m in modules]
-        # a module that does more than its kernel (a tensor-parallel shard's all-reduce hook)
-        # keeps its forward
-        hooked = any(m is not None and (m._forward_hooks or m._forward_pre_hooks)
-                     for m in (*modules, self, attn, mlp))
-        norms = (self.input_layernorm, self.post_attention_layernorm)
-        if (None in linears or hooked or hasattr(attn, "q_norm") or not isinstance(mlp, SwiGLUMLP)
-                or mlp.act is not F.silu or any(type(n) is not RMSNorm for n in norms)
-                or norms[0].eps != norms[1].eps or not native_layer.available()):
-            self.native = None
-            return
-        for norm in norms:
-            norm.native = True
-        self.native = NativeDecoderLayer.of(linears, norms[0].weight, norms[1].weight,
-                                            norms[0].eps, attn.num_heads, attn.num_kv_heads,
-                                            attn.head_dim, attn.scale)
+        attn = self.self_attn
+        self.native = native_layer_of(self, [self.input_layernorm, None,
+                                             self.post_attention_layernorm, None,
+                                             getattr(attn, "q_norm", None),
+                                             getattr(attn, "k_norm", None)])
+
+
+def native_layer_of(layer: nn.Module, norms: list[nn.Module | None]) -> NativeDecoderLayer | None:
+    """`layer` (self_attn, mlp) as one native call, or None where its modules do more than the
+    op does. norms: the layer's six in the op's order (before attention, on its output, before
+    the MLP, on its output, per query head, per key head), None where it has none; each one
+    taken is marked native, so the modules run the op's norm kernel too."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not Attention or not isinstance(mlp, SwiGLUMLP):   # MLA, a MoE
+        return None
+    modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    linears = [q8_weight_of(getattr(m, "kernel", None)) for m in modules]
+    # a module that does more than its kernel (a tensor-parallel shard's all-reduce hook)
+    # keeps its forward
+    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (*modules, layer, attn, mlp))
+    present = [n for n in norms if n is not None]
+    act = GATE_ACTIVATIONS.get(mlp.act)
+    if (None in linears or hooked or act is None or norms[0] is None or norms[2] is None
+            or any(type(n) not in (RMSNorm, GemmaRMSNorm) for n in present)
+            or len({n.eps for n in present}) != 1 or not native_layer.available()):
+        return None
+    for norm in present:
+        norm.native = True
+    return NativeDecoderLayer.of(linears, [n.kernel_weight() if n is not None else None
+                                           for n in norms], present[0].eps, attn.num_heads,
+                                 attn.num_kv_heads, attn.head_dim, attn.scale, act)
 
 
 class LlamaModel(nn.Module):
+    native: NativeDecoderStack | None = None
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         quant = config.quantization
@@ -102,6 +112,10 @@ class LlamaModel(nn.Module):
                 long_rope: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype, long_rope)
+        inputs = self.native.inputs(self.layers, x, attn) if self.native is not None else None
+        if inputs is not None:
+            n = len(self.layers)
+            return self.norm(self.native(x, [cos] * n, [sin] * n, inputs))
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return self.norm(x)
@@ -204,9 +218,11 @@ class LlamaForCausalLM(nn.Module):
         `prepare_linears_for_inference`), then where a decoder layer can run as one native call.
         The model is for inference only afterwards."""
         prepared = prepare_linears_for_inference(self)
-        for layer in self.model.layers:
-            if isinstance(layer, DecoderLayer):
+        layers = self.model.layers
+        for layer in layers:
+            if hasattr(layer, "prepare_native"):
                 layer.prepare_native()
+        self.model.native = NativeDecoderStack.of([getattr(m, "native", None) for m in layers])
         return prepared
 
 

@@ -1,6 +1,6 @@
 """The engines `kvslim bench peers` can run, by name, and how each is built on the embedded
 default model: its files (the float32 import, the shipped Q4_1 blocks, kvslim's W8A8 checkpoint
-of the float32 import, llama.cpp's GGUF of each type) are made when the engine starts, once, and
+of the float32 import, llama.cpp's GGUF of each type, which kvslim-q4_0 runs too) are made when the engine starts, once, and
 cached under $KVSLIM_HOME/peers."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kvslim.paths import kvslim_home
 # name -> label; the families are the part before the dash.
 ENGINES = {
     "kvslim-q4_1": "kvslim, shipped Q4_1 blocks, int8 activations (what LLM() runs)",
+    "kvslim-q4_0": "kvslim on llama.cpp's Q4_0 file (the one llamacpp-q4_0 runs)",
     "kvslim-q4_1+compile": "kvslim, shipped Q4_1 blocks, compiled decode step (--compile)",
     "kvslim-q4_1+f32act": "kvslim, shipped Q4_1 blocks, float32 activations (the exact reference)",
     "kvslim-w8a8": "kvslim W8A8 (compressed-tensors)",
@@ -82,6 +83,16 @@ def f32_gguf() -> Path:
     return exported_gguf(float_dir(), "f32")
 
 
+def llamacpp_file(tools, kind: str, work: Path) -> Path:
+    """llama.cpp's own file of `kind`, for kvslim to run the very blocks llama.cpp runs."""
+    from kvslim.bench.peers.llamacpp import gguf_file
+    from kvslim.bench.peers.suite import Unavailable
+    missing = tools.missing()
+    if missing:
+        raise Unavailable(missing)
+    return gguf_file(tools, kind, f32_gguf(), work / "gguf")
+
+
 def work_dir(opts: PeerOptions) -> Path:
     return Path(opts.work_dir or kvslim_home() / "peers")
 
@@ -95,7 +106,8 @@ def build(names: list[str], opts: PeerOptions) -> list:
     work = work_dir(opts)
     tools = LlamaCppTools(Path(opts.llamacpp_bin), opts.threads)
     dirs = {"q4_1": shipped_dir, "f32": float_dir, "bf16": float_dir,
-            "w8a8": lambda: w8a8_dir(work)}
+            "w8a8": lambda: w8a8_dir(work),
+            "q4_0": lambda: llamacpp_file(tools, "q4_0", work)}
     engines = []
     for name in names:
         family, kind = name.split("-", 1)

@@ -23,6 +23,7 @@
 // xq + 128 and the column sums of q (`colsum`, per 32-input block) take 128 * colsum back.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include "thread_team.h"
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -342,7 +343,7 @@ void run_tiles_of(const int8_t* xp, const float* dp, const float* sp, const uint
                   int64_t n, int64_t groups, int64_t tiles, int64_t bits, bool row) {
   const bool few = M <= FEW_ROWS;
   const int64_t per_item = few ? CT : 1, items = (tiles + per_item - 1) / per_item;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  kvslim_team::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t0 = i * per_item, c = std::min<int64_t>(per_item, tiles - t0);
       for (int64_t r = 0; r < M;) {
@@ -391,7 +392,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& x) {
   const float* xp = xc.data_ptr<float>();
   int8_t* qp = xq.data_ptr<int8_t>();
   float* dp = dx.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  kvslim_team::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < K / QB; ++b) {
         const float* v = xp + r * K + b * QB;
@@ -484,7 +485,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
   int8_t* qp = xq.data_ptr<int8_t>();
   float* sp = sx.data_ptr<float>();
   const bool given = amax.has_value();
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  kvslim_team::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* v = xp + r * K;
       int8_t* q = qp + r * K;

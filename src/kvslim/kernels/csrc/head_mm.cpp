@@ -7,6 +7,7 @@
 // share the call; torch's batched GEMM picks other blockings for other row counts.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include "thread_team.h"
 #include <torch/library.h>
 
 #include <algorithm>
@@ -26,7 +27,7 @@ at::Tensor head_mm(const at::Tensor& x, const at::Tensor& w) {
   const float* xp = x.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+  kvslim_team::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / H, h = item % H;
       const float* xr = xp + n * sn + h * sh;

@@ -23,6 +23,7 @@
 // output then has the value's width.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include "thread_team.h"
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -222,7 +223,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   for (int64_t b = 0; b < B; ++b) std::fill(seq_of.begin() + first[b], seq_of.begin() + first[b + 1], b);
   const float* qp = qc.data_ptr<float>();
   const float sc = (float)scale;
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+  kvslim_team::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     scratch.row.resize(D);
     for (int64_t p = begin; p < end; ++p) {
@@ -235,7 +236,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     }
   });
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  kvslim_team::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / H, hq = item % H;
       if (first[b] == first[b + 1]) continue;   // nothing to see: zeros, as SDPA over no key

@@ -21,6 +21,7 @@
 // position word is the whole decode).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include "thread_team.h"
 #include <torch/library.h>
 
 #include <array>
@@ -176,7 +177,7 @@ at::Tensor sparse24_mm(const at::Tensor& x, const at::Tensor& values, const at::
   p.y = y.data_ptr<float>();
   const int64_t chunks = (p.M + M_CHUNK - 1) / M_CHUNK;
   const int64_t blocks = (tiles + CT - 1) / CT;
-  at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
+  kvslim_team::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t c = i / blocks, t0 = (i % blocks) * CT;
       const int64_t r0 = c * M_CHUNK, r1 = std::min(p.M, r0 + M_CHUNK);

@@ -15,6 +15,7 @@
 // nibble holds k, the high one k + 1); scales and mins are [tiles][groups][16] float32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include "thread_team.h"
 #include <torch/library.h>
 
 #include "group_sums.h"
@@ -230,7 +231,7 @@ void run(const Problem& p, int64_t tiles) {
   if (p.M == 0) return;
   const int64_t chunks = (p.M + M_CHUNK - 1) / M_CHUNK;
   const int64_t blocks = (tiles + CT - 1) / CT;
-  at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
+  kvslim_team::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t c = i / blocks, t0 = (i % blocks) * CT;
       const int64_t r0 = c * M_CHUNK, r1 = std::min(p.M, r0 + M_CHUNK);
