@@ -84,13 +84,16 @@ def f32_gguf() -> Path:
 
 
 def llamacpp_file(tools, kind: str, work: Path) -> Path:
-    """llama.cpp's own file of `kind`, for kvslim to run the very blocks llama.cpp runs."""
+    """The quantized import of llama.cpp's own file of `kind` (its blocks, not the float import
+    an explicit dtype would pick): kvslim runs the very blocks llama.cpp runs."""
     from kvslim.bench.peers.llamacpp import gguf_file
     from kvslim.bench.peers.suite import Unavailable
+    from kvslim.formats.registry import resolve_model
     missing = tools.missing()
     if missing:
         raise Unavailable(missing)
-    return gguf_file(tools, kind, f32_gguf(), work / "gguf")
+    return resolve_model(gguf_file(tools, kind, f32_gguf(), work / "gguf"), show_progress=False,
+                         quantized=True)
 
 
 def work_dir(opts: PeerOptions) -> Path:
