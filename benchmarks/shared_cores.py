@@ -1,7 +1,8 @@
 """Decode speed on CPU cores that another process is also using, by thread count and how
-idle threads wait: OpenMP's (OMP_WAIT_POLICY, GOMP_SPINCOUNT) or the thread team kvslim's
-kernels run on (KVSLIM_SPIN_US, csrc/thread_team.h). Each cell runs in a fresh interpreter,
-because both read their settings once.
+idle threads wait (OMP_WAIT_POLICY, GOMP_SPINCOUNT), and whether a native call holds torch's
+threads for its whole length (kvslim's default, csrc/thread_team.h) or splits each kernel over
+OpenMP anew (KVSLIM_THREAD_TEAM=0). Each cell runs in a fresh interpreter, because both settings
+are read once.
 
 The workload is a decode step of SmolLM2-135M's shape (30 layers, hidden 576, MLP 1536,
 batch 1): matrix-vector products, the many small ops that make a step latency-bound.
@@ -69,22 +70,20 @@ per_step = (time.perf_counter() - start) / steps if batch > 1 else \
 print(per_step, torch.get_num_threads())
 """
 
-# How idle threads wait. kvslim's kernels on torch's OpenMP pool (KVSLIM_THREAD_TEAM=0):
-# "unset" (libgomp spins a while, then sleeps), "PASSIVE" (sleep at once), "ACTIVE" (spin), or
-# "spin=N" (unset, GOMP_SPINCOUNT=N iterations); or "team=US": on kvslim's own team, whose
-# workers spin US microseconds before they sleep (torch's own ops on OpenMP with the CLI's
-# GOMP_SPINCOUNT=1000).
-WAITS = ("unset", "PASSIVE", "spin=10000", "team=1000")
+# How idle threads wait, each kernel splitting over OpenMP anew (KVSLIM_THREAD_TEAM=0): "unset"
+# (libgomp spins a while, then sleeps), "PASSIVE" (sleep at once), "ACTIVE" (spin), or
+# "spin=N" (unset, GOMP_SPINCOUNT=N iterations); "team": kvslim's default, a native call
+# holding the threads for its length, with the CLI's GOMP_SPINCOUNT=1000 between calls.
+WAITS = ("unset", "PASSIVE", "spin=1000", "team")
 
 
 def wait_env(wait: str) -> dict:
     env = dict(os.environ)
-    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KVSLIM_SPIN_US"):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         env.pop(name, None)
     env["KVSLIM_THREAD_TEAM"] = "0"
-    if wait.startswith("team="):
+    if wait == "team":
         env.pop("KVSLIM_THREAD_TEAM")
-        env["KVSLIM_SPIN_US"] = wait.removeprefix("team=")
         env["GOMP_SPINCOUNT"] = "1000"
     elif wait.startswith("spin="):
         env["GOMP_SPINCOUNT"] = wait.removeprefix("spin=")
@@ -123,8 +122,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1],
                    help="with --model: sequences decoded together (>1: wall time per step)")
     p.add_argument("--waits", nargs="+", default=list(WAITS),
-                   help="unset, PASSIVE, ACTIVE, spin=N (GOMP_SPINCOUNT) or team=US "
-                        "(KVSLIM_SPIN_US)")
+                   help="unset, PASSIVE, ACTIVE, spin=N (GOMP_SPINCOUNT) or team")
     p.add_argument("--rounds", type=int, default=1, help="turns over the grid (medians)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
