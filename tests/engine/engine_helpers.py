@@ -1,12 +1,14 @@
 """Shared by the engine tests: build an engine on a test checkpoint and run requests to the end."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from checkpoints import VOCAB
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.llm_engine import LLMEngine
 from kvslim.engine.sampling_params import SamplingParams
+from kvslim.kernels import extension
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -49,3 +51,9 @@ def hf_greedy(hf_model, prompts, max_new_tokens) -> list[list[int]]:
                                 max_new_tokens=max_new_tokens, pad_token_id=0)
         refs.append(out[0, len(p):].tolist())
     return refs
+
+
+# The kernel attention backend is kvslim's C++ decode kernel: without the extension the engine
+# refuses it (test_attention_backends checks the message), so the runs that name it skip.
+NO_KERNELS = extension.disabled() or extension.missing_compiler() is not None
+needs_kernels = pytest.mark.skipif(NO_KERNELS, reason="the kernel backend needs kvslim's extension")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvslim.engine.model_runner as model_runner
-from engine_helpers import GREEDY, engine, prompts_of, run, tokens
+from engine_helpers import GREEDY, NO_KERNELS, engine, needs_kernels, prompts_of, run, tokens
 from kvslim.attention import resolve_attention_backend
 from kvslim.attention import backends
 from kvslim.attention.backends import CPU_DEFAULT, CUDA_DEFAULT
@@ -20,13 +20,8 @@ from kvslim.engine.llm_engine import LLMEngine
 from kvslim.engine.model_runner import ModelRunner
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.errors import KvslimError
-from kvslim.kernels import extension
 
-# The kernel backend is kvslim's C++ decode kernel: without the extension the engine refuses it
-# (test_choosing_a_backend checks the message), so its runs are skipped.
-NO_KERNELS = extension.disabled() or extension.missing_compiler() is not None
-KERNEL = pytest.param("kernel", marks=pytest.mark.skipif(
-    NO_KERNELS, reason="the kernel backend needs kvslim's extension"))
+KERNEL = pytest.param("kernel", marks=needs_kernels)
 
 NEW = 8
 PARAMS = SamplingParams(max_tokens=NEW, **GREEDY)

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from checkpoints import VOCAB
-from engine_helpers import GREEDY, engine, prompts_of, run, tokens
+from engine_helpers import GREEDY, NO_KERNELS, engine, prompts_of, run, tokens
 from kvslim.engine import cpu_compile
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.quantization import QuantSpec
@@ -106,10 +106,13 @@ def test_traced_float_moe_and_window_layers_match_eager(hf_checkpoints, variant,
     # (Mixtral's, Gemma 3's local ones) release theirs: a finished prompt leaves no prefix
     # MoE: the compiled step runs every expert on every row, eager only the rows routed to
     # each, and a float linear of one row takes another kernel than of several
-    # (layers/cpu_linear.py): same tokens, not the same bits.
+    # (layers/cpu_linear.py): same tokens, not the same bits. DeepSeek's absorbed heads are
+    # bitwise through kvslim's head_mm kernel only; torch's batched GEMM (no extension) picks
+    # other blockings for other row counts.
     check_compiled_matches_eager(hf_checkpoints[variant], blocks=20 if variant == "gemma3" else 8,
                                  prefix_hits=variant in ("gqa", "deepseek_v3"),
-                                 bitwise=variant != "mixtral")
+                                 bitwise=variant != "mixtral"
+                                 and not (variant == "deepseek_v3" and NO_KERNELS))
 
 
 @pytest.mark.parametrize("kind", ["gptq-4bit", "int8", "w8a8"])
