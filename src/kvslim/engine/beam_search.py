@@ -55,9 +55,11 @@ def beam_score(cumulative_logprob: float, length: int, length_penalty: float) ->
 
 
 class BeamSearch:
-    def __init__(self, scheduler, eos_token_ids: list[int], release=lambda seq: None):
+    def __init__(self, scheduler, eos_token_ids: list[int]):
         self.scheduler = scheduler
-        self.release = release               # the engine's per-sequence state of a dead beam
+        # Beams dropped since the last `take_dropped`: the engine frees their per-sequence
+        # state (handed back, not called back, so no cycle ties this object to the engine).
+        self.dropped: list[Sequence] = []
         self.eos_token_ids = frozenset(eos_token_ids)
         self.groups: dict[str, BeamGroup] = {}
 
@@ -66,6 +68,10 @@ class BeamSearch:
 
     def forget(self, request_id: str) -> None:
         self.groups.pop(request_id, None)
+
+    def take_dropped(self) -> list[Sequence]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
     def advance(self) -> list[str]:
         """Advance every request whose live beams all have candidates; returns the requests
@@ -149,7 +155,7 @@ class BeamSearch:
             results = by_parent.get(parent.seq_id)
             if not results:
                 self.scheduler.finish(parent, "abort")
-                self.release(parent)
+                self.dropped.append(parent)
                 continue
             children = []
             for _ in results[1:]:

@@ -91,7 +91,7 @@ class LLMEngine:
         self.runner.sampler.structured = self.structured
         if self.spec is not None:        # its grammar masks follow chains of drafts only
             self.spec.verifies_chains_only = self.structured.is_constrained
-        self.beams = BeamSearch(self.scheduler, eos, self._release)
+        self.beams = BeamSearch(self.scheduler, eos)
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
@@ -186,6 +186,8 @@ class LLMEngine:
             raise EngineFailedError(f"the model step failed: {type(e).__name__}: {e}") from e
         touched: dict[str, RequestState] = {}
         finished_beams = [self._beam_output(request_id) for request_id in self.beams.advance()]
+        for seq in self.beams.take_dropped():
+            self._release(seq)
         failed = [self._fail(self.requests[request_id], error)
                   for request_id, error in self.structured.take_errors().items()
                   if request_id in self.requests]

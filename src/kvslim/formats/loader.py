@@ -6,7 +6,10 @@ dtype and device, and each tensor read from the safetensors file is copied into 
 sparse (compressed-tensors' bitmask layouts) are made dense as they are read."""
 from __future__ import annotations
 
+import importlib
 import json
+import sys
+import threading
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -58,9 +61,22 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def import_off_stack(module: str) -> None:
+    """Import `module` in a thread of its own. Building a model under a device context
+    imports torch._dynamo lazily, and a function it runs at import (torch.fx.wrap) leaves its
+    frame in a reference cycle: imported from the caller's stack, that frame's f_back chain
+    would keep the caller's locals (an LLM under construction, its KV pool) alive until the
+    cycle collector happens to run."""
+    if module not in sys.modules:
+        thread = threading.Thread(target=importlib.import_module, args=(module,))
+        thread.start()
+        thread.join()
+
+
 def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto",
                device: str | torch.device = "cpu") -> LlamaForCausalLM:
     model_dir = Path(model_dir)
+    import_off_stack("torch._dynamo")
     config = ModelConfig.from_dir(model_dir)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, config, device)
