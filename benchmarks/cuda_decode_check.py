@@ -34,12 +34,9 @@ eagerly, and the HBM and HF parts are skipped (said so in the output)."""
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import shutil
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -48,185 +45,13 @@ import torch
 from kvslim.bench.attention_report import gpu_table
 from kvslim.bench.peer_hf import HFPeer
 from kvslim.bench.workload import Workload, special_ids
-from kvslim.engine.llm import LLM
-from kvslim.engine.sampling_params import SamplingParams
 from kvslim.errors import ConfigError
 from kvslim.formats.registry import default_model_dir
 from kvslim.models.config import ModelConfig
 from kvslim.tokenizer.tokenizer import Tokenizer
 
-# Llama 3.2 1B's layers; the vocabulary is SmolLM2's, whose tokenizer the engine loads.
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
-                rope_theta=500000.0, tie_word_embeddings=True)
-LLAMA_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                   tie_word_embeddings=True)
-FULL = dict(prompt_len=128, new_tokens=128, batch=64, check_prompts=8, kv_cache="4GiB",
-            max_model_len=1024, hf_batches=(16, 32, 64))
-SMOKE = dict(prompt_len=16, new_tokens=4, batch=4, check_prompts=3, kv_cache="8MiB",
-             max_model_len=128, hf_batches=(2, 4))
-ENGINES = [("gather", False), ("gather", True), ("flex", False), ("flex", True)]
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(device: str, fn):
-    sync(device)
-    start = time.perf_counter()
-    out = fn()
-    sync(device)
-    return out, time.perf_counter() - start
-
-
-def random_llama(tokenizer_dir: Path, shape: dict, device: str, root: Path,
-                 dtype: torch.dtype = torch.bfloat16) -> Path:
-    """A Llama checkpoint of `shape` with random weights, SmolLM2's tokenizer beside."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
-    config = LlamaConfig(vocab_size=vocab, bos_token_id=None, eos_token_id=None, **shape)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(root)
-    del model
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, root / name)
-    return root
-
-
-def weight_bytes(llm: LLM) -> int:
-    """Bytes of weights one decode step reads: every parameter once (a tied LM head is the
-    embedding, counted once); an untied embedding table is only indexed, so it is left out."""
-    model = llm.engine.model
-    params = {p.data_ptr(): p for p in model.parameters()}
-    total = sum(p.numel() * p.element_size() for p in params.values())
-    if not model.config.tie_word_embeddings:
-        embed = model.model.embed_tokens.weight
-        total -= embed.numel() * embed.element_size()
-    return total
-
-
-def step_traffic(llm: LLM, plan: dict, batch: int = 1) -> int:
-    """Weights plus the KV cache of `batch` sequences at the mean context while decoding."""
-    runner = llm.engine.runner
-    kv_per_token = runner.bytes_per_block // llm.engine.config.block_size
-    context = plan["prompt_len"] + plan["new_tokens"] // 2
-    return weight_bytes(llm) + batch * context * kv_per_token
-
-
-def build_engine(model_dir: Path, dtype: str, device: str, backend: str, graphs: bool,
-                 plan: dict) -> LLM:
-    llm = LLM(str(model_dir), dtype=dtype, device=device, kv_cache_memory=plan["kv_cache"],
-              max_num_seqs=plan["batch"], max_model_len=plan["max_model_len"],
-              max_num_batched_tokens=2048, enable_prefix_caching=False,
-              enforce_eager=not graphs, attention_backend=backend)
-    if graphs and device != "cuda":
-        llm.engine.runner.enable_padded_decode()      # the graphs' padded path, eagerly
-    return llm
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def measure_engine(llm: LLM, prompts: list[list[int]], check: list[list[int]], plan: dict,
-                   device: str) -> dict:
-    """Tokens of the check batch, batch-1 decode rate and offline throughput."""
-    n = plan["new_tokens"]
-    outs = llm.generate(check, greedy(n), use_tqdm=False)
-    result = {"tokens": [o.outputs[0].token_ids for o in outs]}
-    # warm-up: every shape timed below (a compiled flex kernel meeting a new one compiles, and
-    # the first GPU run timed such a compilation into batch-1's first token: a negative rate)
-    llm.generate(prompts, greedy(4), use_tqdm=False)
-    llm.generate(prompts[:1], greedy(4), use_tqdm=False)
-    _, first = timed(device, lambda: llm.generate(prompts[:1], greedy(1), use_tqdm=False))
-    _, whole = timed(device, lambda: llm.generate(prompts[:1], greedy(n), use_tqdm=False))
-    step_s = (whole - first) / max(1, n - 1)
-    _, batch_s = timed(device, lambda: llm.generate(prompts, greedy(n), use_tqdm=False))
-    result.update(decode_tok_s=round(1 / step_s, 1), step_bytes=step_traffic(llm, plan),
-                  throughput_tok_s=round(len(prompts) * n / batch_s, 1))
-    return result
-
-
-def hbm(entry: dict, step_bytes: int, hbm_gbps: float, device: str) -> None:
-    """GB/s a batch-1 step moves and its fraction of the peak (CUDA only)."""
-    if device == "cuda" and "decode_tok_s" in entry:
-        gb_s = step_bytes * entry["decode_tok_s"] / 1e9
-        entry.update(gb_s=round(gb_s, 1), hbm_fraction=round(gb_s / hbm_gbps, 3))
-
-
-def run_engines(model_dir: Path, dtype: str, device: str, prompts, check, plan: dict,
-                hbm_gbps: float) -> list[dict]:
-    entries, reference = [], None
-    for backend, graphs in ENGINES:
-        entry, llm = {"backend": backend, "graphs": graphs}, None
-        try:
-            llm, entry["startup_s"] = timed(device, lambda: build_engine(
-                model_dir, dtype, device, backend, graphs, plan))
-            entry["resolved_backend"] = llm.engine.runner.attention_backend
-            entry.update(measure_engine(llm, prompts, check, plan, device))
-            hbm(entry, entry["step_bytes"], hbm_gbps, device)
-        except Exception as e:           # one engine failing must not lose the others' numbers
-            entry["error"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        llm = None
-        release(device)
-        tokens = entry.pop("tokens", None)
-        if reference is None and tokens is not None:
-            reference = tokens            # the eager gather engine's, when it ran
-        if tokens is not None:
-            entry["tokens_identical"] = tokens == reference
-            entry["first_difference"] = first_difference(tokens, reference)
-        entries.append(entry)
-        print(f"[check] {model_dir.name} {backend} graphs={graphs}: "
-              f"{ {k: v for k, v in entry.items() if k not in ('backend', 'graphs')} }",
-              file=sys.stderr, flush=True)
-    return entries
-
-
-def first_difference(got: list[list[int]], want: list[list[int]]) -> list[int] | None:
-    """(prompt, token index) of the first token that differs, or None."""
-    for i, (a, b) in enumerate(zip(got, want)):
-        for j, (x, y) in enumerate(zip(a, b)):
-            if x != y:
-                return [i, j]
-    return None
-
-
-def count_equal_to_first(entries: list[dict], key: str) -> None:
-    """Each entry's `tokens` (popped) against the first entry's: `key` = how many prompts got
-    the same greedy tokens, with `prompts` beside it."""
-    reference = entries[0].get("tokens") if entries else None
-    for e in entries:
-        tokens = e.pop("tokens", None)
-        if tokens is not None and reference is not None:
-            e[key] = sum(a == b for a, b in zip(tokens, reference))
-            e["prompts"] = len(reference)
-
-
-def check_main(check, description: str) -> int:
-    """The command line of a check that returns {"engines": [...]} (cuda_quantized_check,
-    cuda_sparse24_check): --smoke, --out; exit status 1 when an engine failed."""
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes")
-    ap.add_argument("--out", type=Path, help="write the numbers here (JSON)")
-    args = ap.parse_args()
-    report = check(args.smoke)
-    text = json.dumps(report, indent=2)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
-    return 1 if any("error" in e for e in report.get("engines", [])) else 0
-
-
-def release(device: str) -> None:
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+from cuda_check_common import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, hbm, random_llama, release,
+                               run_engines)
 
 
 def run_hf(model_dir: Path, dtype: str, device: str, prompts, plan: dict,

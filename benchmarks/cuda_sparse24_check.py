@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from cuda_decode_check import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, check_main,
+from cuda_check_common import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, check_main,
                                count_equal_to_first, greedy, random_llama, release, timed)
 from kvslim.bench.workload import Workload, special_ids
 from kvslim.engine.llm import LLM

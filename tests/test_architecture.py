@@ -4,6 +4,7 @@ function sizes, the KV-cache formula written once, and each engine option declar
 Every `import` counts, including the lazy ones inside functions: a lazy import hides a dependency
 from the top of the file, it does not remove it."""
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ MAX_LINES = 400
 MAX_FUNCTION_LINES = 60
 
 # Folder (or top-level module) -> the folders and modules it may import. Lower layers first:
-# base (errors, paths, device) <- tokenizer, layers, attention <- quantization (beside layers:
+# base (errors, paths, device, dtypes) <- tokenizer, layers, attention <- quantization (beside layers:
 # it builds on them) <- models <- formats <- parallel <- engine <- server; the KV-cache plan
 # (kv_cache: groups, block arithmetic, KVCachePlan) sits on models, below the engine, the
 # planner and parallel; surgery/train/eval use models/formats/tokenizer (and train's corpus
@@ -22,12 +23,13 @@ MAX_FUNCTION_LINES = 60
 # bench uses engine/formats/plan/models
 # (and surgery's conversions); cli, demo and the package's
 # __init__ (the public `from kvslim import LLM, SamplingParams`) use anything.
-BASE = {"errors", "paths", "device"}
+BASE = {"errors", "paths", "device", "dtypes"}
 KERNELS = BASE | {"tokenizer", "layers", "attention", "kernels"}
 ALLOWED = {
     "errors": set(),
     "paths": {"errors"},
     "device": {"errors"},
+    "dtypes": {"errors"},          # every dtype name, alias, width and torch dtype
     "tokenizer": BASE,
     # kvslim's own C++ kernels (built on first use) and their packing, below every layer.
     "kernels": BASE,
@@ -258,11 +260,8 @@ def test_kv_formula_is_written_once():
 # Other commands that name one of their own settings like an engine option (training's dtype
 # and device, a GGUF export's tensor type, `kvslim info`'s and the planner's dtype vocabularies,
 # the conversion's tensor-parallel warning): not a second declaration of the engine's option.
-OTHER_MEANINGS = {("cli/train_cmds.py", "--dtype"), ("cli/train_cmds.py", "--device"),
-                  ("cli/model_cmds.py", "--dtype"), ("cli/surgery_cmds.py", "--dtype"),
-                  ("cli/surgery_cmds.py", "--device"),
-                  ("cli/surgery_cmds.py", "--tensor-parallel-size"),
-                  ("cli/memory_cmds.py", "--dtype")}
+OTHER_MEANINGS = {("cli/train_cmds.py", "--device"), ("cli/surgery_cmds.py", "--device"),
+                  ("cli/surgery_cmds.py", "--tensor-parallel-size")}
 
 
 def hand_written_flags(flags: set[str]) -> list[str]:
@@ -292,10 +291,26 @@ def test_each_engine_option_is_declared_once():
     assert not llm.args.kwonlyargs
 
 
-def test_the_kv_cache_dtypes_are_written_once():
-    """The engine's quantized KV-cache dtypes are one constant (attention/kv_cache.py); the
-    planner's names for them are one table beside the KV-cache plan."""
+def test_the_dtype_names_are_written_once():
+    """Every dtype spelling (float and KV-cache names, their aliases, the planner's short names)
+    is one table, dtypes.py: no other file of the package spells an fp8 dtype, and every
+    command's --dtype is the engine option's flag (with the command's own default, choices or
+    help), not a flag of its own."""
     sites = [f"{path.relative_to(SRC)}:{node.lineno}" for path in source_files()
              for node in ast.walk(ast.parse(path.read_text(), str(path)))
-             if isinstance(node, ast.Constant) and node.value == "fp8_e4m3"]
-    assert [s.split(":")[0] for s in sites] == ["attention/kv_cache.py", "kv_cache/plan.py"], sites
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and re.search(r"\bfp8|float8", node.value) and not is_docstring(path, node)]
+    assert {s.split(":")[0] for s in sites} == {"dtypes.py"}, sites
+    assert not hand_written_flags({"--dtype"})
+
+
+def is_docstring(path: Path, node: ast.Constant) -> bool:
+    """Whether `node` is a module's, class's or function's docstring (prose, not a spelling)."""
+    tree = _trees.setdefault(path, ast.parse(path.read_text(), str(path)))
+    return any(isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+               and n.body and isinstance(n.body[0], ast.Expr)
+               and n.body[0].value.lineno == node.lineno
+               and n.body[0].value.col_offset == node.col_offset for n in ast.walk(tree))
+
+
+_trees: dict[Path, ast.Module] = {}

@@ -9,7 +9,7 @@ from kvslim.attention import DenseAttention
 from kvslim.formats.loader import load_model
 from kvslim.layers.linear import Linear, MergedLinear, QKVLinear
 from kvslim.layers.rope import apply_rope
-from kvslim.models.llama import default_positions
+from kvslim.models.causal_lm import default_positions
 
 
 def unfused_logits(model, ids):

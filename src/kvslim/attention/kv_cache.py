@@ -20,15 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from kvslim.dtypes import KV_CACHE_DTYPES, KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES  # noqa: F401
 from kvslim.errors import KvslimError
 from kvslim.kernels import store_slots as slot_kernel
 
-KV_SCALE_DTYPE = torch.float16
-# The quantized KV dtypes the engine offers, and the largest magnitude each stores.
-QUANTIZED_KV_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
-# What `kv_cache_dtype` (`--kv-cache-dtype`) accepts: "auto" (the model's dtype) or one of those.
-KV_CACHE_DTYPES = ("auto", *QUANTIZED_KV_DTYPES)
-_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # float16's smallest normal number: a row of zeros gets this scale instead of a division by 0.
 _MIN_SCALE = 2.0 ** -14
 
@@ -127,7 +122,7 @@ def _(cache, slots, values) -> None:
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (elements [..., D] in `dtype`, float16 scales [...]), symmetric per row."""
-    qmax = _QMAX[dtype]
+    qmax = float(torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max)
     amax = x.abs().amax(dim=-1).float()
     scale = (amax / qmax).clamp(min=_MIN_SCALE).to(KV_SCALE_DTYPE)
     y = (x.float() / scale.float().unsqueeze(-1)).clamp(-qmax, qmax)
@@ -148,11 +143,11 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype,
         return model_dtype
     dtype = QUANTIZED_KV_DTYPES[name]
     if dtype.is_floating_point:
-        _check_fp8(dtype, device)
+        _check_float8(name, dtype, device)
     return dtype
 
 
-def _check_fp8(dtype: torch.dtype, device: torch.device) -> None:
+def _check_float8(name: str, dtype: torch.dtype, device: torch.device) -> None:
     try:
         x = torch.linspace(-2, 2, 16, device=device).view(2, 8)
         cache = torch.zeros(4, 8, dtype=dtype, device=device)
@@ -160,8 +155,8 @@ def _check_fp8(dtype: torch.dtype, device: torch.device) -> None:
         back = cache.index_select(0, torch.tensor([3], device=device)).float()
         ok = bool(torch.allclose(back, x[1:], atol=0.13))
     except (RuntimeError, TypeError, NotImplementedError) as e:
-        raise KvslimError(f"kv_cache_dtype=fp8_e4m3 is not supported on {device} by torch "
+        raise KvslimError(f"kv_cache_dtype={name} is not supported on {device} by torch "
                           f"{torch.__version__} ({e}); use int8") from None
     if not ok:
-        raise KvslimError(f"kv_cache_dtype=fp8_e4m3: float8 round trip is wrong on {device} "
+        raise KvslimError(f"kv_cache_dtype={name}: its round trip is wrong on {device} "
                           f"with torch {torch.__version__}; use int8")

@@ -39,7 +39,9 @@ def flag_of(f) -> str:
 def add_engine_flags(p, *names: str, **overrides: dict) -> None:
     """The flags of the engine options `names` (EngineConfig's field names), generated from the
     fields: type, default, choices, metavar and help. `overrides[name]`: add_argument keywords
-    that replace the field's for this command (its own default, narrower choices, its help)."""
+    that replace the field's for this command (its own default, narrower choices, its help),
+    and `aliases`, more spellings of the flag. Every command's --dtype is declared here: the
+    engine's, or the engine's with this command's own meaning."""
     import typing
 
     from kvslim.engine.config import EngineConfig
@@ -62,7 +64,10 @@ def add_engine_flags(p, *names: str, **overrides: dict) -> None:
             kwargs["default"] = f.default
             kwargs.update({k: meta[k] for k in ("choices", "metavar") if meta[k] is not None})
         kwargs.update(overrides.get(name, {}))
-        p.add_argument(flag_of(f), **kwargs)
+        aliases = kwargs.pop("aliases", ())
+        if aliases:
+            kwargs["dest"] = flag_of(f).removeprefix("--").replace("-", "_")
+        p.add_argument(flag_of(f), *aliases, **kwargs)
 
 
 def engine_options_from_args(args) -> dict:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from kvslim.cli.engine_args import add_engine_flags
+from kvslim.dtypes import DTYPES
 
 
 def register(sub) -> None:
@@ -16,10 +17,11 @@ def register(sub) -> None:
     p.add_argument("--list", action="store_true", help="list the built-in published configs")
     p.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--batch", type=int, default=1, help="concurrent sequences (default 1)")
-    p.add_argument("--dtype", help="weight dtype: fp32, fp16, bf16, fp8, int8, int4 "
-                                   "(default: the dtype in config.json)")
+    add_engine_flags(p, "dtype", dtype=dict(
+        default=None, help=f"weight dtype: {', '.join(d.short for d in DTYPES)} (default: the dtype in "
+                           "config.json)"))
     p.add_argument("--kv-dtype", help="KV-cache dtype, same choices (default: --dtype, or fp16 "
-                                      "when the weights are fp8/int8/int4)")
+                                      "when the weights are 8 or 4 bits)")
     p.add_argument("--memory", help="device budget, e.g. 24GiB or 80GB (GB = 10^9, GiB = 2^30)")
     add_engine_flags(
         p, "block_size", "tensor_parallel_size",

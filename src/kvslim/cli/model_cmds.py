@@ -3,29 +3,35 @@ from __future__ import annotations
 
 import json
 
+from kvslim.cli.engine_args import add_engine_flags
+
 
 def register(sub) -> None:
+    from kvslim.dtypes import MODEL_DTYPES, QUANTIZED_KV_DTYPES
     from kvslim.formats.gguf.archs import SUPPORTED_GGUF_ARCHITECTURES
+    from kvslim.formats.gguf.exporter import EXPORT_DTYPES
     p = sub.add_parser("import-gguf", help="convert a GGUF file to an HF model directory")
     p.add_argument("gguf", metavar="FILE",
                    help="GGUF file of one of the architectures "
                         f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (llama with experts: Mixtral)")
     p.add_argument("out", metavar="OUT_DIR", help="output model directory")
-    p.add_argument("--dtype", default="auto", choices=("auto", "quantized", "float32"),
-                   help="auto (default): a file whose linear layers are all Q4_0, Q4_1, Q5_0, "
+    add_engine_flags(p, "dtype", dtype=dict(
+        default="auto", choices=("auto", "quantized", "float32"),
+        help="auto (default): a file whose linear layers are all Q4_0, Q4_1, Q5_0, "
                         "Q8_0, Q4_K or Q6_K (any mix) keeps them quantized (the .gguf goes into "
                         "OUT_DIR), else float32 with a note; quantized: the same, but a linear "
                         "of another type is an error; float32: every tensor dequantized to "
-                        "float32 safetensors")
+                        "float32 safetensors"))
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_import_gguf)
 
     p = sub.add_parser("export-gguf", help="write a model as a llama.cpp / Ollama GGUF file")
     p.add_argument("model", metavar="MODEL", help="model directory, .gguf file or 'default'")
     p.add_argument("out", metavar="FILE", help="output .gguf file")
-    p.add_argument("--dtype", "--outtype", dest="dtype", default="f16",
-                   help="tensor type: f32, f16, bf16, q8_0, q4_0 or q4_1 (default f16; norms "
-                        "stay f32; q4_0/q4_1 keep the token embeddings at q8_0)")
+    add_engine_flags(p, "dtype", dtype=dict(
+        default="f16", aliases=("--outtype",),
+        help=f"tensor type: {', '.join(EXPORT_DTYPES)} (default f16; norms stay f32; q4_0/q4_1 keep the token embeddings "
+             "at q8_0)"))
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_export_gguf)
 
@@ -33,9 +39,10 @@ def register(sub) -> None:
     p.add_argument("model", metavar="MODEL", nargs="?", default=None,
                    help="model directory, .gguf file or 'default' (default: the embedded "
                         "SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", help="KV-cache dtype for the bytes per token: float32, bfloat16, "
-                                   "float16, or int8 / fp8_e4m3 (with their float16 scales, as "
-                                   "the engine stores them; default: the weights' dtype)")
+    add_engine_flags(p, "dtype", dtype=dict(
+        default=None, help="KV-cache dtype for the bytes per token: " + ", ".join(
+            (*MODEL_DTYPES, *QUANTIZED_KV_DTYPES)) + " (a quantized one with its float16 "
+        "scales, as the engine stores them; default: the weights' dtype)"))
     p.add_argument("--json", action="store_true", help="print as JSON")
     p.set_defaults(func=run_info)
 

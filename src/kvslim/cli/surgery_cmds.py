@@ -5,6 +5,7 @@ import json
 
 from kvslim.cli.engine_args import add_engine_flags
 from kvslim.cli.train_cmds import add_loop_args, loop_kwargs, record_command
+from kvslim.dtypes import MODEL_DTYPES
 from kvslim.errors import KvslimError
 
 
@@ -83,7 +84,8 @@ def _register_ppl(sub) -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--stride", type=int, default=256)
     p.add_argument("--max-tokens", type=int, help="score only the first N tokens")
-    p.add_argument("--dtype", default="float32")
+    add_engine_flags(p, "dtype", dtype=dict(default="float32", choices=None,
+                                            help=f"{', '.join(MODEL_DTYPES)} (default float32)"))
     p.add_argument("--device", default="cpu")
     add_engine_flags(p, "linear_activations", linear_activations=dict(
         default=None, help="score the engine's kernels with float32 or int8 activations "

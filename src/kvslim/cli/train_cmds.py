@@ -6,6 +6,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from kvslim.cli.engine_args import add_engine_flags
 from kvslim.train.train_config import ModelShape, PRESETS, TrainConfig, shape_from_preset
 
 
@@ -43,7 +44,8 @@ def add_loop_args(p, steps: int, lr: float, warmup: int) -> None:
     p.add_argument("--warmup-steps", type=int, default=warmup)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_engine_flags(p, "dtype", dtype=dict(default="float32", choices=["float32", "bfloat16"],
+                                            help="training dtype (default float32)"))
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--save-every", type=int, default=250)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from kvslim.attention.backends import ATTENTION_BACKENDS
-from kvslim.attention.kv_cache import KV_CACHE_DTYPES
+from kvslim.dtypes import KV_CACHE_DTYPES
 from kvslim.engine.speculative.config import SpeculativeConfig
 from kvslim.errors import KvslimError
 from kvslim.kernels.activations import LINEAR_ACTIVATIONS
@@ -65,8 +65,8 @@ class EngineConfig:
                                 "value their float one)")
     device: str = option("auto", "cpu, cuda or auto")
     kv_cache_dtype: str = option(
-        "auto", "KV-cache storage: auto (the model's dtype), int8 or fp8_e4m3, with a float16 "
-                "scale per token and KV head (default auto)", choices=KV_CACHE_DTYPES)
+        "auto", "KV-cache storage: auto (the model's dtype) or " + " or ".join(KV_CACHE_DTYPES[1:])
+        + ", with a float16 scale per token and KV head (default auto)", choices=KV_CACHE_DTYPES)
     # Bytes for K and V of all layers (per tensor-parallel rank); a size text is parsed.
     kv_cache_memory: int | str = option(
         "1GiB", "KV-cache budget per tensor-parallel rank, e.g. 512MiB, 2GiB (default "

@@ -10,7 +10,7 @@ from kvslim.engine.beam_search import BeamSearch
 from kvslim.engine.block_manager import BlockManager
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.input_processor import InputProcessor
-from kvslim.engine.model_runner import ModelRunner, kv_cache_plan_of
+from kvslim.engine.model_runner import ModelRunner, RunnerFeatures, kv_cache_plan_of
 from kvslim.engine.output_processor import OutputProcessor, RequestState
 from kvslim.engine.parallel_executor import TensorParallelExecutor
 from kvslim.engine.parallel_worker import RankKVStats, kv_stats
@@ -21,7 +21,7 @@ from kvslim.engine.sequence import Sequence
 from kvslim.engine.speculative.decoder import SpecDecodeStats, SpeculativeDecoder
 from kvslim.engine.speculative.draft import DraftModelProposer
 from kvslim.engine.speculative.learned import LEARNED_METHODS, learned_proposer
-from kvslim.engine.speculative.verify import TypicalAcceptance
+from kvslim.engine.speculative.verify import typical_acceptance_of
 from kvslim.errors import ConfigError, EngineFailedError, InvalidRequestError, KvslimError
 from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
@@ -69,7 +69,14 @@ class LLMEngine:
         self.eos_token_ids = eos
         self.kv_plan = kv_cache_plan_of(self.model, self.config)
         self.max_model_len = self.kv_plan.max_model_len
-        self.runner = ModelRunner(self.model, self.config, eos, self.kv_plan)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos)
+        self.structured = StructuredOutputManager(self.grammar_compiler,
+                                                  self.model_config.vocab_size)
+        learned = self._learned_proposer()
+        self.runner = ModelRunner(self.model, self.config, eos, self.kv_plan, RunnerFeatures(
+            structured=self.structured, typical_acceptance=typical_acceptance_of(
+                self.config.speculative),
+            hidden_windows=learned.windows if learned is not None else None))
         # What runs each step: the runner, or the executor that runs it on every rank.
         self.executor = (self.runner if self.parallel is None
                          else self.parallel.attach(self.runner, self.max_model_len, eos))
@@ -81,16 +88,10 @@ class LLMEngine:
                                    self.config.max_num_batched_tokens, eos,
                                    self.config.enable_chunked_prefill,
                                    longrope_original_context(self.model_config.rope_scaling))
-        self.spec = self._speculative_decoder()
+        self.spec = self._speculative_decoder(learned)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.config, self.kv_plan)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos)
-        self.structured = StructuredOutputManager(self.grammar_compiler,
-                                                  self.model_config.vocab_size)
-        self.runner.sampler.structured = self.structured
-        if self.spec is not None:        # its grammar masks follow chains of drafts only
-            self.spec.verifies_chains_only = self.structured.is_constrained
         self.beams = BeamSearch(self.scheduler, eos)
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
@@ -100,7 +101,17 @@ class LLMEngine:
         self.peak_num_running = 0                    # most sequences decoded in one step
         self.peak_used_blocks = 0
 
-    def _speculative_decoder(self) -> SpeculativeDecoder | None:
+    def _learned_proposer(self):
+        """Medusa's or EAGLE's heads on the target's hidden states, when speculation asks."""
+        spec = self.config.speculative
+        if spec is None or spec.method not in LEARNED_METHODS:
+            return None
+        if self.parallel is not None:
+            raise KvslimError(f"speculative method {spec.method!r} does not run with "
+                              "tensor_parallel_size > 1 yet")
+        return learned_proposer(spec, self.model)
+
+    def _speculative_decoder(self, learned) -> SpeculativeDecoder | None:
         spec = self.config.speculative
         if spec is None:
             return None
@@ -110,17 +121,8 @@ class LLMEngine:
             draft = DraftModelProposer(resolve_model(spec.model), self.config,
                                        self.runner.num_blocks, self.max_model_len,
                                        self.model_config.vocab_size, self.eos_token_ids)
-        if spec.acceptance == "typical":
-            self.runner.sampler.typical_acceptance = TypicalAcceptance(spec.typical_threshold,
-                                                                       spec.typical_alpha)
-        learned = None
-        if spec.method in LEARNED_METHODS:
-            if self.parallel is not None:
-                raise KvslimError(f"speculative method {spec.method!r} does not run with "
-                                  "tensor_parallel_size > 1 yet")
-            learned = learned_proposer(spec, self.model)
-            self.runner.hidden_windows = learned.windows
-        return SpeculativeDecoder(spec, draft, learned)
+        # A constrained sequence's grammar masks follow chains of drafts only.
+        return SpeculativeDecoder(spec, draft, learned, self.structured.is_constrained)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

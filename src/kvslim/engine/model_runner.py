@@ -4,6 +4,7 @@ runs the model and samples."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -19,10 +20,12 @@ from kvslim.engine.hidden_window import HiddenWindows
 from kvslim.engine.prompt_logprobs import record_prompt_logprobs
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
+from kvslim.engine.speculative.verify import TypicalAcceptance
 from kvslim.layers.rope import longrope_original_context
 from kvslim.kv_cache.groups import first_needed_block
 from kvslim.kv_cache.plan import KVCachePlan, plan_kv_cache
-from kvslim.models.llama import LlamaForCausalLM
+from kvslim.models.causal_lm import CausalLM
+from kvslim.structured.manager import StructuredOutputManager
 
 
 def kv_cache_plan_of(model, config: EngineConfig, **given) -> KVCachePlan:
@@ -35,13 +38,23 @@ def kv_cache_plan_of(model, config: EngineConfig, **given) -> KVCachePlan:
     return plan_kv_cache(model.config, kv_dtype, config, **given)
 
 
+@dataclass
+class RunnerFeatures:
+    """What an engine plugs into its runner at construction (none by default)."""
+    structured: StructuredOutputManager | None = None   # structured outputs' logits masks
+    typical_acceptance: TypicalAcceptance | None = None  # speculation's typical acceptance
+    # Medusa and EAGLE guess from the hidden states that drew each sequence's latest tokens:
+    # kept per sequence when a proposer reads them.
+    hidden_windows: HiddenWindows | None = None
+
+
 def is_quantized(kv_dtype: torch.dtype) -> bool:
     return kv_dtype in QUANTIZED_KV_DTYPES.values()
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, eos_token_ids,
-                 kv_plan: KVCachePlan):
+    def __init__(self, model: CausalLM, config: EngineConfig, eos_token_ids,
+                 kv_plan: KVCachePlan, features: RunnerFeatures | None = None):
         """Allocates the KV cache `kv_plan` sizes (`kv_cache_plan_of`)."""
         self.model = model
         self.config = config
@@ -69,12 +82,12 @@ class ModelRunner:
         max_blocks_per_seq = -(-kv_plan.max_model_len // self.block_size)
         self.block_tables = BlockTables(config.max_num_seqs, max_blocks_per_seq, self.device,
                                         len(self.kv_groups.groups))
-        self.sampler = Sampler(mc.vocab_size, self.device, eos_token_ids, config.seed)
+        features = features or RunnerFeatures()
+        self.sampler = Sampler(mc.vocab_size, self.device, eos_token_ids, config.seed,
+                               features.structured, features.typical_acceptance)
         self.decode_graphs = (self._decode_graphs(use_graphs, compiled)
                               if use_graphs or compiled else None)
-        # Medusa and EAGLE guess from the hidden states that drew each sequence's latest
-        # tokens: kept per sequence when a proposer reads them (set by the engine).
-        self.hidden_windows: HiddenWindows | None = None
+        self.hidden_windows = features.hidden_windows
 
     def _allocate_cache(self, reserved_blocks: int) -> None:
         """One K/V tensor per position in a KV-cache group, [K/V, blocks, block_size, kv_heads,

@@ -48,17 +48,20 @@ class PenaltyState:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids, seed: int = 0):
+    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids, seed: int = 0,
+                 structured: StructuredOutputManager | None = None,
+                 typical_acceptance: TypicalAcceptance | None = None):
+        """structured: the grammar masks of structured outputs; typical_acceptance: Medusa's
+        typical acceptance for speculation (not exact; one-hot drafts only: a draft model's q
+        keeps the exact rule)."""
         self.vocab_size = vocab_size
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.generators: dict[tuple[str, int], torch.Generator] = {}
         self.penalties: dict[int, PenaltyState] = {}
-        self.structured: StructuredOutputManager | None = None     # set by the engine
-        # Set by the engine when speculation asks for Medusa's typical acceptance (not exact;
-        # one-hot drafts only: a draft model's q keeps the exact rule).
-        self.typical_acceptance: TypicalAcceptance | None = None
+        self.structured = structured
+        self.typical_acceptance = typical_acceptance
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished sequence's state."""

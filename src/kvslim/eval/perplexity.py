@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from kvslim.errors import KvslimError
-from kvslim.models.llama import LlamaForCausalLM
+from kvslim.models.causal_lm import CausalLM
 
 
 @dataclass
@@ -47,7 +47,7 @@ def windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, 
 
 
 @torch.no_grad()
-def perplexity(model: LlamaForCausalLM, tokens, context: int = 512, stride: int = 256,
+def perplexity(model: CausalLM, tokens, context: int = 512, stride: int = 256,
                max_tokens: int | None = None, batch_size: int = 8,
                show_progress: bool = True, bos_token_id: int | None = None) -> PerplexityResult:
     """bos_token_id: put it before every window (unscored), as the model sees every prompt

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from kvslim.attention import QUANTIZED_KV_DTYPES
-from kvslim.models.config import ModelConfig, dtype_name, parse_dtype
+from kvslim.dtypes import QUANTIZED_KV_DTYPES
+from kvslim.models.config import ModelConfig
+from kvslim.dtypes import dtype_name, parse_dtype
 from kvslim.formats.loader import IGNORED_SUFFIXES, weight_files
 
 

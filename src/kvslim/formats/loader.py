@@ -2,7 +2,7 @@
 
 The model is built on the meta device, its parameters are then allocated once in their final
 dtype and device, and each tensor read from the safetensors file is copied into its place
-(`LlamaForCausalLM.load_weights`), so no second full copy of the weights exists. Weights stored
+(`CausalLM.load_weights`), so no second full copy of the weights exists. Weights stored
 sparse (compressed-tensors' bitmask layouts) are made dense as they are read."""
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from kvslim.errors import WeightsError
 from kvslim.formats.quant_layouts import LAYOUTS, gptq_weights
 from kvslim.formats.compressed_tensors_int import is_symmetric_zero_point
 from kvslim.formats.compressed_tensors_sparse import dense_weights, stored_sparsity
-from kvslim.models.config import ModelConfig, parse_dtype
+from kvslim.models.config import ModelConfig
+from kvslim.dtypes import parse_dtype
 from kvslim.models.families import family_of, model_class
-from kvslim.models.llama import LlamaForCausalLM
+from kvslim.models.causal_lm import CausalLM
 from kvslim.layers.rope import RotaryEmbedding
 
 # Buffers some older checkpoints saved that are recomputed from the config instead.
@@ -74,7 +75,7 @@ def import_off_stack(module: str) -> None:
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto",
-               device: str | torch.device = "cpu") -> LlamaForCausalLM:
+               device: str | torch.device = "cpu") -> CausalLM:
     model_dir = Path(model_dir)
     import_off_stack("torch._dynamo")
     config = ModelConfig.from_dir(model_dir)
@@ -199,7 +200,7 @@ def _check(path: Path, name: str, shape: tuple[int, ...], config: ModelConfig,
 
 def init_model(config: ModelConfig, seed: int = 0, std: float = 0.02,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-               ) -> LlamaForCausalLM:
+               ) -> CausalLM:
     """A freshly initialised model (normal(0, std) linears and embeddings, unit norms). Values
     are drawn per HF-named tensor in checkpoint order, so a fused parameter gets the same
     values its separate checkpoint matrices would."""

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kvslim.models.config import ModelConfig, dtype_name
+from kvslim.models.config import ModelConfig
+from kvslim.dtypes import dtype_name
 from kvslim.models.families import family_of
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -17,13 +17,14 @@ from typing import Any
 from kvslim.errors import KvslimError
 from kvslim.kv_cache.groups import KVCacheGroups, blocks_held, kv_cache_groups, longest_sequence
 from kvslim.models.config import ModelConfig
+from kvslim.dtypes import DTYPES
 
 DEFAULT_BLOCK_SIZE = 16    # tokens per block: the engine's default and the planner's
 
 # The planner's names (`kvslim memory --kv-dtype`, plan/memory.py) for the engine's quantized
-# KV-cache dtypes (`--kv-cache-dtype`, attention/kv_cache.py's QUANTIZED_KV_DTYPES): the caches
-# stored with a float16 scale per token and KV head.
-ENGINE_KV_DTYPES = {"int8": "int8", "fp8": "fp8_e4m3"}
+# KV-cache dtypes (`--kv-cache-dtype`): the caches stored with a float16 scale per token and KV
+# head.
+ENGINE_KV_DTYPES = {d.short: d.name for d in DTYPES if d.kv_quantized}
 
 
 @dataclass(frozen=True)

@@ -9,43 +9,37 @@ from typing import Any
 
 import torch
 
-from kvslim.attention.kv_cache import KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES
+from kvslim.dtypes import KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, parse_dtype
 from kvslim.errors import ConfigError
 from kvslim.layers.rope import validate_rope_scaling
-from kvslim.models.families import BY_ARCHITECTURE, FAMILIES
 from kvslim.models.hf_fields import (LAYER_KV_HEADS_KEY, activation_from_hf,
                                      check_rotary_fraction, layer_kv_heads_from_hf, rope_from_hf)
 from kvslim.models.shape_only import MLAConfig, MoEConfig
 from kvslim.quantization import QuantSpec
 
+# The families (models/base.py's `Family`), by architecture. models/families.py registers
+# them when the package kvslim.models is imported; this file reads them and never imports
+# them, so that each family's file can name ModelConfig without an import circle.
+BY_ARCHITECTURE: dict[str, Any] = {}
 # Architectures a model in models/ implements: the engine runs them.
-SUPPORTED_ARCHITECTURES = {f.architecture: f.model_type for f in FAMILIES if f.runnable}
+SUPPORTED_ARCHITECTURES: dict[str, str] = {}
 # Architectures read for their shapes only (`from_hf_dict(..., runnable=False)`), so that the
 # memory planner sizes them from the same parser; nothing in kvslim runs them (none today).
-SHAPE_ONLY_ARCHITECTURES = {f.architecture: f.model_type for f in FAMILIES if not f.runnable}
-ARCHITECTURES = {**SUPPORTED_ARCHITECTURES, **SHAPE_ONLY_ARCHITECTURES}
+SHAPE_ONLY_ARCHITECTURES: dict[str, str] = {}
+ARCHITECTURES: dict[str, str] = {}
 
-DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
+
+def register_families(families) -> None:
+    """Make `families` (in message order) known to ModelConfig."""
+    for f in families:
+        BY_ARCHITECTURE[f.architecture] = f
+        (SUPPORTED_ARCHITECTURES if f.runnable else SHAPE_ONLY_ARCHITECTURES)[f.architecture] \
+            = f.model_type
+        ARCHITECTURES[f.architecture] = f.model_type
+
 # The config.json key `kvslim prune` records what it did under: a pruned model is not pruned
 # again, and uptraining keeps its zeros.
 PRUNING_KEY = "kvslim_pruning"
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    key = str(name).removeprefix("torch.")
-    if key not in DTYPES:
-        raise ConfigError(f"unknown dtype {name!r}; choose one of float32, bfloat16, float16")
-    return DTYPES[key]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass

@@ -4,20 +4,16 @@ and what it supports); this list is where a new one is added. Code outside model
 `family_of(config)` instead of testing architecture names."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvslim.models import (deepseek_v2, deepseek_v3, gemma3, llama, mistral, mixtral, phi3,
                            qwen2, qwen3, qwen3_moe)
 from kvslim.models.base import Family
-
-if TYPE_CHECKING:
-    from kvslim.models.config import ModelConfig
+from kvslim.models.config import BY_ARCHITECTURE, ModelConfig, register_families
 
 # In this order in messages (the architectures kvslim supports, the GGUF ones it imports)
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
                                 gemma3.FAMILY, phi3.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY,
                                 deepseek_v2.FAMILY, deepseek_v3.FAMILY)
-BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
+register_families(FAMILIES)                  # BY_ARCHITECTURE, ModelConfig's table
 
 
 def family_of(config: ModelConfig) -> Family:

@@ -68,7 +68,7 @@ class TensorParallelShard:
 
 
 def shard_model(model: nn.Module, rank: int, world_size: int, group=None) -> nn.Module:
-    """Rank `rank` of `world_size`'s shard of `model` (a LlamaForCausalLM or subclass), in
+    """Rank `rank` of `world_size`'s shard of `model` (a CausalLM or subclass), in
     place; returns the model. The process group need not exist yet (the collectives run only
     in forward), so shards can also be built and inspected in one process; when it does, its
     size and this process's rank in it must match."""

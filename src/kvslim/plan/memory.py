@@ -19,27 +19,24 @@ from typing import Any
 from kvslim.errors import KvslimError
 from kvslim.models.config import ModelConfig
 from kvslim.kv_cache.groups import KVCacheGroups, blocks_held, kv_cache_groups
+from kvslim.dtypes import DTYPES, lookup
 from kvslim.kv_cache.plan import DEFAULT_BLOCK_SIZE, ENGINE_KV_DTYPES, size_kv_cache
 from kvslim.plan.parameters import parameter_counts
 from kvslim.plan.published import builtin_config
 
-# Bits per stored element. int4 packs two elements per byte.
-STORAGE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
-DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16",
-                 "bfloat16": "bf16", "float8": "fp8", "float8_e4m3fn": "fp8",
-                 "float8_e5m2": "fp8"}
+# Bits per stored element, by the planner's names (int4 packs two elements per byte).
+STORAGE_BITS = {d.short: d.bits for d in DTYPES}
 DEFAULT_CONTEXT = 4096
 # The KV dtypes the engine stores with per-token scales, by the names the planner gives them.
 SCALED_KV_DTYPES = tuple(ENGINE_KV_DTYPES)
 
 
 def parse_storage_dtype(name: str, flag: str = "--dtype") -> str:
-    key = str(name).lower().removeprefix("torch.")
-    key = DTYPE_ALIASES.get(key, key)
-    if key not in STORAGE_BITS:
+    entry = lookup(name)
+    if entry is None:
         raise KvslimError(f"{flag}: unknown dtype {name!r}; choose one of "
                           + ", ".join(STORAGE_BITS))
-    return key
+    return entry.short
 
 
 def storage_bytes(num_elements: int, dtype: str) -> int:
@@ -329,7 +326,11 @@ def markdown_table(plan: MemoryPlan) -> str:
 def plot_kv(plan: MemoryPlan, path: str | Path) -> Path:
     """PNG of KV bytes vs context: the model as MHA / its own layout / MQA, and DeepSeek-V2's MLA
     for comparison; the budget left after the weights as a line when --memory is given."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise KvslimError("--plot needs matplotlib: pip install matplotlib==3.11.2 (the lab, "
+                          "pip install -e ./lab, brings it)") from None
     matplotlib.use("Agg")                  # no display needed; writes files only
     import matplotlib.pyplot as plt
 

@@ -22,7 +22,7 @@ import math
 import torch
 from tqdm import tqdm
 
-from kvslim.models.llama import LlamaForCausalLM
+from kvslim.models.causal_lm import CausalLM
 from kvslim.tokenizer.tokenizer import Tokenizer
 from kvslim.surgery.calibrate import attention_inputs
 
@@ -30,7 +30,7 @@ PROCRUSTES_ITERS = 4
 MAX_EXHAUSTIVE_PARTITIONS = 5000
 
 
-def align_state_dict(model: LlamaForCausalLM, tokenizer: Tokenizer, kv_heads: list[int], calib,
+def align_state_dict(model: CausalLM, tokenizer: Tokenizer, kv_heads: list[int], calib,
                      num_samples: int, seq_len: int, show_progress: bool = True
                      ) -> dict[str, torch.Tensor]:
     """The state dict with layer i's KV heads merged into kv_heads[i]."""

@@ -7,13 +7,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvslim.models.llama import LlamaForCausalLM
+from kvslim.models.causal_lm import CausalLM
 from kvslim.tokenizer.tokenizer import Tokenizer
 from kvslim.train.data import eval_windows, tokenize_file
 
 
 @torch.no_grad()
-def attention_inputs(model: LlamaForCausalLM, tokenizer: Tokenizer, calib: str | Path,
+def attention_inputs(model: CausalLM, tokenizer: Tokenizer, calib: str | Path,
                      num_samples: int, seq_len: int, show_progress: bool = True,
                      batch_size: int = 4) -> list[torch.Tensor]:
     """Per layer, a [num_samples * seq_len, hidden] float32 matrix of attention inputs."""

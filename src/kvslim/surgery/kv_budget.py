@@ -35,7 +35,7 @@ def heads_budget(config: ModelConfig, fraction: float | None = None,
         # 1e-9: 0.25 of 48 heads is 12 heads even where 0.25 * 48 rounds below 12
         budget, asked = math.floor(fraction * total + 1e-9), f"--kv-budget {fraction:g}"
     else:
-        from kvslim.models.config import parse_dtype
+        from kvslim.dtypes import parse_dtype
         itemsize = dtype_bytes or parse_dtype(config.torch_dtype).itemsize
         # one KV head of one layer: the model's one-head pricing, per layer
         per_head = config.kv_elements_per_token(1) // layers * itemsize

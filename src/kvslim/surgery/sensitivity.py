@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvslim.models.llama import LlamaForCausalLM
+from kvslim.models.causal_lm import CausalLM
 from kvslim.surgery.align import _ATTN_NAMES, merge_layer
 from kvslim.surgery.calibrate import attention_inputs
 from kvslim.surgery.kv_budget import candidate_heads
@@ -38,7 +38,7 @@ def expand_heads(weights: dict[str, torch.Tensor], kv_heads: int, src_kv: int,
 
 
 @torch.no_grad()
-def layer_sensitivity(model: LlamaForCausalLM, tokenizer: Tokenizer, calib: str | Path,
+def layer_sensitivity(model: CausalLM, tokenizer: Tokenizer, calib: str | Path,
                       method: str, num_samples: int = 8, seq_len: int = 256,
                       calib_samples: int = 32, show_progress: bool = True
                       ) -> list[dict[int, float]]:
@@ -84,12 +84,12 @@ def _merge(weights, method, x, config, src_kv: int, kv_heads: int) -> dict[str, 
     return out
 
 
-def _load(model: LlamaForCausalLM, prefix: str, weights: dict[str, torch.Tensor]) -> None:
+def _load(model: CausalLM, prefix: str, weights: dict[str, torch.Tensor]) -> None:
     param = next(model.parameters())
     model.load_weights((prefix + n, t.to(param.dtype)) for n, t in weights.items())
 
 
-def _logits(model: LlamaForCausalLM, windows: torch.Tensor, batch: int = 4) -> torch.Tensor:
+def _logits(model: CausalLM, windows: torch.Tensor, batch: int = 4) -> torch.Tensor:
     dev = next(model.parameters()).device
     return torch.cat([model.logits(windows[s:s + batch].to(dev)).float()
                       for s in range(0, len(windows), batch)])

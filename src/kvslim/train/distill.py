@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from kvslim.errors import KvslimError
 from kvslim.formats.loader import load_model
-from kvslim.models.llama import LlamaForCausalLM
+from kvslim.models.causal_lm import CausalLM
 from kvslim.tokenizer.tokenizer import Tokenizer
 
 
@@ -64,7 +64,7 @@ def attention_match_loss(student: list[torch.Tensor], teacher: list[torch.Tensor
 
 
 @contextlib.contextmanager
-def capture_attention(model: LlamaForCausalLM):
+def capture_attention(model: CausalLM):
     """Collects each layer's attention-block output (o_proj's output, before the residual add)
     into the yielded list, in layer order, for the forward passes run inside the block."""
     outputs: list[torch.Tensor] = []
@@ -80,7 +80,7 @@ def capture_attention(model: LlamaForCausalLM):
 class Distiller:
     """The training loss with a teacher: call it like `lm_loss` (model, [B, T+1] windows)."""
 
-    def __init__(self, teacher: LlamaForCausalLM, temperature: float, weight: float,
+    def __init__(self, teacher: CausalLM, temperature: float, weight: float,
                  attention_weight: float | None = None):
         self.teacher = teacher.eval()
         for p in self.teacher.parameters():
@@ -89,7 +89,7 @@ class Distiller:
         self.attention_weight = attention_weight      # None: no attention matching
         self.last_parts: DistillParts | None = None
 
-    def __call__(self, model: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
+    def __call__(self, model: CausalLM, batch: torch.Tensor) -> torch.Tensor:
         inputs, labels = batch[:, :-1], batch[:, 1:]
         match = self.attention_weight is not None
         # no_grad rather than inference_mode: inference tensors may not be saved for the
@@ -111,8 +111,8 @@ def _maybe(context, enabled: bool):
     return context if enabled else contextlib.nullcontext([])
 
 
-def load_teacher(teacher_dir: str | Path, student: LlamaForCausalLM, student_tokenizer: Tokenizer,
-                 device: torch.device) -> LlamaForCausalLM:
+def load_teacher(teacher_dir: str | Path, student: CausalLM, student_tokenizer: Tokenizer,
+                 device: torch.device) -> CausalLM:
     """The teacher model on `device`, after checking it speaks the student's vocabulary."""
     teacher_dir = Path(teacher_dir)
     if not (teacher_dir / "config.json").is_file():
@@ -121,7 +121,7 @@ def load_teacher(teacher_dir: str | Path, student: LlamaForCausalLM, student_tok
     return load_model(teacher_dir, dtype=torch.float32).to(device).eval()
 
 
-def check_same_vocabulary(teacher_dir: Path, student: LlamaForCausalLM,
+def check_same_vocabulary(teacher_dir: Path, student: CausalLM,
                           student_tokenizer: Tokenizer) -> None:
     """Logits are compared id by id, so both the model vocab size and the tokenizer's
     token -> id map must be the same."""

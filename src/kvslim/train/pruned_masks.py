@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvslim.models.llama import LlamaForCausalLM
+from kvslim.models.causal_lm import CausalLM
 
 
 class PrunedMasks:
@@ -16,7 +16,7 @@ class PrunedMasks:
         self.masks = masks                     # (weight, True where the weight is kept)
 
     @classmethod
-    def of(cls, model: LlamaForCausalLM) -> "PrunedMasks | None":
+    def of(cls, model: CausalLM) -> "PrunedMasks | None":
         """The masks of a pruned model's decoder matrices; None for a model never pruned."""
         if model.config.pruning is None:
             return None

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from kvslim.errors import KvslimError
 from kvslim.models.config import ModelConfig
 from kvslim.device import resolve_device
-from kvslim.models.llama import LlamaForCausalLM
+from kvslim.models.causal_lm import CausalLM
 from kvslim.formats.loader import init_model, load_model
 from kvslim.tokenizer.tokenizer import Tokenizer
 from kvslim.formats.writer import copy_tokenizer_files, save_model
@@ -30,14 +30,14 @@ STATE_FILE = "trainer_state.pt"
 LOG_FILE = "train_log.jsonl"
 
 
-def lm_loss(model: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
+def lm_loss(model: CausalLM, batch: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of [B, T+1] windows."""
     logits = model.logits(batch[:, :-1])
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
 @torch.no_grad()
-def evaluate(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int = 16) -> float:
+def evaluate(model: CausalLM, windows: torch.Tensor, batch_size: int = 16) -> float:
     was_training = model.training
     model.eval()
     total = 0.0
@@ -48,7 +48,7 @@ def evaluate(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int = 1
     return total / len(windows)
 
 
-def build_model(cfg: TrainConfig, tokenizer: Tokenizer) -> LlamaForCausalLM:
+def build_model(cfg: TrainConfig, tokenizer: Tokenizer) -> CausalLM:
     if cfg.init_from:
         return load_model(cfg.init_from, dtype=torch.float32)
     s = cfg.shape
@@ -121,7 +121,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
 
 
 def _model_and_optimizer(cfg: TrainConfig, tokenizer: Tokenizer, out: Path, device: torch.device
-                         ) -> tuple[LlamaForCausalLM, torch.optim.AdamW, int]:
+                         ) -> tuple[CausalLM, torch.optim.AdamW, int]:
     """The model on `device` in training mode, its optimizer, and the first step to run (from
     the checkpoint in OUT with --resume)."""
     if cfg.resume:
@@ -146,7 +146,7 @@ def _model_and_optimizer(cfg: TrainConfig, tokenizer: Tokenizer, out: Path, devi
     return model, optimizer, start
 
 
-def make_loss(cfg: TrainConfig, model: LlamaForCausalLM, tokenizer: Tokenizer,
+def make_loss(cfg: TrainConfig, model: CausalLM, tokenizer: Tokenizer,
               device: torch.device):
     """The training loss: next-token cross-entropy, or distillation from `cfg.teacher`."""
     if cfg.teacher is None:
@@ -169,7 +169,7 @@ def compiled_loss(loss_fn):
     return torch.compile(loss, backend=COMPILE_BACKEND)
 
 
-def _train_step(model: LlamaForCausalLM, optimizer, cfg: TrainConfig, train_tokens, step: int,
+def _train_step(model: CausalLM, optimizer, cfg: TrainConfig, train_tokens, step: int,
                 lr: float, device: torch.device, autocast, loss_fn=lm_loss,
                 hooks: list = ()) -> tuple[float, float]:
     """One optimizer step over `grad_accum` micro-batches; returns (loss, gradient norm).
@@ -208,7 +208,7 @@ class _Progress:
         self.t_last, self.tokens_since = time.perf_counter(), 0
         self.speed = "…"                         # tokens/s, refreshed every log_every steps
 
-    def record(self, metrics: dict, loss: float, model: LlamaForCausalLM,
+    def record(self, metrics: dict, loss: float, model: CausalLM,
                valid: torch.Tensor | None) -> None:
         """Add throughput and validation loss to a step's `metrics` when due; log them and show
         them (with the unrounded `loss`)."""
@@ -236,7 +236,7 @@ class _Progress:
         self.log.close()
 
 
-def save_checkpoint(model: LlamaForCausalLM, optimizer, cfg: TrainConfig, step: int, out: Path
+def save_checkpoint(model: CausalLM, optimizer, cfg: TrainConfig, step: int, out: Path
                     ) -> None:
     save_model(model.hf_state_dict(), model.config, out)
     tmp = out / (STATE_FILE + ".tmp")

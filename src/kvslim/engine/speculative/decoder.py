@@ -66,9 +66,12 @@ class _Backoff:
 
 class SpeculativeDecoder:
     def __init__(self, config: SpeculativeConfig, draft: DraftModelProposer | None = None,
-                 learned: MedusaProposer | EagleProposer | None = None):
+                 learned: MedusaProposer | EagleProposer | None = None,
+                 verifies_chains_only: Callable[[Sequence], bool] = lambda seq: False):
         """draft: the draft model's proposer (method "draft"); learned: the proposer of
-        heads on the target's hidden states (methods "medusa" and "eagle")."""
+        heads on the target's hidden states (methods "medusa" and "eagle");
+        verifies_chains_only: the sequences that take a tree's best chain instead of the tree
+        (those whose grammar masks are computed along a chain of drafts)."""
         if config.method == "draft" and draft is None:
             raise KvslimError("speculative method 'draft' needs its draft model loaded")
         if config.method in ("medusa", "eagle") and learned is None:
@@ -83,9 +86,7 @@ class SpeculativeDecoder:
         self._backoff: dict[int, _Backoff] = {}
         self._engine_wide = _Backoff()       # the same windows over every sequence's drafts
         self._step = 0
-        # Sequences that take a tree's best chain instead of the tree (set by the engine:
-        # those whose grammar masks are computed along a chain of drafts).
-        self.verifies_chains_only: Callable[[Sequence], bool] = lambda seq: False
+        self.verifies_chains_only = verifies_chains_only
 
     def reset_stats(self) -> None:
         """Counts from zero (a benchmark leaves its warm-up out)."""

@@ -79,6 +79,13 @@ class TypicalAcceptance:
     alpha: float = 0.3               # and posterior_alpha (its sqrt, in some of its scripts)
 
 
+def typical_acceptance_of(spec) -> TypicalAcceptance | None:
+    """The rule a SpeculativeConfig asks for: typical acceptance, or None for the exact one."""
+    if spec is None or spec.acceptance != "typical":
+        return None
+    return TypicalAcceptance(spec.typical_threshold, spec.typical_alpha)
+
+
 def verify_typical(target_probs: torch.Tensor, draft_tokens: list[int], rule: TypicalAcceptance,
                    generator: torch.Generator | None = None) -> list[int]:
     """target_probs [k+1, vocab]: the accepted drafts, then one token drawn from the target's

@@ -193,7 +193,8 @@ def measure(arm: Arm, model_dir: Path, cfg: PruneExperimentConfig) -> dict:
     if arm.bits is None:
         out["linear_zeros"] = round(linear_zero_fraction(model_dir), 4)
     if arm.name == DENSE:
-        from kvslim.models.config import ModelConfig, parse_dtype
+        from kvslim.models.config import ModelConfig
+        from kvslim.dtypes import parse_dtype
         size = parse_dtype(ModelConfig.from_dir(model_dir).torch_dtype).itemsize
         out["linear_bf16_bytes"] = wb.linear // size * 2
     return out
@@ -228,7 +229,8 @@ def compressed_tensors_bytes(model_dir: Path, arm: Arm) -> dict:
     from kvslim.formats.loader import load_model
     from kvslim.formats.weight_bytes import stored_weight_bytes
     from kvslim.formats.writer import save_model
-    from kvslim.models.config import ModelConfig, parse_dtype
+    from kvslim.models.config import ModelConfig
+    from kvslim.dtypes import parse_dtype
     config = ModelConfig.from_dir(model_dir)
     dtype = parse_dtype(config.torch_dtype)
     model = load_model(model_dir, dtype=torch.float32)

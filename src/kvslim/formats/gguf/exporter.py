@@ -23,7 +23,8 @@ import torch
 from tqdm import tqdm
 
 from kvslim.errors import ConfigError
-from kvslim.models.config import ModelConfig, parse_dtype
+from kvslim.models.config import ModelConfig
+from kvslim.dtypes import parse_dtype
 from kvslim.formats.gguf.archs import EXPORT_ARCHITECTURES, LAYER_TENSORS, permutes_qk
 from kvslim.formats.gguf.importer import GLOBAL_TENSORS
 from kvslim.formats.gguf.moe import add_moe_metadata, check_exportable, is_router, stack_experts

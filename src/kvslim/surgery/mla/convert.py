@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from kvslim.formats.loader import load_model
 from kvslim.formats.writer import save_model
-from kvslim.models.config import ModelConfig, parse_dtype
+from kvslim.models.config import ModelConfig
+from kvslim.dtypes import parse_dtype
 from kvslim.surgery.mla.factorize import mla_layer
 from kvslim.surgery.mla.frequencies import (choose_kept, mixing, pairs, rope_parameters,
                                             slot_scores)

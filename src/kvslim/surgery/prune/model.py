@@ -22,8 +22,9 @@ from kvslim.formats.compressed_tensors_sparse import check_sparse_output, sparse
 from kvslim.formats.gptq import QuantizedWeight, quantization_config
 from kvslim.formats.loader import load_model
 from kvslim.formats.writer import save_model
-from kvslim.models.config import PRUNING_KEY, ModelConfig, parse_dtype
-from kvslim.models.llama import LlamaForCausalLM
+from kvslim.models.config import PRUNING_KEY, ModelConfig
+from kvslim.dtypes import parse_dtype
+from kvslim.models.causal_lm import CausalLM
 from kvslim.quantization import QuantSpec
 from kvslim.surgery.prune.masks import SparsityTarget, pruned_mask, wanda_scores
 from kvslim.surgery.prune.sparsegpt import sparsegpt_prune
@@ -83,7 +84,7 @@ def prune_linear(weight: torch.Tensor, method: str, target: SparsityTarget,
 
 
 @torch.no_grad()
-def prune_layers(model: LlamaForCausalLM, method: str, target: SparsityTarget,
+def prune_layers(model: CausalLM, method: str, target: SparsityTarget,
                  windows: torch.Tensor | None, spec: QuantSpec | None = None,
                  batch_size: int = 4, show_progress: bool = True
                  ) -> dict[str, QuantizedWeight]:

@@ -25,9 +25,10 @@ from kvslim.formats.gptq import QuantizedWeight, pack_gptq, quantization_config
 from kvslim.formats.loader import load_model
 from kvslim.formats.writer import save_model
 from kvslim.quantization import QuantSpec
-from kvslim.models.config import ModelConfig, parse_dtype
+from kvslim.models.config import ModelConfig
+from kvslim.dtypes import parse_dtype
 from kvslim.models.families import family_of
-from kvslim.models.llama import LlamaForCausalLM
+from kvslim.models.causal_lm import CausalLM
 from kvslim.surgery.quantize.awq import clip_layer, fold_layer
 from kvslim.surgery.quantize.gptq import Hessian, gptq_quantize
 from kvslim.surgery.quantize.rtn import rtn_quantize
@@ -94,7 +95,7 @@ def _check_smoothing(method: str, calib, smooth_alpha: float | None) -> None:
 
 
 @torch.no_grad()
-def layer0_inputs(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int) -> list[tuple]:
+def layer0_inputs(model: CausalLM, windows: torch.Tensor, batch_size: int) -> list[tuple]:
     """The positional arguments decoder layer 0 receives, one tuple per batch of windows."""
     captured = []
 
@@ -143,7 +144,7 @@ def linear_inputs(layer: torch.nn.Module, inputs: list[tuple]) -> dict[str, torc
 
 
 @torch.no_grad()
-def quantize_layers(model: LlamaForCausalLM, spec: QuantSpec, windows: torch.Tensor | None,
+def quantize_layers(model: CausalLM, spec: QuantSpec, windows: torch.Tensor | None,
                     batch_size: int = 4, show_progress: bool = True, method: str | None = None,
                     awq_clip: bool = True, smooth_alpha: float | None = None
                     ) -> dict[str, QuantizedWeight]:
@@ -182,7 +183,7 @@ def quantize_layers(model: LlamaForCausalLM, spec: QuantSpec, windows: torch.Ten
     return out
 
 
-def quantized_state_dict(model: LlamaForCausalLM, results: dict[str, QuantizedWeight],
+def quantized_state_dict(model: CausalLM, results: dict[str, QuantizedWeight],
                          spec: QuantSpec) -> dict[str, torch.Tensor]:
     """HF-named checkpoint tensors: each quantized matrix's GPTQ tensors in place of its
     weight (a fused one split into its checkpoint shards), everything else as it is."""
