@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from kvslim.bench.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
+from kvslim_lab.bench.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
 from kvslim.eval.perplexity import file_perplexity
 from kvslim.formats import registry
 

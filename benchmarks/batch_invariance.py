@@ -20,7 +20,7 @@ import sys
 import torch
 
 from kvslim import LLM, SamplingParams
-from kvslim.bench.peers.catalog import float_dir, shipped_dir, w8a8_dir
+from kvslim_lab.bench.peers.catalog import float_dir, shipped_dir, w8a8_dir
 from kvslim.paths import kvslim_home
 
 TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "honey bees", "the piano",

@@ -36,7 +36,9 @@ def checkout(rev: str, root: Path) -> Path:
 
 
 def bench(tree: Path, home: Path, args: list[str]) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree / "src"), KVSLIM_HOME=str(home))
+    # Its own kvslim and, from the split on, its own lab (which adds `kvslim bench`).
+    path = os.pathsep.join(str(tree / d) for d in ("src", "lab") if (tree / d).is_dir())
+    env = dict(os.environ, PYTHONPATH=path, KVSLIM_HOME=str(home))
     done = subprocess.run([sys.executable, "-m", "kvslim.cli.main", "bench", *args, "--json"],
                           capture_output=True, text=True, env=env, cwd=tree)
     if done.returncode:

@@ -5,7 +5,7 @@ time (nothing cached) and the second (Inductor's caches on disk)?
 Start-up is timed in child processes, each a fresh interpreter with one KVSLIM_HOME: the first
 compiles into an empty cache, the second finds what the first wrote; both then answer one request
 (the time to that answer is what `kvslim serve` would show). Decode speed is measured in one
-process holding both engines, taking turns in every round (kvslim.bench.compiled_decode, which
+process holding both engines, taking turns in every round (kvslim_lab.bench.compiled_decode, which
 `kvslim bench report` runs too): a batch's decode rate is its size over its requests' mean time
 per output token, medians over rounds.
 
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from kvslim.bench.compiled_decode import BATCHES, build_engines, compare, decode_table
+from kvslim_lab.bench.compiled_decode import BATCHES, build_engines, compare, decode_table
 
 
 def startup_child(model: str | None) -> None:

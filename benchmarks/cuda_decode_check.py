@@ -42,9 +42,9 @@ from pathlib import Path
 
 import torch
 
-from kvslim.bench.attention_report import gpu_table
-from kvslim.bench.peer_hf import HFPeer
-from kvslim.bench.workload import Workload, special_ids
+from kvslim_lab.bench.attention_report import gpu_table
+from kvslim_lab.bench.peer_hf import HFPeer
+from kvslim_lab.bench.workload import Workload, special_ids
 from kvslim.errors import ConfigError
 from kvslim.formats.registry import default_model_dir
 from kvslim.models.config import ModelConfig

@@ -23,7 +23,7 @@ import torch
 from cuda_check_common import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, build_engine, check_main,
                                count_equal_to_first, measure_engine, random_llama, release,
                                timed)
-from kvslim.bench.workload import Workload, special_ids
+from kvslim_lab.bench.workload import Workload, special_ids
 from kvslim.formats.registry import default_model_dir
 from kvslim.quantization import QuantSpec
 from kvslim.quantization.w8a8 import W8A8_SPEC

@@ -19,7 +19,7 @@ import torch
 
 from cuda_check_common import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, check_main,
                                count_equal_to_first, greedy, random_llama, release, timed)
-from kvslim.bench.workload import Workload, special_ids
+from kvslim_lab.bench.workload import Workload, special_ids
 from kvslim.engine.llm import LLM
 from kvslim.formats.registry import default_model_dir
 from kvslim.surgery.prune.masks import SparsityTarget

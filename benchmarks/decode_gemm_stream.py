@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kvslim.bench.machine import machine_info, memory_bandwidth
+from kvslim_lab.bench.machine import machine_info, memory_bandwidth
 from kvslim.kernels import group_q8, tiled_gemm
 
 LAYERS = 30

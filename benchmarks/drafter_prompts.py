@@ -12,7 +12,7 @@ import argparse
 import itertools
 import random
 
-from kvslim.experiments.speculative.workloads import QUESTIONS
+from kvslim_lab.experiments.speculative.workloads import QUESTIONS
 
 TEMPLATES = ["Explain {t} in simple terms.", "What is {t}?", "Give three facts about {t}.",
              "How does {t} work?", "Write a short paragraph about {t}.",

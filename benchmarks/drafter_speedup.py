@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from kvslim import LLM, SamplingParams
 from kvslim.drafters.kind import drafter_kind
-from kvslim.experiments.speculative.workloads import QUESTIONS
+from kvslim_lab.experiments.speculative.workloads import QUESTIONS
 
 
 def timed(llm: LLM, conversations, params, batch: int) -> tuple[float, list[list[int]]]:

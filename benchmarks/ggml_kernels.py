@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvslim.bench.machine import machine_info, memory_bandwidth
+from kvslim_lab.bench.machine import machine_info, memory_bandwidth
 from kvslim.formats.gguf.blocks import decode_blocks
 from kvslim.kernels import group_q8
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from kvslim import LLM, SamplingParams
-from kvslim.bench.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
-from kvslim.bench.machine import machine_info
+from kvslim_lab.bench.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
+from kvslim_lab.bench.machine import machine_info
 from kvslim.formats.registry import GEMMA3_ALIASES, gemma3_gguf
 
 

@@ -1,5 +1,5 @@
 """How often does a small model finish a `json_object` answer? The fifty chat prompts of
-structured/schema_suite.py, each answered greedily with response_format json_object (any JSON
+lab/kvslim_lab/bench/schema_suite.py, each answered greedily with response_format json_object (any JSON
 object, no schema) within --max-tokens: counts of answers that end by themselves, of answers
 whose JSON kvslim closed because max_tokens was near (finish_reason "length"), and of answers
 that parse (all of them, if the grammar and the closing keep their promise).
@@ -12,7 +12,7 @@ import argparse
 import json
 
 from kvslim import LLM, SamplingParams
-from kvslim.structured.schema_suite import schema_suite
+from kvslim_lab.bench.schema_suite import schema_suite
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvslim.bench.latency import models_decode_speed
+from kvslim_lab.bench.latency import models_decode_speed
 
 BACKENDS = ("kernel", "gather")
 

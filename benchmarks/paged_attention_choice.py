@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from kvslim.attention import KVCacheLayer, PagedStepLayout, PrefillChunk, build_paged_attention
-from kvslim.bench.attention_report import cpu_table
-from kvslim.bench.machine import machine_info
+from kvslim_lab.bench.attention_report import cpu_table
+from kvslim_lab.bench.machine import machine_info
 
 SHAPES = [("decode", b, ctx, 1) for ctx in (256, 1024) for b in (1, 8, 32)] \
     + [("prefill", 1, 1024, 256)]           # kind, sequences, context after the step, new

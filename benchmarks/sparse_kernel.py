@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from kvslim.bench.machine import machine_info, memory_bandwidth
+from kvslim_lab.bench.machine import machine_info, memory_bandwidth
 from kvslim.kernels import sparse24, tiled_gemm
 
 # (out, in): SmolLM2-135M's projections (per layer: q, k, v, o, gate, up, down) and LM head,

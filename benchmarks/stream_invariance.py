@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from batch_invariance import prompts
-from kvslim.bench.peers.serving import Server
+from kvslim_lab.bench.peers.serving import Server
 
 
 def serve_argv(threads: int, streams: int, extra: list[str]):

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from kvslim import LLM, SamplingParams
 from kvslim.drafters.kind import drafter_kind
-from kvslim.experiments.speculative.workloads import QUESTIONS
+from kvslim_lab.experiments.speculative.workloads import QUESTIONS
 
 MAX_NODES = 63
 

@@ -18,11 +18,9 @@ MAX_FUNCTION_LINES = 60
 # it builds on them) <- models <- formats <- parallel <- engine <- server; the KV-cache plan
 # (kv_cache: groups, block arithmetic, KVCachePlan) sits on models, below the engine, the
 # planner and parallel; surgery/train/eval use models/formats/tokenizer (and train's corpus
-# streams);
-# experiments use surgery/train/eval (and bench, to time what they build); plan uses models;
-# bench uses engine/formats/plan/models
-# (and surgery's conversions); cli, demo and the package's
-# __init__ (the public `from kvslim import LLM, SamplingParams`) use anything.
+# streams); plan uses models; cli, demo and the package's __init__ (the public
+# `from kvslim import LLM, SamplingParams`) use anything. The benchmarks and experiments are the
+# lab's (lab/kvslim_lab, tests/test_lab_boundary.py), which kvslim never imports.
 BASE = {"errors", "paths", "device", "dtypes"}
 KERNELS = BASE | {"tokenizer", "layers", "attention", "kernels"}
 ALLOWED = {
@@ -60,14 +58,7 @@ ALLOWED = {
     # Training a drafter distills the engine's own answers.
     "train": KERNELS | {"models", "formats", "drafters", "engine"},
     "eval": KERNELS | {"models", "formats", "train"},
-    # The quantization experiment times every mode it builds with the benchmarks; experiments
-    # measure what the engine does with what surgery and training produce.
-    "experiments": KERNELS | {"quantization", "models", "formats", "surgery", "train", "eval",
-                              "bench", "engine"},
     "plan": BASE | {"models", "kv_cache"},
-    # The capacity benchmark converts the reference model to GQA/MQA to compare what fits.
-    "bench": KERNELS | {"quantization", "models", "formats", "engine", "plan", "surgery",
-                        "structured"},
 }
 ANYTHING = {"cli", "demo", "__init__"}
 
@@ -159,13 +150,14 @@ def test_the_table_has_no_circles():
 
 
 def test_no_module_imports_itself_through_others():
-    """No circle of modules, lazy imports included: two files that import each other are one
-    role cut in the wrong place (an import names the deepest kvslim module it reaches)."""
+    """No circle of modules, lazy imports and those for type checkers (`if TYPE_CHECKING:`)
+    included: two files that import each other are one role cut in the wrong place (an import
+    names the deepest kvslim module it reaches)."""
     modules = {module_name(p): p for p in source_files()}
     graph = {}
     for name, path in modules.items():
         deps = set()
-        for module in kvslim_imports(path, runtime_only=True):
+        for module in kvslim_imports(path):
             while module not in modules:
                 module = module.rpartition(".")[0]
             deps.add(module)
@@ -189,23 +181,6 @@ def module_name(path: Path) -> str:
     rel = path.relative_to(SRC).with_suffix("")
     parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
     return ".".join(("kvslim", *parts))
-
-
-def test_bench_holds_the_bench_commands():
-    """bench/ holds the `kvslim bench` subcommands and the pieces they are built from
-    (docs/architecture.md): every module in it is reached from cli/'s imports through bench/'s
-    own. A measurement only a study uses lives in that study's package under experiments/."""
-    bench = {module_name(p): p for p in source_files() if role(p) == "bench"}
-    reached = {m for p in source_files() if role(p) == "cli"
-               for m in kvslim_imports(p)} & set(bench)
-    todo = list(reached)
-    while todo:
-        for m in kvslim_imports(bench[todo.pop()]) & set(bench):
-            if m not in reached:
-                reached.add(m)
-                todo.append(m)
-    unused = sorted(set(bench) - reached - {"kvslim.bench"})
-    assert not unused, f"bench/ modules no `kvslim bench` command uses: {unused}"
 
 
 def test_nothing_imports_benchmarks():
@@ -314,3 +289,29 @@ def is_docstring(path: Path, node: ast.Constant) -> bool:
 
 
 _trees: dict[Path, ast.Module] = {}
+
+
+# Where a model family may be named: models/ (the families themselves), the GGUF format's
+# tables (formats/gguf/) and the published configs the planner knows by name.
+FAMILY_PLACES = ("models/", "formats/gguf/", "plan/published.py")
+
+
+def test_code_outside_models_names_no_family():
+    """Code outside models/ asks a family's attributes (`family_of(config)`, the roles in
+    models/families.py) instead of naming an architecture or importing a family's file."""
+    families = {p.stem for p in (SRC / "models").glob("*.py")} - {
+        "__init__", "base", "config", "families", "causal_lm", "hf_fields", "shape_only"}
+    bad = []
+    for path in source_files():
+        rel = str(path.relative_to(SRC))
+        if rel.startswith(FAMILY_PLACES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and re.fullmatch(r"\w+ForCausalLM", node.value):
+                bad.append(f"{rel}:{node.lineno}: {node.value}")
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+                bad += [f"{rel}:{node.lineno}: imports {n}" for n in names
+                        if n.startswith("kvslim.models.") and n.split(".")[2] in families]
+    assert not bad, bad

@@ -2,7 +2,7 @@
 its JSON, then its table, with failures shown as such."""
 import json
 
-from kvslim.bench.attention_report import attention_section, gpu_goals, gpu_table
+from kvslim_lab.bench.attention_report import attention_section, gpu_goals, gpu_table
 
 ENGINE = dict(backend="flex", graphs=True, startup_s=12.5, decode_tok_s=410.2, gb_s=221.0,
               hbm_fraction=0.046, throughput_tok_s=9000.0, tokens_identical=True,

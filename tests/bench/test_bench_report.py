@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvslim.bench.compiled_decode import compare
-from kvslim.bench.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
-from kvslim.bench.report import goals
+from kvslim_lab.bench.compiled_decode import compare
+from kvslim_lab.bench.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
+from kvslim_lab.bench.report import goals
 from kvslim.cli.main import main
 
 FIXTURE = Path(__file__).with_name("report_quick.json")

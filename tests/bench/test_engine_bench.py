@@ -7,12 +7,12 @@ import sys
 import pytest
 import torch
 
-from kvslim.bench.capacity import conversions, run_capacity
-from kvslim.bench.latency import run_latency
-from kvslim.bench.throughput import run_throughput
-from kvslim.bench.workload import Workload
+from kvslim_lab.bench.capacity import conversions, run_capacity
+from kvslim_lab.bench.latency import run_latency
+from kvslim_lab.bench.throughput import run_throughput
+from kvslim_lab.bench.workload import Workload
 from kvslim.errors import KvslimError
-from kvslim.bench.runners import parse_compare
+from kvslim_lab.bench.runners import parse_compare
 from kvslim.models.config import ModelConfig
 from kvslim.parallel.memory import tensor_parallel_memory
 
@@ -104,7 +104,7 @@ def test_cli_rejects_zero_repeats(hf_checkpoints):
 
 
 def test_profile_splits_the_decode_step(hf_checkpoints):
-    from kvslim.bench.profile import CATEGORIES, profile_decode
+    from kvslim_lab.bench.profile import CATEGORIES, profile_decode
     r = profile_decode(hf_checkpoints["gqa"], batches=(1, 3), input_len=12, steps=4)
     assert [p.batch for p in r.profiles] == [1, 3]
     for p in r.profiles:

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from kvslim.bench.kernel_candidates import build_candidates
-from kvslim.bench.kernels import format_kernels, parse_shapes, run_kernels
+from kvslim_lab.bench.kernel_candidates import build_candidates
+from kvslim_lab.bench.kernels import format_kernels, parse_shapes, run_kernels
 
 TINY = {"tiny": (128, 96)}
 

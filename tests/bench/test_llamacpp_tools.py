@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kvslim.errors import KvslimError
-from kvslim.bench.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
+from kvslim_lab.bench.llamacpp_tools import DEFAULT_BIN, LlamaCppTools
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,11 +7,11 @@ import textwrap
 
 import pytest
 
-from kvslim.bench.llamacpp_tools import LlamaCppTools
-from kvslim.bench.peers.llamacpp import LlamaCppEngine
-from kvslim.bench.peers.suite import PeersPlan, Unavailable, run_peers
-from kvslim.bench.peers.vllm_peer import VllmEngine
-from kvslim.bench.workload import Workload
+from kvslim_lab.bench.llamacpp_tools import LlamaCppTools
+from kvslim_lab.bench.peers.llamacpp import LlamaCppEngine
+from kvslim_lab.bench.peers.suite import PeersPlan, Unavailable, run_peers
+from kvslim_lab.bench.peers.vllm_peer import VllmEngine
+from kvslim_lab.bench.workload import Workload
 
 
 def _never():

@@ -5,10 +5,10 @@ reported with their reason. No timing is asserted."""
 import sys
 import textwrap
 
-from kvslim.bench.peers.catalog import PeerOptions
-from kvslim.bench.peers.serving import (Server, ServingPlan, build_servers, run_serving,
+from kvslim_lab.bench.peers.catalog import PeerOptions
+from kvslim_lab.bench.peers.serving import (Server, ServingPlan, build_servers, run_serving,
                                         time_to_first_answer)
-from kvslim.bench.peers.suite import Unavailable
+from kvslim_lab.bench.peers.suite import Unavailable
 
 
 # /v1/models, and /v1/completions streaming max_tokens chunks, without usage (as llama-server).

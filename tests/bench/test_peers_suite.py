@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from kvslim.bench.machine import Bandwidth
-from kvslim.bench.peers import catalog
-from kvslim.bench.peers.render import markdown
-from kvslim.bench.peers.suite import PeersPlan, Unavailable, run_peers
-from kvslim.bench.workload import Workload
+from kvslim_lab.bench.machine import Bandwidth
+from kvslim_lab.bench.peers import catalog
+from kvslim_lab.bench.peers.render import markdown
+from kvslim_lab.bench.peers.suite import PeersPlan, Unavailable, run_peers
+from kvslim_lab.bench.workload import Workload
 from kvslim.cli.main import main
 from kvslim.errors import KvslimError
 
@@ -129,7 +129,7 @@ def test_the_command_writes_json_markdown_and_plot(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(catalog, "prompts", lambda plan: {
         "decode": [[1] * plan.decode.input_len],
         "offline": [[2] * plan.offline.input_len] * plan.offline.num_prompts})
-    monkeypatch.setattr("kvslim.bench.machine.memory_bandwidth", lambda: Bandwidth(1.0, 2.0, 8))
+    monkeypatch.setattr("kvslim_lab.bench.machine.memory_bandwidth", lambda: Bandwidth(1.0, 2.0, 8))
     rc = main(["bench", "peers", "--engines", "kvslim-q4_1,hf", "--rounds", "2",
                "--num-prompts", "2", "--input-len", "16", "--output-len", "16",
                "--decode-len", "8", "--out", str(tmp_path), "--json"])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from checkpoints import write_checkpoint
 
-from kvslim.bench.serve import RequestResult, ServeBenchConfig, summarize
+from kvslim_lab.bench.serve import RequestResult, ServeBenchConfig, summarize
 from kvslim.cli.main import main
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "server"))

@@ -2,7 +2,7 @@
 plain prompts) with n-gram and its learned drafters, each also as a tree when one is given."""
 import json
 
-from kvslim.cli.experiment_spec_cmds import _targets
+from kvslim_lab.cli.experiment_spec_cmds import _targets
 from kvslim.cli.main import build_parser
 
 

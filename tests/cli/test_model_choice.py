@@ -4,7 +4,8 @@ import argparse
 
 import pytest
 
-from kvslim.cli import bench_engine_cmds, engine_args
+from kvslim.cli import engine_args
+from kvslim_lab.cli import bench_engine_cmds
 from kvslim.formats import registry
 
 

@@ -1,10 +1,10 @@
-"""quantization/kernel_choice.py: which shipped kernel a quantized layer should run at each row
+"""kvslim_lab/bench/kernel_choice.py: which shipped kernel a quantized layer should run at each row
 count, read from `kvslim bench kernels`' timings."""
 
 
 def test_choices_name_the_shipped_kernels_and_the_faster_for_a_w8a8_layer():
-    from kvslim.bench.kernels import KernelTiming
-    from kvslim.quantization.kernel_choice import choose
+    from kvslim_lab.bench.kernels import KernelTiming
+    from kvslim_lab.bench.kernel_choice import choose
     from kvslim.quantization.kernels import W8A8_MIN_ROWS
 
     def timing(candidate, family, rows, us):

@@ -1,5 +1,9 @@
-"""The quantization room's registry: each method's parser and layer class registered once, and
-`make_linear` building the layer a spec's method registered (the float layers without one)."""
+"""The quantization room's registry: each method's parser and layer class registered once, when
+first asked for, and `make_linear` building the layer a spec's method registered (the float
+layers without one)."""
+import subprocess
+import sys
+
 import pytest
 
 from kvslim.errors import ConfigError
@@ -7,7 +11,7 @@ from kvslim.layers.linear import Linear, MergedLinear, QKVLinear, make_linear
 from kvslim.quantization import QuantLinear, QuantSpec
 from kvslim.quantization.gguf_blocks import BlockQuantLinear
 from kvslim.quantization.gptq import GPTQLinear
-from kvslim.quantization.registry import LINEARS, PARSERS, linear_classes
+from kvslim.quantization.registry import LINEARS, PARSERS, QUANT_METHODS, linear_classes
 from kvslim.quantization.w8a8 import W8A8_SPEC, W8A8Linear
 
 SPECS = {"gptq": QuantSpec(4, 32),
@@ -19,11 +23,23 @@ SPECS = {"gptq": QuantSpec(4, 32),
 
 
 def test_every_method_is_registered_with_its_layer():
-    assert list(PARSERS) == ["gptq", "awq", "compressed-tensors", "gguf"]
+    assert set(linear_classes()) == {GPTQLinear, W8A8Linear, BlockQuantLinear}
+    assert QUANT_METHODS == ("gptq", "awq", "compressed-tensors", "gguf")
+    assert set(PARSERS) == set(QUANT_METHODS)
     assert LINEARS == {"gptq": GPTQLinear, "awq": GPTQLinear, "compressed-tensors": GPTQLinear,
                        "w8a8": W8A8Linear, "gguf": BlockQuantLinear}
-    assert linear_classes() == (GPTQLinear, W8A8Linear, BlockQuantLinear)
     assert all(issubclass(cls, QuantLinear) for cls in linear_classes())
+
+
+def test_a_method_loads_when_a_config_first_names_it():
+    probe = ("import sys; from kvslim.quantization import QuantSpec; "
+             "before = 'kvslim.quantization.awq' in sys.modules; "
+             "spec = QuantSpec.from_hf({'quant_method': 'awq', 'bits': 4, 'group_size': 128, "
+             "'zero_point': True, 'version': 'gemm'}); "
+             "print(before, 'kvslim.quantization.awq' in sys.modules, spec.method)")
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
+                         text=True).stdout.split()
+    assert out == ["False", "True", "awq"]
 
 
 def test_an_unknown_quant_method_names_the_registered_ones():

@@ -1,6 +1,6 @@
 """Structured outputs through the official openai client: on the shared tiny server, each
 constraint field in completions and chat, streamed or not; on SmolLM2, the fifty schemas of
-structured/schema_suite.py, every answer parsed and validated with jsonschema, streamed and not,
+lab/kvslim_lab/bench/schema_suite.py, every answer parsed and validated with jsonschema, streamed and not,
 and json_object answers that parse whenever they end."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from kvslim.structured.schema_suite import schema_suite
+from kvslim_lab.bench.schema_suite import schema_suite
 
 REGEX = r"(the|a) (kernel|memory|wife|man) (is|was) (good|in want|managed)\."
 

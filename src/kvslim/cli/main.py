@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import sys
+from importlib.metadata import entry_points
 
 # torch's OpenMP threads spin while they wait for work (libgomp: 300,000 turns, then sleep).
 # When another process holds a core, a spinning thread and the one it waits for take turns on
@@ -19,8 +20,12 @@ if "OMP_WAIT_POLICY" not in os.environ:
 from kvslim.errors import KvslimError
 
 COMMAND_MODULES = ["train_cmds", "model_cmds", "generate_cmds", "demo_cmds", "surgery_cmds",
-                   "quantize_cmds", "experiment_cmds", "serve_cmds", "memory_cmds", "bench_cmds",
-                   "drafter_cmds", "prune_cmds"]
+                   "quantize_cmds", "serve_cmds", "memory_cmds", "drafter_cmds", "prune_cmds"]
+# Commands another package adds (entry points of this group, each a module with `register`):
+# the lab's benchmarks and experiments. Without it, each answers how to install it.
+PLUGIN_GROUP = "kvslim.commands"
+LAB_COMMANDS = {"bench": "benchmarks", "experiment": "reproducible experiments"}
+LAB_INSTALL = "pip install -e ./lab (from a kvslim checkout)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +34,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(f"kvslim.cli.{name}").register(sub)
+    added = set()
+    for entry in entry_points(group=PLUGIN_GROUP):
+        importlib.import_module(entry.value).register(sub)
+        added.add(entry.name)
+    for name, what in LAB_COMMANDS.items():
+        if name not in added:
+            p = sub.add_parser(name, help=f"{what} (the lab package: {LAB_INSTALL})")
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            p.set_defaults(func=_lab_missing)
     return parser
+
+
+def _lab_missing(args) -> int:
+    raise KvslimError(f"'kvslim {args.command}' comes with the lab package, kvslim-lab, which "
+                      f"is not installed: {LAB_INSTALL}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,6 @@ from kvslim.engine.speculative.config import SpeculativeConfig
 from kvslim.errors import KvslimError
 from kvslim.kernels.activations import LINEAR_ACTIVATIONS
 from kvslim.kv_cache.plan import DEFAULT_BLOCK_SIZE
-from kvslim.parallel.sharding import check_world_size
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12,
@@ -171,6 +170,7 @@ class EngineConfig:
         self._check_parallel()
 
     def _check_parallel(self) -> None:
+        from kvslim.parallel.sharding import check_world_size
         check_world_size(self.tensor_parallel_size)
         if not self.distributed_timeout > 0:
             raise KvslimError(f"distributed_timeout must be positive seconds, got "

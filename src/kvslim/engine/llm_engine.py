@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
+from typing import TYPE_CHECKING
 
 from kvslim.engine.beam_search import BeamSearch
 from kvslim.engine.block_manager import BlockManager
@@ -12,25 +13,23 @@ from kvslim.engine.config import EngineConfig
 from kvslim.engine.input_processor import InputProcessor
 from kvslim.engine.model_runner import ModelRunner, RunnerFeatures, kv_cache_plan_of
 from kvslim.engine.output_processor import OutputProcessor, RequestState
-from kvslim.engine.parallel_executor import TensorParallelExecutor
-from kvslim.engine.parallel_worker import RankKVStats, kv_stats
-from kvslim.engine.outputs import KVCacheStats, RequestOutput
+from kvslim.engine.outputs import KVCacheStats, RankKVStats, RequestOutput
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.engine.scheduler import Scheduler
 from kvslim.engine.sequence import Sequence
-from kvslim.engine.speculative.decoder import SpecDecodeStats, SpeculativeDecoder
-from kvslim.engine.speculative.draft import DraftModelProposer
-from kvslim.engine.speculative.learned import LEARNED_METHODS, learned_proposer
 from kvslim.engine.speculative.verify import typical_acceptance_of
 from kvslim.errors import ConfigError, EngineFailedError, InvalidRequestError, KvslimError
 from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
 from kvslim.kernels.activations import linear_activations
-from kvslim.layers.cuda_sparse24 import use_semi_structured_24
 from kvslim.layers.rope import longrope_original_context
 from kvslim.structured.grammar import GrammarCompiler
 from kvslim.structured.manager import StructuredOutputManager
 from kvslim.tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:       # imported where used: an engine without these features never loads them
+    from kvslim.engine.parallel_executor import TensorParallelExecutor
+    from kvslim.engine.speculative.decoder import SpecDecodeStats, SpeculativeDecoder
 
 logger = logging.getLogger("kvslim.engine")
 
@@ -54,10 +53,12 @@ class LLMEngine:
             with linear_activations(self.config.linear_activations):
                 model.prepare_for_inference()
             if self.config.cuda_sparse_24:
+                from kvslim.layers.cuda_sparse24 import use_semi_structured_24
                 use_semi_structured_24(model)
             return model
         if self.config.cuda_sparse_24:
             raise ConfigError("cuda_sparse_24 runs on one rank, not with tensor parallelism")
+        from kvslim.engine.parallel_executor import TensorParallelExecutor
         self.parallel = TensorParallelExecutor.start(model_dir, self.config)
         weakref.finalize(self, self.parallel.shutdown)       # at gc and at interpreter exit
         return self.parallel.model
@@ -104,7 +105,10 @@ class LLMEngine:
     def _learned_proposer(self):
         """Medusa's or EAGLE's heads on the target's hidden states, when speculation asks."""
         spec = self.config.speculative
-        if spec is None or spec.method not in LEARNED_METHODS:
+        if spec is None:
+            return None
+        from kvslim.engine.speculative.learned import LEARNED_METHODS, learned_proposer
+        if spec.method not in LEARNED_METHODS:
             return None
         if self.parallel is not None:
             raise KvslimError(f"speculative method {spec.method!r} does not run with "
@@ -115,6 +119,8 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is None:
             return None
+        from kvslim.engine.speculative.decoder import SpeculativeDecoder
+        from kvslim.engine.speculative.draft import DraftModelProposer
         draft = None
         if spec.method == "draft":
             from kvslim.formats.registry import resolve_model
@@ -298,7 +304,7 @@ class LLMEngine:
 
     def rank_kv_stats(self) -> list[RankKVStats]:
         """Each rank's KV cache as its runner allocated it (one entry on one rank)."""
-        return self.parallel.rank_kv_stats() if self.parallel else [kv_stats(0, self.runner)]
+        return self.parallel.rank_kv_stats() if self.parallel else [self.runner.kv_stats(0)]
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks (idempotent; a no-op on one rank, whose engine then

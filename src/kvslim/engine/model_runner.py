@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,17 +16,18 @@ from kvslim.attention import (KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, KVCacheLayer,
 from kvslim.device import host_tensor
 from kvslim.engine.block_table import BlockTables
 from kvslim.engine.config import EngineConfig
-from kvslim.engine.decode_graphs import DecodeGraphs
-from kvslim.engine.hidden_window import HiddenWindows
-from kvslim.engine.prompt_logprobs import record_prompt_logprobs
+from kvslim.engine.outputs import RankKVStats
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
-from kvslim.engine.speculative.verify import TypicalAcceptance
 from kvslim.layers.rope import longrope_original_context
 from kvslim.kv_cache.groups import first_needed_block
 from kvslim.kv_cache.plan import KVCachePlan, plan_kv_cache
 from kvslim.models.causal_lm import CausalLM
 from kvslim.structured.manager import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from kvslim.engine.hidden_window import HiddenWindows
+    from kvslim.engine.speculative.verify import TypicalAcceptance
 
 
 def kv_cache_plan_of(model, config: EngineConfig, **given) -> KVCachePlan:
@@ -120,6 +122,11 @@ class ModelRunner:
                        for kv, s in zip(self.kv_cache, self.kv_scales)]
         self.kv_caches = [storage[j] for j in self.kv_groups.position_of_layer()]
 
+    def kv_stats(self, rank: int = 0) -> RankKVStats:
+        """This runner's KV cache as allocated (rank: its tensor-parallel rank)."""
+        return RankKVStats(rank, self.num_blocks, self.bytes_per_block, self.kv_slot_bytes,
+                           self.kv_slot_bytes * len(self.kv_groups.groups))
+
     @property
     def kv_slot_bytes(self) -> int:
         """Bytes one token's slot takes in the allocated tensors, every layer's elements and
@@ -127,10 +134,11 @@ class ModelRunner:
         tensors = self.kv_cache + (self.kv_scales or [])
         return sum(t[:, 0, 0].numel() * t.element_size() for t in tensors)
 
-    def _decode_graphs(self, use_graphs: bool, compiled: bool = False) -> DecodeGraphs:
+    def _decode_graphs(self, use_graphs: bool, compiled: bool = False):
         """Every padded decode shape prepared now (captured, with CUDA graphs; compiled, on
         the CPU), before the first step. Padding rows write into the reserved block after the
         last one in use."""
+        from kvslim.engine.decode_graphs import DecodeGraphs
         graphs = DecodeGraphs(self.model, self.kv_caches, self.num_blocks * self.block_size,
                               self.config.max_num_seqs, self.block_tables.max_blocks,
                               self.layer_windows, self.layer_group, use_graphs,
@@ -168,6 +176,7 @@ class ModelRunner:
         for entry, query_start in zip(entries, query_starts):
             scored = entry.prompt_logprob_positions
             if scored:
+                from kvslim.engine.prompt_logprobs import record_prompt_logprobs
                 record_prompt_logprobs(self.model, hidden, query_start + scored.start - entry.start,
                                        scored, entry.seq)
             if entry.draft_token_ids:        # every row scores a draft, the last one the bonus

@@ -89,3 +89,15 @@ class KVCacheStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(frozen=True)
+class RankKVStats:
+    """One rank's paged KV cache, as its ModelRunner allocated it."""
+    rank: int
+    num_blocks: int
+    bytes_per_block: int
+    kv_slot_bytes: int                 # bytes one token takes in the allocated tensors
+    # All layers' bytes per token (a block holds one KV-cache group's layers: kv_slot_bytes
+    # times the groups), what the planner's per-rank figure counts.
+    kv_bytes_per_token: int = 0

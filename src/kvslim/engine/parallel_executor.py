@@ -50,7 +50,8 @@ import torch.multiprocessing as mp
 
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.model_runner import ModelRunner
-from kvslim.engine.parallel_worker import (RankGroup, RankKVStats, WorkerSetup, kv_stats,
+from kvslim.engine.outputs import RankKVStats
+from kvslim.engine.parallel_worker import (RankGroup, WorkerSetup,
                                            rank_device, serve_rank, start_rank, worker_main,
                                            worker_step)
 from kvslim.engine.scheduler import SchedulerOutput
@@ -219,7 +220,7 @@ class TensorParallelExecutor:
         self.runner = runner
         self._listening = False
         self.group.broadcast(WorkerSetup(max_model_len, list(eos_token_ids)))
-        self._kv_stats = self.group.gather(kv_stats(0, runner))
+        self._kv_stats = self.group.gather(runner.kv_stats(0))
         self._listening = True
         shapes = {(s.num_blocks, s.bytes_per_block) for s in self._kv_stats}
         if len(shapes) != 1:

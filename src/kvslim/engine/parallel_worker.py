@@ -63,18 +63,6 @@ OBJECT_GROUP_TIMEOUT = datetime.timedelta(days=30)
 
 
 @dataclass(frozen=True)
-class RankKVStats:
-    """One rank's paged KV cache, as its ModelRunner allocated it."""
-    rank: int
-    num_blocks: int
-    bytes_per_block: int
-    kv_slot_bytes: int                 # bytes one token takes in the allocated tensors
-    # All layers' bytes per token (a block holds one KV-cache group's layers: kv_slot_bytes
-    # times the groups), what the planner's per-rank figure counts.
-    kv_bytes_per_token: int = 0
-
-
-@dataclass(frozen=True)
 class WorkerSetup:
     max_model_len: int
     eos_token_ids: list[int]
@@ -183,11 +171,6 @@ def _describe(error: Exception) -> str:
     return str(error) if isinstance(error, KvslimError) else f"{type(error).__name__}: {error}"
 
 
-def kv_stats(rank: int, runner: ModelRunner) -> RankKVStats:
-    return RankKVStats(rank, runner.num_blocks, runner.bytes_per_block, runner.kv_slot_bytes,
-                       runner.kv_slot_bytes * len(runner.kv_groups.groups))
-
-
 def worker_step(out: SchedulerOutput, released_seq_ids: list[int]) -> WorkerStep:
     """The step as the workers need it. Each sequence is a shallow copy, pickled at once (before
     rank 0's own runner touches it): its `dirty_from` is the one rank 0's runner syncs its block
@@ -248,7 +231,7 @@ def follow(group: RankGroup, model: torch.nn.Module, config: EngineConfig) -> No
         return
     plan = kv_cache_plan_of(model, config, max_model_len=setup.max_model_len)
     runner = ModelRunner(model, config, setup.eos_token_ids, plan)
-    group.gather(kv_stats(group.rank, runner))
+    group.gather(runner.kv_stats(group.rank))
     while (step := group.broadcast()) is not None:
         runner.release(step.released_seq_ids)
         runner.execute(step.out, sample=False)

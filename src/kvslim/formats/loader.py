@@ -19,9 +19,6 @@ import torch
 from safetensors import safe_open
 
 from kvslim.errors import WeightsError
-from kvslim.formats.quant_layouts import LAYOUTS, gptq_weights
-from kvslim.formats.compressed_tensors_int import is_symmetric_zero_point
-from kvslim.formats.compressed_tensors_sparse import dense_weights, stored_sparsity
 from kvslim.models.config import ModelConfig
 from kvslim.dtypes import parse_dtype
 from kvslim.models.families import family_of, model_class
@@ -131,6 +128,8 @@ def _checked_weights(model_dir: Path, config: ModelConfig, expected: dict[str, t
     if spec is not None and family.quantized_unsupported:
         raise WeightsError(f"{model_dir}: quantized {config.architecture} checkpoints are not "
                            f"supported yet ({family.quantized_unsupported})")
+    # Other tools' quantized and sparse layouts: read by this, the safetensors path, only.
+    from kvslim.formats.quant_layouts import LAYOUTS, gptq_weights
     entries = _entries(model_dir, config)
     if spec is not None and spec.method in LAYOUTS:
         stored = ((path, name, read()) for path, name, _, read in entries)
@@ -152,6 +151,7 @@ def _entries(model_dir: Path, config: ModelConfig) -> Iterator[tuple[Path, str, 
     """(file, name, shape, read) for every weight the loader reads, `read()` giving the tensor:
     read lazily, after its shape is checked, unless the checkpoint stores weights sparse
     (compressed-tensors' bitmask layouts), whose tensors are read and made dense first."""
+    from kvslim.formats.compressed_tensors_sparse import dense_weights, stored_sparsity
     fmt = stored_sparsity(config)
     if fmt is None:
         for path, f, name in _stored(model_dir, config):
@@ -164,6 +164,7 @@ def _entries(model_dir: Path, config: ModelConfig) -> Iterator[tuple[Path, str, 
 
 def _stored(model_dir: Path, config: ModelConfig) -> Iterator[tuple[Path, Any, str]]:
     """(file, open safetensors file, name) for every stored tensor the loader reads."""
+    from kvslim.formats.compressed_tensors_int import is_symmetric_zero_point
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():

@@ -57,3 +57,7 @@ class GemmaRMSNorm(nn.Module):
         if self._kernel_weight is None:
             self._kernel_weight = (1.0 + self.weight.detach().float()).contiguous()
         return self._kernel_weight
+
+
+# Every norm layer a model holds (replicated whole on every tensor-parallel rank).
+NORMS = (RMSNorm, GemmaRMSNorm)

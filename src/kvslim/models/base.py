@@ -87,6 +87,8 @@ class Family:
     norms_per_layer: int = 2               # RMSNorms in a decoder layer (Gemma: around both blocks)
     # Whether AWQ and SmoothQuant can fold their scales into the norm before each linear
     scale_folding: bool = True
+    # Dense attention whose q/k/v map one to one onto DeepSeek-V2's (`kvslim convert --to-mla`)
+    converts_to_mla: bool = False
     # Why its quantized checkpoints are refused (None: they load)
     quantized_unsupported: str | None = None
 

@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from kvslim.errors import ConfigError
-from kvslim.layers.deepseek_moe import DeepseekMoE, layer_is_sparse
-from kvslim.layers.latent_attention import LatentAttention
 from kvslim.layers.mlp import SwiGLUMLP
 from kvslim.layers.norm import RMSNorm
 from kvslim.layers.rope import RotaryEmbedding
@@ -34,6 +32,9 @@ class DeepseekDecoderLayer(DecoderLayer):
     """Llama's layer (its forward) with latent attention and a dense or expert MLP."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
+        # DeepSeek's own layers load with its first model, not with the family table.
+        from kvslim.layers.deepseek_moe import DeepseekMoE, layer_is_sparse
+        from kvslim.layers.latent_attention import LatentAttention
         nn.Module.__init__(self)
         h, quant = config.hidden_size, config.quantization
         self.self_attn = LatentAttention(h, config.num_attention_heads, config.mla, layer_idx,

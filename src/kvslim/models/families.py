@@ -14,6 +14,11 @@ FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen
                                 gemma3.FAMILY, phi3.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY,
                                 deepseek_v2.FAMILY, deepseek_v3.FAMILY)
 register_families(FAMILIES)                  # BY_ARCHITECTURE, ModelConfig's table
+# The families some jobs are about, named here so that code outside models/ asks for the role:
+# what `kvslim train` builds from scratch, what `kvslim convert --to-mla` writes and reads.
+TRAINED_FAMILY = llama.FAMILY
+MLA_FAMILY = deepseek_v2.FAMILY
+MLA_SOURCES = tuple(f for f in FAMILIES if f.converts_to_mla)
 
 
 def family_of(config: ModelConfig) -> Family:

@@ -157,4 +157,4 @@ LLAMA_LAYER_TENSORS = {
 }
 GGUF = GGUFLayout("llama", LLAMA_LAYER_TENSORS, permutes_qk=True)
 FAMILY = Family("llama", "LlamaForCausalLM", "Llama", LlamaForCausalLM, write_hf=_write_hf,
-                gguf=GGUF)
+                gguf=GGUF, converts_to_mla=True)

@@ -9,4 +9,4 @@ from kvslim.models import llama
 from kvslim.models.base import Family
 
 FAMILY = Family("mistral", "MistralForCausalLM", "Mistral", llama.LlamaForCausalLM,
-                gguf=replace(llama.GGUF, imports=False))
+                gguf=replace(llama.GGUF, imports=False), converts_to_mla=True)

@@ -42,7 +42,7 @@ from kvslim.errors import KvslimError
 from kvslim.layers.linear import Linear, MergedLinear, QKVLinear
 from kvslim.layers.mlp import SwiGLUMLP
 from kvslim.layers.moe import SparseMoE
-from kvslim.layers.norm import GemmaRMSNorm, RMSNorm
+from kvslim.layers.norm import NORMS
 from kvslim.layers.self_attention import Attention
 from kvslim.models.config import ModelConfig
 from kvslim.parallel.layers import (ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
@@ -141,7 +141,7 @@ def _shard_vocab(model: nn.Module, layout: RankLayout, vocab_size: int, group) -
 
 
 # ---- what can be sharded -----------------------------------------------------------------------
-_WHOLE = (RMSNorm, GemmaRMSNorm)          # replicated on every rank
+_WHOLE = NORMS                            # replicated on every rank
 
 
 def _check_shardable(model: nn.Module, config: ModelConfig, rank: int, world_size: int,

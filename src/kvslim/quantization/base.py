@@ -19,7 +19,7 @@ from torch import nn
 
 from kvslim.errors import ConfigError
 from kvslim.layers.linear import prepare_float_linears
-from kvslim.quantization.registry import LINEARS, PARSERS
+from kvslim.quantization.registry import QUANT_METHODS, linear_class, parser
 
 
 @dataclass(frozen=True)
@@ -40,22 +40,23 @@ class QuantSpec:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "QuantSpec":
         method = cfg.get("quant_method")
-        if method not in PARSERS:
-            names = [repr(name) for name in PARSERS]
+        parse = parser(method) if isinstance(method, str) else None
+        if parse is None:
+            names = [repr(name) for name in QUANT_METHODS]
             raise ConfigError(f"config.json: quantization_config quant_method {method!r} is not "
                               f"supported ({', '.join(names[:-1])} or {names[-1]})")
-        return PARSERS[method](cfg)
+        return parse(cfg)
 
     def make_linear(self, in_features: int, shard_sizes: dict[Hashable, int],
                     bias: bool = False) -> "QuantLinear":
         """A linear layer of this method (`layers.linear.make_linear` asks for it)."""
-        return LINEARS[self.method](in_features, 0, bias, self, shard_sizes)
+        return linear_class(self.method)(in_features, 0, bias, self, shard_sizes)
 
     @property
     def input_multiple(self) -> int:
         """What the method's layers need of a slice of their inputs
         (`QuantLinear.input_multiple`)."""
-        return LINEARS[self.method].input_multiple(self)
+        return linear_class(self.method).input_multiple(self)
 
     def describe(self) -> str:
         """One line for people: `kvslim info`."""

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from kvslim.errors import KvslimError
 from kvslim.models.config import ModelConfig
+from kvslim.models.families import TRAINED_FAMILY
 from kvslim.device import resolve_device
 from kvslim.models.causal_lm import CausalLM
 from kvslim.formats.loader import init_model, load_model
@@ -54,7 +55,7 @@ def build_model(cfg: TrainConfig, tokenizer: Tokenizer) -> CausalLM:
     s = cfg.shape
     eos = tokenizer.eos_token_ids
     config = ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=tokenizer.vocab_size,
+        architecture=TRAINED_FAMILY.architecture, vocab_size=tokenizer.vocab_size,
         hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
         num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
         num_key_value_heads=s.num_key_value_heads, head_dim=s.hidden_size // s.num_attention_heads,

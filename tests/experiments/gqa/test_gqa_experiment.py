@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvslim.experiments.gqa.report import goal_checks, write_report
-from kvslim.experiments.gqa.study import Experiment, ExperimentConfig
+from kvslim_lab.experiments.gqa.report import goal_checks, write_report
+from kvslim_lab.experiments.gqa.study import Experiment, ExperimentConfig
 from kvslim.train.train_config import ModelShape, TrainConfig
 from kvslim.train.trainer import train
 
@@ -79,7 +79,7 @@ def test_shards_split_the_plan_and_share_one_results_file(tmp_path, calib_file):
 
 def test_nonuniform_and_distilled_arms(tmp_path, calib_file, monkeypatch):
     """-nu arms spend the uniform count's KV bytes per layer; -kd arms uptrain from a teacher."""
-    import kvslim.experiments.gqa.study as gqa
+    import kvslim_lab.experiments.gqa.study as gqa
     configs = []
     monkeypatch.setattr(gqa, "train", lambda cfg, **kw: configs.append(cfg) or train(cfg, **kw))
     cfg = tiny_setup(tmp_path, calib_file, layers=3, kv_heads=[2], alphas=[0.0, 0.1],

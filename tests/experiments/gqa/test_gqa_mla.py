@@ -6,9 +6,9 @@ from pathlib import Path
 
 from test_gqa_experiment import tiny_setup
 
-from kvslim.experiments.gqa.goals import goal_checks
-from kvslim.experiments.gqa.report import write_report
-from kvslim.experiments.gqa.study import Experiment, RunResult
+from kvslim_lab.experiments.gqa.goals import goal_checks
+from kvslim_lab.experiments.gqa.report import write_report
+from kvslim_lab.experiments.gqa.study import Experiment, RunResult
 from kvslim.models.config import ModelConfig
 from kvslim.surgery.mla.options import mla_widths
 from kvslim.train.trainer import train
@@ -16,7 +16,7 @@ from kvslim.train.trainer import train
 
 def test_mla_arms_have_gqa_bytes_uptrain_time_decode_and_report(tmp_path, calib_file,
                                                                  monkeypatch):
-    import kvslim.experiments.gqa.study as gqa
+    import kvslim_lab.experiments.gqa.study as gqa
     configs = []
     monkeypatch.setattr(gqa, "train", lambda cfg, **kw: configs.append(cfg) or train(cfg, **kw))
     cfg = tiny_setup(tmp_path, calib_file, layers=2, kv_heads=[2, 1], alphas=[0.0, 0.05],

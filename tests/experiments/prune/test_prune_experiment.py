@@ -6,9 +6,9 @@ import json
 import pytest
 
 from kvslim.cli.main import main
-from kvslim.experiments.prune.goals import goals
-from kvslim.experiments.prune.report import write_report
-from kvslim.experiments.prune.study import PruneExperiment, PruneExperimentConfig
+from kvslim_lab.experiments.prune.goals import goals
+from kvslim_lab.experiments.prune.report import write_report
+from kvslim_lab.experiments.prune.study import PruneExperiment, PruneExperimentConfig
 
 TEXT = ("The kernel schedules tasks; memory is managed in pages of 4096 bytes. It is a truth "
         "universally acknowledged, that a single man in possession of a good fortune, must be "
@@ -58,7 +58,7 @@ def test_every_arm_is_measured(tiny):
 
 def test_numbers_added_later_are_measured_on_recorded_arms(tiny, tmp_path):
     import shutil
-    from kvslim.experiments.prune.study import RESULTS
+    from kvslim_lab.experiments.prune.study import RESULTS
     work = tmp_path / "work"
     shutil.copytree(tiny.cfg.work_dir, work)
     records = json.loads((work / RESULTS).read_text())

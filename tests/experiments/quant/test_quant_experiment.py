@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from kvslim.bench.machine import Bandwidth
-from kvslim.experiments.quant import study as quant
-from kvslim.experiments.quant.arms import plan
-from kvslim.experiments.quant.goals import model_goals
-from kvslim.experiments.quant.report import write_report
-from kvslim.experiments.quant.study import ArmResult, QuantExperiment, QuantExperimentConfig
+from kvslim_lab.bench.machine import Bandwidth
+from kvslim_lab.experiments.quant import study as quant
+from kvslim_lab.experiments.quant.arms import plan
+from kvslim_lab.experiments.quant.goals import model_goals
+from kvslim_lab.experiments.quant.report import write_report
+from kvslim_lab.experiments.quant.study import ArmResult, QuantExperiment, QuantExperimentConfig
 from kvslim.models.config import ModelConfig
 
 # AWQ and act-order run the same build and measurements as GPTQ: left out to keep this short.

@@ -4,11 +4,11 @@ acceptance by depth; a drafter without a training log is named as such."""
 import shutil
 
 from checkpoints import TOKENIZER_TEXT
-from kvslim.experiments.speculative.drafters_report import drafters_section
-from kvslim.experiments.speculative.records import SpecExperimentConfig, Target
-from kvslim.experiments.speculative.report import goal_checks
-from kvslim.experiments.speculative.study import SpecExperiment
-from kvslim.experiments.speculative.thresholds import cells
+from kvslim_lab.experiments.speculative.drafters_report import drafters_section
+from kvslim_lab.experiments.speculative.records import SpecExperimentConfig, Target
+from kvslim_lab.experiments.speculative.report import goal_checks
+from kvslim_lab.experiments.speculative.study import SpecExperiment
+from kvslim_lab.experiments.speculative.thresholds import cells
 from kvslim.train.drafter import LOG_FILE, DrafterTrainConfig, train_drafter
 
 

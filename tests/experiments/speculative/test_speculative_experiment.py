@@ -3,10 +3,10 @@ outputs identical, the report's tables, thresholds and goal lines computed from 
 import json
 
 from checkpoints import TOKENIZER_TEXT
-from kvslim.experiments.speculative.records import SpecExperimentConfig, Target
-from kvslim.experiments.speculative.report import goal_checks, write_report
-from kvslim.experiments.speculative.study import SpecExperiment
-from kvslim.experiments.speculative.thresholds import break_even_acceptance, cells
+from kvslim_lab.experiments.speculative.records import SpecExperimentConfig, Target
+from kvslim_lab.experiments.speculative.report import goal_checks, write_report
+from kvslim_lab.experiments.speculative.study import SpecExperiment
+from kvslim_lab.experiments.speculative.thresholds import break_even_acceptance, cells
 
 
 def test_break_even_acceptance_solves_the_geometric_sum():

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from kvslim.formats.loader import load_model
 from kvslim.formats.writer import save_model
 from kvslim.models.config import ModelConfig
+from kvslim.models.families import MLA_FAMILY
 from kvslim.dtypes import parse_dtype
 from kvslim.surgery.mla.factorize import mla_layer
 from kvslim.surgery.mla.frequencies import (choose_kept, mixing, pairs, rope_parameters,
@@ -102,7 +103,7 @@ def mla_config(source: ModelConfig, options: MLAOptions, kept: list[int]) -> Mod
     kv, d = source.num_key_value_heads, source.head_dim
     width = rope_key_width(source, options.method, options.rope_dim_for(source))
     nope = 2 * sum(1 for m in kept if m < kv)
-    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    cfg = {"architectures": [MLA_FAMILY.architecture], "model_type": MLA_FAMILY.model_type,
            "vocab_size": source.vocab_size, "hidden_size": source.hidden_size,
            "intermediate_size": source.intermediate_size,
            "num_hidden_layers": source.num_hidden_layers,

@@ -15,11 +15,10 @@ from pathlib import Path
 
 from kvslim.errors import KvslimError
 from kvslim.models.config import ModelConfig
+from kvslim.models.families import MLA_FAMILY, MLA_SOURCES
 
 METHODS = ("mha2mla", "transmla")
 LATENT_NORMS = ("calibrated", "exact")
-# Llama-style dense attention whose q/k/v map one to one onto DeepSeek's projections
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM")
 # RoPE scalings that are frequencies only (no attention factor, no switch with the length)
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -61,10 +60,11 @@ def max_rank(config: ModelConfig, rope_width: int) -> int:
 def check_source(config: ModelConfig) -> None:
     """Llama-family dense attention only, each refusal saying why."""
     arch = config.architecture
-    if arch not in SUPPORTED:
-        why = (" (its query bias has no place in DeepSeek's q_proj)" if config.qkv_bias else "")
-        raise KvslimError(f"--to-mla converts {', '.join(SUPPORTED)}; {arch} is not "
-                          f"supported{why}")
+    if arch not in {f.architecture for f in MLA_SOURCES}:
+        why = (f" (its query bias has no place in {MLA_FAMILY.name}'s q_proj)"
+               if config.qkv_bias else "")
+        raise KvslimError(f"--to-mla converts {', '.join(f.architecture for f in MLA_SOURCES)}; "
+                          f"{arch} is not supported{why}")
     for flaw, why in ((config.qkv_bias or config.o_bias, "attention biases"),
                       (config.qk_norm, "q/k norms"),
                       (config.sliding_window is not None, "a sliding window"),
@@ -72,7 +72,7 @@ def check_source(config: ModelConfig) -> None:
                       (config.quantization is not None, "quantized weights")):
         if flaw:
             raise KvslimError(f"--to-mla cannot convert {config.name or arch}: {why} have no "
-                              "DeepSeek-V2 equivalent here")
+                              f"{MLA_FAMILY.name} equivalent here")
     rope_type = (config.rope_scaling or {}).get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise KvslimError(f"--to-mla cannot convert {rope_type} RoPE scaling (supported: "
