@@ -1,6 +1,7 @@
 """Scheduler: continuous batching, chunked prefill, limits, preemption, FCFS and abort — with a
 fake model that always samples token 7."""
 from kvslim.engine.block_manager import BlockManager
+from kvslim.engine.long_rope import LongRopeSwitch
 from kvslim.engine.sampler import SampleResult
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.engine.scheduler import Scheduler
@@ -140,7 +141,7 @@ def test_eos_stops_unless_ignored_or_min_tokens():
 
 def longrope_scheduler(original: int):
     bm = BlockManager(64, 4)
-    return Scheduler(bm, 8, 64, eos_token_ids=[0], long_rope_from=original), bm
+    return Scheduler(bm, 8, 64, eos_token_ids=[0], length_switch=LongRopeSwitch(original)), bm
 
 
 def test_a_prompt_beyond_longrope_original_context_is_long_from_the_start():

@@ -11,6 +11,7 @@ from kvslim.engine.beam_search import BeamSearch
 from kvslim.engine.block_manager import BlockManager
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.input_processor import InputProcessor
+from kvslim.engine.long_rope import LongRopeSwitch
 from kvslim.engine.model_runner import ModelRunner, RunnerFeatures, kv_cache_plan_of
 from kvslim.engine.output_processor import OutputProcessor, RequestState
 from kvslim.engine.outputs import KVCacheStats, RankKVStats, RequestOutput
@@ -22,7 +23,6 @@ from kvslim.errors import ConfigError, EngineFailedError, InvalidRequestError, K
 from kvslim.device import resolve_device
 from kvslim.formats.loader import load_model
 from kvslim.kernels.activations import linear_activations
-from kvslim.layers.rope import longrope_original_context
 from kvslim.structured.grammar import GrammarCompiler
 from kvslim.structured.manager import StructuredOutputManager
 from kvslim.tokenizer.tokenizer import Tokenizer
@@ -88,7 +88,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, eos,
                                    self.config.enable_chunked_prefill,
-                                   longrope_original_context(self.model_config.rope_scaling))
+                                   LongRopeSwitch.of(self.model_config.rope_scaling))
         self.spec = self._speculative_decoder(learned)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.config, self.kv_plan)

@@ -11,9 +11,9 @@ are generating), then admits waiting sequences first-come-first-served while blo
 preempted: its blocks are freed, its place in this step (tokens and pending block copies) is
 undone, and its tokens are recomputed later (the prefix cache usually returns most of them).
 
-A model with Phi-3's LongRoPE rotates every position of a sequence longer than its original
-context by the long factors (`long_rope_from`: that length), as transformers does: a sequence
-that grows past it is recomputed the same way, and a longer prompt is computed so from the start."""
+A `LengthSwitch` (engine/long_rope.py: LongRoPE's) names a length past which a sequence must be
+computed again: a sequence that grows past it is recomputed as a preempted one is, a longer one
+is computed so from the start, and drafts stop at it."""
 from __future__ import annotations
 
 import time
@@ -23,6 +23,7 @@ from functools import cached_property
 
 from kvslim.attention.tree import TreeRows
 from kvslim.engine.block_manager import BlockManager
+from kvslim.engine.long_rope import LengthSwitch
 from kvslim.engine.sequence import Sequence, SequenceStatus
 
 
@@ -89,9 +90,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: list[int] | tuple[int, ...] = (),
-                 enable_chunked_prefill: bool = True, long_rope_from: int | None = None):
+                 enable_chunked_prefill: bool = True, length_switch: LengthSwitch | None = None):
         self.bm = block_manager
-        self.long_rope_from = long_rope_from
+        self.length_switch = length_switch
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -104,7 +105,8 @@ class Scheduler:
     # ---- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        seq.long_rope = seq.long_rope or self._outgrew_short_rope(seq)
+        if self._outgrew(seq):
+            self.length_switch.switch(seq)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -139,16 +141,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self._released.append(seq.seq_id)
 
-    def _outgrew_short_rope(self, seq: Sequence) -> bool:
-        return self.long_rope_from is not None and seq.num_tokens > self.long_rope_from
-
-    def _switch_to_long_rope(self, seq: Sequence) -> None:
-        """The sequence just grew past the original context: its K/V, rotated by the short
-        factors, are recomputed with the long ones (transformers' Phi-3 drops its cache then).
-        Its short-rotated blocks stay in the prefix cache under their own key."""
-        seq.long_rope = True
-        seq.block_hashes = []
-        self._requeue(seq)
+    def _outgrew(self, seq: Sequence) -> bool:
+        return self.length_switch is not None and self.length_switch.outgrew(seq)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -189,9 +183,9 @@ class Scheduler:
         depth = len(drafts)
         if seq.params.max_tokens is not None:
             depth = min(depth, seq.params.max_tokens - seq.num_output_tokens - 1)
-        if self.long_rope_from is not None and not seq.long_rope:
-            # verify short-rotated positions only: the original context's last one at most
-            depth = min(depth, self.long_rope_from - seq.num_tokens)
+        room = self.length_switch.room(seq) if self.length_switch is not None else None
+        if room is not None:
+            depth = min(depth, room)
         if parents is None:
             keep = max(0, min(depth, budget - 1))
         else:       # a tree lists its drafts by depth: what is cut is a deeper part
@@ -294,9 +288,9 @@ class Scheduler:
                 if reason:
                     self.finish(member, reason)
         for seq in updated:
-            if seq.status is SequenceStatus.RUNNING and not seq.long_rope \
-                    and self._outgrew_short_rope(seq):
-                self._switch_to_long_rope(seq)
+            if seq.status is SequenceStatus.RUNNING and self._outgrew(seq):
+                self.length_switch.switch(seq)
+                self._requeue(seq)
         return updated
 
     def _accept(self, seq: Sequence, results: list, now: float) -> None:

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvslim.kernels import sparse24, tiled_gemm
+from kvslim.kernels import tiled_gemm
 
 BATCH_HINT = 64          # the reorder is tuned for this many rows; any number of rows works
 GEMV_COPY_MAX_SHARE = 0.25   # of physical memory that the weights may take for the second form
@@ -104,16 +104,19 @@ class Sparse24CpuKernel:
     weight_in_out = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        from kvslim.kernels import sparse24         # loaded with the first 2:4 sparse model
+        self.kernel = sparse24
         self.out_features, self.in_features = weight.shape
         self.sparse = sparse24.pack_sparse24_weight(weight)
         self.bias = None if bias is None else bias.detach()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return sparse24.sparse24_linear(x, self.sparse, self.bias)
+        return self.kernel.sparse24_linear(x, self.sparse, self.bias)
 
 
 def is_two_of_four(weight: torch.Tensor) -> bool:
     """Whether every four consecutive inputs of every row hold at most two nonzeros."""
+    from kvslim.kernels import sparse24
     out, k = weight.shape
     return (k % sparse24.GROUP == 0 and bool(
         ((weight.view(out, k // sparse24.GROUP, sparse24.GROUP) != 0).sum(-1)
