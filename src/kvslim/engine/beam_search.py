@@ -78,7 +78,7 @@ class BeamSearch:
         that are done (their hypotheses final, their beams still to be freed)."""
         done = []
         for request_id, group in self.groups.items():
-            if group.beams and all(b.beam_candidates for b in group.beams):
+            if group.beams and all(b.held_samples for b in group.beams):
                 if self._step(group):
                     done.append(request_id)
         return done
@@ -88,7 +88,7 @@ class BeamSearch:
         p, width = group.params, group.width
         ranked = sorted(((b.cumulative_logprob + r.logprob.logprob, i, k, r)
                          for i, b in enumerate(group.beams)
-                         for k, r in enumerate(b.beam_candidates)),
+                         for k, r in enumerate(b.held_samples)),
                         key=lambda c: (-c[0], c[1], c[2]))
         chosen: list[tuple[Sequence, object]] = []
         for rank, (_, i, _, result) in enumerate(ranked):
@@ -101,7 +101,7 @@ class BeamSearch:
             if len(chosen) == width:
                 break
         for beam in group.beams:
-            beam.beam_candidates = []
+            beam.held_samples = []
         if not chosen:
             return True
         best = chosen[0][0].cumulative_logprob + chosen[0][1].logprob.logprob
@@ -159,7 +159,11 @@ class BeamSearch:
                 continue
             children = []
             for _ in results[1:]:
-                children.append(self.scheduler.fork_beam(parent, group.next_index))
+                child = self.scheduler.fork_sibling(parent, group.next_index)
+                child.cumulative_logprob = parent.cumulative_logprob
+                child.logprobs = list(parent.logprobs)
+                child.first_token_time = parent.first_token_time
+                children.append(child)
                 group.next_index += 1
             for seq, result in zip([parent] + children, results):
                 seq.append_sample(result, now)

@@ -138,6 +138,12 @@ class SamplingParams:
         return self.best_of or self.n
 
     @property
+    def holds_samples(self) -> bool:
+        """Its sampled candidates are held for a search strategy to pick from (beam search,
+        engine/beam_search.py), not appended by the scheduler."""
+        return self.use_beam_search
+
+    @property
     def needs_logprob(self) -> bool:
         """The chosen token's logprob is needed: asked for, or to rank completions."""
         return self.logprobs is not None or self.use_beam_search or \

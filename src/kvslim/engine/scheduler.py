@@ -137,7 +137,7 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.beam_candidates = []
+        seq.held_samples = []
         self.waiting.appendleft(seq)
         self._released.append(seq.seq_id)
 
@@ -156,7 +156,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:     # preempted earlier in this loop
                 continue
-            if seq.num_uncomputed_tokens == 0:      # a beam waiting for its siblings
+            if seq.num_uncomputed_tokens == 0:      # its samples held for its strategy
                 continue
             drafts, parents = self._take_drafts(seq, budget)
             n = min(seq.num_uncomputed_tokens, budget) + len(drafts)
@@ -242,9 +242,9 @@ class Scheduler:
     def _num_seq_slots(seqs: list[Sequence]) -> int:
         """Batch rows the sequences take, counting the siblings an n > 1 parent forks into
         once its prompt is done (possibly several chunked steps after admission), and the
-        beams a beam search's first sequence will fork into."""
+        sequences a search strategy's first one will fork into."""
         return sum(s.params.num_sequences if s.fork_pending or (
-            s.params.use_beam_search and not s.num_output_tokens) else 1 for s in seqs)
+            s.params.holds_samples and not s.num_output_tokens) else 1 for s in seqs)
 
     @staticmethod
     def _entry(seq: Sequence, n: int, copies: list[tuple[int, int]],
@@ -277,8 +277,8 @@ class Scheduler:
             if not entry.sample:
                 continue
             results = sampled[seq.seq_id]
-            if seq.params.use_beam_search:          # engine/beam_search.py picks the tokens
-                seq.beam_candidates = results
+            if seq.params.holds_samples:            # its search strategy picks the tokens
+                seq.held_samples = results
                 continue
             family = [seq] + (self._fork(seq) if seq.fork_pending else [])
             for member, result in zip(family, results):
@@ -309,13 +309,10 @@ class Scheduler:
         self.bm.cache_computed_blocks(seq)
         self.bm.release_out_of_window(seq)
 
-    def fork_beam(self, parent: Sequence, index: int) -> Sequence:
-        """A sibling beam: the parent's tokens and blocks (shared copy-on-write), running
-        right after it."""
+    def fork_sibling(self, parent: Sequence, index: int) -> Sequence:
+        """A sibling of a running sequence (a search strategy's new candidate): the parent's
+        tokens and blocks (shared copy-on-write), running right after it."""
         child = parent.fork(index)
-        child.cumulative_logprob = parent.cumulative_logprob
-        child.logprobs = list(parent.logprobs)
-        child.first_token_time = parent.first_token_time
         self.bm.fork(parent, child)
         self.running.insert(self.running.index(parent) + 1, child)
         return child

@@ -58,8 +58,9 @@ class Sequence:
     # and, for a tree of drafts, each one's parent (an index into spec_token_ids; -1: the
     # sequence's last token). None: a chain, each draft after the one before.
     spec_parents: list[int] | None = None
-    # Beam search: this step's best next tokens (SampleResults), until the request advances.
-    beam_candidates: list = field(default_factory=list)
+    # A sequence whose tokens a search strategy picks (`params.holds_samples`: beam search):
+    # this step's candidates (SampleResults), held until the strategy advances the request.
+    held_samples: list = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
