@@ -315,3 +315,14 @@ def test_code_outside_models_names_no_family():
                 bad += [f"{rel}:{node.lineno}: imports {n}" for n in names
                         if n.startswith("kvslim.models.") and n.split(".")[2] in families]
     assert not bad, bad
+
+
+def test_the_engine_sets_no_attribute_of_its_collaborators():
+    """Features plug into the runner, sampler and speculative decoder when they are built
+    (engine/model_runner.py's RunnerFeatures), never by setting their attributes afterwards."""
+    tree = ast.parse((SRC / "engine" / "llm_engine.py").read_text())
+    sets = [f"{node.lineno}: {ast.unparse(target)}" for node in ast.walk(tree)
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute)]
+    assert not sets, sets
