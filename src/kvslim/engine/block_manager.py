@@ -232,6 +232,12 @@ class BlockManager:
                 table.extend(self._allocate_new() for _ in range(needed))
         return copies
 
+    def take_changes(self, seq: Sequence) -> list[int]:
+        """Per group, the first table entry changed since the last call (what a runner's copy
+        of the table must take again); the marks start over."""
+        changes, seq.dirty_from = seq.dirty_from, [len(t) for t in seq.block_tables]
+        return changes
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         child.block_tables = [list(table) for table in parent.block_tables]
         child.dirty_from = [0] * self.num_groups

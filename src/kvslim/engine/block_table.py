@@ -1,16 +1,21 @@
 """The runner's persistent copy of the block tables: per KV-cache group, one [rows, max_blocks]
 tensor (`table[group]`). A running sequence owns the same row in every group for its whole life.
 
-Per step only the entries the block manager changed (`Sequence.dirty_from` onwards, per group)
-are copied, so building a step's tables costs O(batch), not O(tokens in the cache). Entries a
+Per step only the entries the block manager changed (a scheduled entry's `table_changes`
+onwards, per group) are copied, so building a step's tables costs O(batch), not O(tokens in the cache). Entries a
 window group released keep their stale ids here (or 0 where a sequence never held a block):
 attention masks those positions, so they are never read into a result."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvslim.device import host_tensor
 from kvslim.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvslim.engine.scheduler import ScheduledSequence
 
 
 class BlockTables:
@@ -31,17 +36,21 @@ class BlockTables:
         if row is not None:
             self.free_rows.append(row)
 
-    def rows_for(self, seqs: list[Sequence]) -> list[int]:
-        """Row index of each sequence, syncing the entries changed since the last step: all of
-        them in one copy to the device, which does not wait for it (`host_tensor`)."""
+    def rows_for(self, entries: list[ScheduledSequence]) -> list[int]:
+        """Row index of each scheduled sequence, syncing the entries its `table_changes` name
+        (all of them for a sequence new to the runner): all in one copy to the device, which
+        does not wait for it (`host_tensor`). The runner never writes the Sequence."""
         rows, updates = [], ([], [], [], [])        # group, row, column, block id
-        for seq in seqs:
+        for entry in entries:
+            seq = entry.seq
             row = self.row_of.get(seq.seq_id)
+            changes = entry.table_changes
+            if row is None or changes is None:
+                changes = [0] * len(seq.block_tables)
             if row is None:
                 row = self.row_of[seq.seq_id] = self._free_row()
-                seq.dirty_from = [0] * len(seq.block_tables)
             for g, table in enumerate(seq.block_tables):
-                start = seq.dirty_from[g]
+                start = changes[g]
                 n = len(table) - start
                 if n > 0:
                     updates[0].extend([g] * n)
@@ -49,12 +58,15 @@ class BlockTables:
                     updates[2].extend(range(start, len(table)))
                     # A released entry (-1) becomes 0: a valid id whose contents are masked.
                     updates[3].extend(max(0, b) for b in table[start:])
-                seq.dirty_from[g] = len(table)
             rows.append(row)
         if updates[0]:
             g, r, c, ids = host_tensor(list(updates), torch.long, self.device)
             self.table[g, r, c] = ids
         return rows
+
+    def rows_of(self, seqs: list[Sequence]) -> list[int]:
+        """The rows of sequences this step already synced."""
+        return [self.row_of[seq.seq_id] for seq in seqs]
 
     def _free_row(self) -> int:
         if not self.free_rows:                # more live sequences than expected: grow

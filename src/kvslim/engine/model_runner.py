@@ -221,7 +221,7 @@ class ModelRunner:
         if not moves:
             return
         seqs, src, dst = zip(*moves)
-        rows = torch.tensor(self.block_tables.rows_for(list(seqs)), device=self.device)
+        rows = torch.tensor(self.block_tables.rows_of(list(seqs)), device=self.device)
         src, dst = (torch.tensor(p, device=self.device) for p in (src, dst))
         for group in range(len(self.kv_groups.groups)):
             from_slots = self.block_tables.slots(group, rows, src, self.block_size)
@@ -284,7 +284,7 @@ class ModelRunner:
         Python values, and the inputs reach the device in one copy that does not wait for it.
         With LongRoPE, also each token's Sequence.long_rope (else None)."""
         nd = sum(1 for e in entries if e.num_tokens == 1)
-        rows = self.block_tables.rows_for([e.seq for e in entries])
+        rows = self.block_tables.rows_for(entries)
         tokens = [e.seq.token_ids[e.start] for e in entries[:nd]]
         positions = [e.start for e in entries[:nd]]
         token_rows = rows[:nd]

@@ -173,9 +173,9 @@ def _describe(error: Exception) -> str:
 
 def worker_step(out: SchedulerOutput, released_seq_ids: list[int]) -> WorkerStep:
     """The step as the workers need it. Each sequence is a shallow copy, pickled at once (before
-    rank 0's own runner touches it): its `dirty_from` is the one rank 0's runner syncs its block
-    table from, and every worker's table went through the same syncs, so each rank copies the
-    same entries. Of its tokens only the step's go (`TokenWindow`), not the whole context; left
+    rank 0's own runner runs it): every rank syncs its block tables from the same entries'
+    `table_changes`, and every worker's tables went through the same syncs, so each rank
+    copies the same entries. Of its tokens only the step's go (`TokenWindow`), not the whole context; left
     out too: what only rank 0 reads (prefix-cache hashes, output logprobs); the prompt logprobs
     become placeholders of the same length, as the runner only counts them."""
     scheduled = [dataclasses.replace(entry, seq=_lean(entry)) for entry in out.scheduled]

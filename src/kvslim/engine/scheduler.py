@@ -39,6 +39,9 @@ class ScheduledSequence:
     # and for a tree each one's parent (Sequence.spec_parents; None: a chain).
     draft_token_ids: list[int] = field(default_factory=list)
     draft_parents: list[int] | None = None
+    # Per KV-cache group, the first block-table entry the block manager changed since the
+    # runner last read the table (`BlockManager.take_changes`); None: every entry.
+    table_changes: list[int] | None = None
 
     @cached_property
     def tree(self) -> TreeRows | None:
@@ -168,6 +171,8 @@ class Scheduler:
             budget -= n
         if self.num_preemptions == preemptions_before:   # no room was short: admit new work
             self._admit(out, budget)
+        for entry in out.scheduled:                     # the step's tables, as they now are
+            entry.table_changes = self.bm.take_changes(entry.seq)
         out.released_seq_ids, self._released = self._released, []
         return out
 

@@ -43,7 +43,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained digests of full blocks
     # Per group: leading blocks already entered in the prefix cache (or released).
     registered_blocks: list[int] = field(default_factory=lambda: [0])
-    # Per group: lowest table index changed since the runner last copied the table.
+    # Per group: lowest table index the block manager changed since it last handed the changes
+    # to a step (`BlockManager.take_changes`; the runner reads them from the step's entries).
     dirty_from: list[int] = field(default_factory=lambda: [0])
     finish_reason: str | None = None
     stop_reason: str | int | None = None

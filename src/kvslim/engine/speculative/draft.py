@@ -85,7 +85,9 @@ class DraftModelProposer:
         """One forward pass over every mirror's uncomputed tokens (their slots reserved by
         `propose`); draws each one's next token from the last row."""
         entries = [ScheduledSequence(m, m.num_uncomputed_tokens, True,
-                                     start=m.num_computed_tokens) for m in mirrors]
+                                     start=m.num_computed_tokens,
+                                     table_changes=self.block_manager.take_changes(m))
+                   for m in mirrors]
         hidden, ordered, starts = self.runner.forward(SchedulerOutput(entries))
         rows = [start + e.num_tokens - 1 for e, start in zip(ordered, starts)]
         logits = self.runner.model.compute_logits(hidden[rows]).float()
