@@ -202,8 +202,8 @@ def test_the_stored_tensors_follow_the_scheme(sym, actorder):
 
 def test_int_quantized_with_4_bit_weights_names_the_field():
     """int-quantized is read for W8A8 only: another scheme in it is refused by field."""
-    from kvslim.formats.compressed_tensors_int import quantization_config_w8a8
-    cfg = quantization_config_w8a8()
+    from kvslim.quantization.w8a8 import W8A8_SPEC
+    cfg = W8A8_SPEC.to_hf()
     cfg["config_groups"]["group_0"]["weights"]["num_bits"] = 4
     with pytest.raises(ConfigError, match="group_0.weights.num_bits is 4; kvslim reads 8"):
         QuantSpec.from_hf(cfg)

@@ -75,3 +75,19 @@ def test_each_method_says_what_a_slice_of_its_inputs_needs():
     """The packing along the inputs that tensor parallelism's row shards must respect."""
     assert {m: spec.input_multiple for m, spec in SPECS.items()} == {
         "gptq": 8, "awq": 8, "compressed-tensors": 4, "w8a8": 1, "gguf": 32}
+
+
+@pytest.mark.parametrize("spec", [
+    QuantSpec(4, 128, desc_act=True, sym=False), QuantSpec(8, -1),
+    QuantSpec(4, 32, checkpoint_format="pack-quantized", method="compressed-tensors"),
+    W8A8_SPEC, QuantSpec(4, 32, sym=False, checkpoint_format="gguf", method="gguf", file="m.gguf",
+                         embedding=True)], ids=lambda s: f"{s.method}-{s.bits}")
+def test_a_method_reads_back_what_it_writes(spec):
+    """Each method's file owns its format both ways: the quantization_config it writes
+    (`QuantSpec.to_hf`) parses back to the same spec."""
+    assert QuantSpec.from_hf(spec.to_hf()) == spec
+
+
+def test_a_method_kvslim_does_not_write_says_so():
+    with pytest.raises(ConfigError, match="reads awq checkpoints but does not write them"):
+        SPECS["awq"].to_hf()

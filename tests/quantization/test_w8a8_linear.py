@@ -8,7 +8,6 @@ from kvslim.quantization.kernels import w8a8_linear
 from kvslim.quantization import QuantSpec
 from kvslim.quantization.w8a8 import W8A8_SPEC, W8A8Linear
 from kvslim.errors import ConfigError
-from kvslim.formats.compressed_tensors_int import quantization_config_w8a8
 
 
 def reference(x, qweight, scales):
@@ -83,23 +82,23 @@ def test_dtype_moves_leave_the_int8_weight():
 
 
 def test_config_is_parsed_and_what_is_not_read_is_named():
-    cfg = quantization_config_w8a8()
+    cfg = W8A8_SPEC.to_hf()
     assert QuantSpec.from_hf(cfg) == W8A8_SPEC
-    bad = quantization_config_w8a8()
+    bad = W8A8_SPEC.to_hf()
     bad["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
     with pytest.raises(ConfigError, match=r"config_groups.group_0.input_activations.dynamic is "
                                           r"False; kvslim reads True"):
         QuantSpec.from_hf(bad)
-    bad = quantization_config_w8a8()
+    bad = W8A8_SPEC.to_hf()
     bad["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
     with pytest.raises(ConfigError, match="weights.strategy is 'tensor'"):
         QuantSpec.from_hf(bad)
-    bad = quantization_config_w8a8()
+    bad = W8A8_SPEC.to_hf()
     del bad["config_groups"]["group_0"]["input_activations"]
     with pytest.raises(ConfigError, match="input_activations is missing"):
         QuantSpec.from_hf(bad)
     with pytest.raises(ConfigError, match="format 'float-quantized' is not supported"):
-        QuantSpec.from_hf({**quantization_config_w8a8(), "format": "float-quantized"})
+        QuantSpec.from_hf({**W8A8_SPEC.to_hf(), "format": "float-quantized"})
 
 
 @pytest.mark.parametrize("rows", [1, 16, 17, 25])

@@ -104,20 +104,3 @@ def from_gptq(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, to
     if not spec.sym:
         out["weight_zero_point"] = pack_int32(zeros, spec.bits, dim=1).t().contiguous()
     return out
-
-
-def quantization_config_pack(spec: QuantSpec) -> dict:
-    """config.json's quantization_config for `spec` in format "pack-quantized", the fields
-    llm-compressor writes for its W4A16 schemes (one group for every Linear, lm_head left
-    out)."""
-    channel = spec.group_size == -1
-    weights = {"num_bits": spec.bits, "type": "int", "symmetric": spec.sym,
-               "strategy": "channel" if channel else "group",
-               "group_size": None if channel else spec.group_size, "dynamic": False,
-               "actorder": None, "block_structure": None, "observer": "minmax",
-               "observer_kwargs": {}}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
-            "quantization_status": "compressed", "kv_cache_scheme": None, "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": None,
-                                          "output_activations": None}}}

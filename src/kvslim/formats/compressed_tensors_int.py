@@ -33,19 +33,6 @@ def is_symmetric_zero_point(spec: QuantSpec | None, name: str, read) -> bool:
     return True
 
 
-def quantization_config_w8a8() -> dict:
-    """config.json's quantization_config: the fields llm-compressor writes for its W8A8 int8
-    scheme (one group for every Linear, lm_head left out)."""
-    common = {"actorder": None, "block_structure": None, "group_size": None, "observer_kwargs": {}}
-    return {
-        "quant_method": "compressed-tensors", "format": FORMAT,
-        "quantization_status": "compressed", "kv_cache_scheme": None, "ignore": ["lm_head"],
-        "config_groups": {"group_0": {
-            "targets": ["Linear"], "output_activations": None,
-            "weights": {**common, **WEIGHTS, "dynamic": False, "observer": "minmax"},
-            "input_activations": {**common, **INPUTS, "observer": "memoryless"},
-        }},
-    }
 
 
 def pack_w8a8(weight: QuantizedWeight, spec: QuantSpec) -> dict[str, torch.Tensor]:

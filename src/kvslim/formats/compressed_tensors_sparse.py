@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 
 from kvslim.errors import KvslimError, WeightsError
-from kvslim.formats.compressed_tensors import from_gptq, quantization_config_pack
-from kvslim.formats.compressed_tensors_int import pack_w8a8, quantization_config_w8a8
+from kvslim.formats.compressed_tensors import from_gptq
+from kvslim.formats.compressed_tensors_int import pack_w8a8
+from kvslim.quantization.compressed_tensors import pack_config
 from kvslim.formats.gptq import unpack_gptq
 from kvslim.models.config import ModelConfig
 from kvslim.quantization.base import QuantSpec
@@ -240,4 +241,4 @@ def _quantized(state: dict[str, torch.Tensor], spec: QuantSpec
                 out.update({f"{prefix}.{k}": v for k, v in packed.items()})
             continue
         out[name] = tensor
-    return out, quantization_config_w8a8() if spec.bits == 8 else quantization_config_pack(spec)
+    return out, W8A8_SPEC.to_hf() if spec.bits == 8 else pack_config(spec)

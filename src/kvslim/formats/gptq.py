@@ -60,12 +60,3 @@ def group_index(in_features: int, group_size: int) -> torch.Tensor:
     """g_idx without act-order: input channel i is in group i // group_size (-1: one group)."""
     size = group_size if group_size > 0 else in_features
     return (torch.arange(in_features) // size).to(torch.int32)
-
-
-def quantization_config(spec: QuantSpec) -> dict:
-    """config.json's `quantization_config` for `spec`, with the fields AutoGPTQ and GPTQModel
-    write."""
-    return {"quant_method": "gptq", "bits": spec.bits, "group_size": spec.group_size,
-            "desc_act": spec.desc_act, "sym": spec.sym,
-            "checkpoint_format": spec.checkpoint_format, "static_groups": False,
-            "true_sequential": True, "damp_percent": 0.01}

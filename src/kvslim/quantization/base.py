@@ -19,7 +19,7 @@ from torch import nn
 
 from kvslim.errors import ConfigError
 from kvslim.layers.linear import prepare_float_linears
-from kvslim.quantization.registry import QUANT_METHODS, linear_class, parser
+from kvslim.quantization.registry import QUANT_METHODS, linear_class, parser, writer
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,13 @@ class QuantSpec:
             raise ConfigError(f"config.json: quantization_config quant_method {method!r} is not "
                               f"supported ({', '.join(names[:-1])} or {names[-1]})")
         return parse(cfg)
+
+    def to_hf(self) -> dict[str, Any]:
+        """config.json's `quantization_config` for this spec, as its method's file writes it."""
+        write = writer(self.method)
+        if write is None:
+            raise ConfigError(f"kvslim reads {self.method} checkpoints but does not write them")
+        return write(self)
 
     def make_linear(self, in_features: int, shard_sizes: dict[Hashable, int],
                     bias: bool = False) -> "QuantLinear":

@@ -161,5 +161,22 @@ def compressed_tensors_spec(cfg: dict[str, Any]) -> QuantSpec | None:
     return specs[names[0]]
 
 
+def pack_config(spec: QuantSpec) -> dict:
+    """config.json's quantization_config for `spec` in format "pack-quantized", the fields
+    llm-compressor writes for its W4A16 schemes (one group for every Linear, lm_head left
+    out)."""
+    channel = spec.group_size == -1
+    weights = {"num_bits": spec.bits, "type": "int", "symmetric": spec.sym,
+               "strategy": "channel" if channel else "group",
+               "group_size": None if channel else spec.group_size, "dynamic": False,
+               "actorder": None, "block_structure": None, "observer": "minmax",
+               "observer_kwargs": {}}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed", "kv_cache_scheme": None, "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": None,
+                                          "output_activations": None}}}
+
+
 register("compressed-tensors", GPTQLinear, "compressed-tensors",
-         compressed_tensors_spec)
+         compressed_tensors_spec, pack_config)

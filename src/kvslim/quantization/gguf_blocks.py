@@ -182,4 +182,12 @@ def _dense_forward(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, weight.to(x.dtype), bias)
 
 
-register("gguf", BlockQuantLinear, "gguf", gguf_spec)
+def gguf_config(spec: QuantSpec) -> dict[str, Any]:
+    """The quantization_config `gguf_spec` reads back: the file, and which of the token
+    embeddings and the LM head stay in its blocks."""
+    cfg: dict[str, Any] = {"quant_method": "gguf", "file": spec.file}
+    cfg.update({key: True for key in ("embedding", "lm_head") if getattr(spec, key)})
+    return cfg
+
+
+register("gguf", BlockQuantLinear, "gguf", gguf_spec, gguf_config)

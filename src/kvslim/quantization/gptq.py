@@ -185,4 +185,13 @@ def _dense_forward(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, weight.to(x.dtype), bias)
 
 
-register("gptq", GPTQLinear, "gptq", gptq_spec)
+def gptq_config(spec: QuantSpec) -> dict:
+    """config.json's `quantization_config` for `spec`, with the fields AutoGPTQ and GPTQModel
+    write."""
+    return {"quant_method": "gptq", "bits": spec.bits, "group_size": spec.group_size,
+            "desc_act": spec.desc_act, "sym": spec.sym,
+            "checkpoint_format": spec.checkpoint_format, "static_groups": False,
+            "true_sequential": True, "damp_percent": 0.01}
+
+
+register("gptq", GPTQLinear, "gptq", gptq_spec, gptq_config)

@@ -1,6 +1,7 @@
 """The quantization methods kvslim runs. Each method's file in this folder registers it once
-when it is imported: the parser of its config.json `quantization_config` (by `quant_method`)
-and the layer class that holds one linear layer's weights in its form (by `QuantSpec.method`).
+when it is imported: the parser of its config.json `quantization_config` (by `quant_method`),
+the layer class that holds one linear layer's weights in its form and the writer of its
+`quantization_config` (both by `QuantSpec.method`): a method's file owns its format both ways.
 Nothing imports a method before it is asked for (`parser`, `linear_class`): a model runs
 with its own method's code only.
 
@@ -21,15 +22,21 @@ QUANT_METHODS = ("gptq", "awq", "compressed-tensors", "gguf")
 PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {}
 # QuantSpec.method -> the QuantLinear subclass its layers are built as (`QuantSpec.make_linear`)
 LINEARS: dict[str, type] = {}
+# QuantSpec.method -> the function that writes its quantization_config (`QuantSpec.to_hf`); a
+# method kvslim reads but never writes (AWQ) has none.
+WRITERS: dict[str, Callable[[Any], dict[str, Any]]] = {}
 
 
 def register(method: str, linear: type, quant_method: str | None = None,
-             parse: Callable[[dict[str, Any]], Any] | None = None) -> None:
+             parse: Callable[[dict[str, Any]], Any] | None = None,
+             write: Callable[[Any], dict[str, Any]] | None = None) -> None:
     """`method`'s layers are `linear`; `parse` reads configs whose quant_method is
-    `quant_method`."""
+    `quant_method`; `write` writes a spec of `method` back as one."""
     if method in LINEARS or quant_method in PARSERS:
         raise ValueError(f"quantization method {method!r} registered twice")
     LINEARS[method] = linear
+    if write is not None:
+        WRITERS[method] = write
     if quant_method is not None:
         PARSERS[quant_method] = parse
 
@@ -43,6 +50,11 @@ def parser(quant_method: str) -> Callable[[dict[str, Any]], Any] | None:
     """The config parser of a quant_method, or None if kvslim has none."""
     _load(quant_method)
     return PARSERS.get(quant_method)
+
+
+def writer(method: str) -> Callable[[Any], dict[str, Any]] | None:
+    _load(method)
+    return WRITERS.get(method)
 
 
 def linear_class(method: str) -> type:

@@ -63,4 +63,19 @@ class W8A8Linear(QuantLinear):
                               packed=pack_w8a8(weight, scales))
 
 
-register("w8a8", W8A8Linear)
+def w8a8_config(spec: QuantSpec = W8A8_SPEC) -> dict:
+    """config.json's quantization_config: the fields llm-compressor writes for its W8A8 int8
+    scheme (one group for every Linear, lm_head left out)."""
+    common = {"actorder": None, "block_structure": None, "group_size": None, "observer_kwargs": {}}
+    return {
+        "quant_method": "compressed-tensors", "format": FORMAT,
+        "quantization_status": "compressed", "kv_cache_scheme": None, "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "output_activations": None,
+            "weights": {**common, **WEIGHTS, "dynamic": False, "observer": "minmax"},
+            "input_activations": {**common, **INPUTS, "observer": "memoryless"},
+        }},
+    }
+
+
+register("w8a8", W8A8Linear, write=w8a8_config)

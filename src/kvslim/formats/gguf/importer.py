@@ -24,6 +24,7 @@ from kvslim.formats.gguf.file import GGUFFile, dequantize_tensor
 from kvslim.formats.gguf.moe import legacy_expert_name, moe_config_fields, split_experts
 from kvslim.formats.gguf.rope import llama3_scaling_from_divisors
 from kvslim.formats.gguf.tokenizer import tokenizer_files, write_tokenizer_files
+from kvslim.quantization.gguf_blocks import gguf_spec
 from kvslim.formats.writer import save_model
 from kvslim.models.families import family_of
 
@@ -134,11 +135,9 @@ def _write_gguf_backed(gguf: GGUFFile, config: ModelConfig, out: Path) -> Path:
     except OSError:
         shutil.copyfile(gguf.path, target)
     cfg = config.replace(torch_dtype="float32").to_hf_dict()
-    cfg["quantization_config"] = {"quant_method": "gguf", "file": target.name}
-    if _kept(gguf, "token_embd.weight"):
-        cfg["quantization_config"]["embedding"] = True
-    if _kept(gguf, "output.weight"):
-        cfg["quantization_config"]["lm_head"] = True
+    cfg["quantization_config"] = gguf_spec({
+        "file": target.name, "embedding": _kept(gguf, "token_embd.weight"),
+        "lm_head": _kept(gguf, "output.weight")}).to_hf()
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvslim.errors import KvslimError
 from kvslim.formats.compressed_tensors_sparse import check_sparse_output, sparse_checkpoint
-from kvslim.formats.gptq import QuantizedWeight, quantization_config
+from kvslim.formats.gptq import QuantizedWeight
 from kvslim.formats.loader import load_model
 from kvslim.formats.writer import save_model
 from kvslim.models.config import PRUNING_KEY, ModelConfig
@@ -134,7 +134,7 @@ def prune_model(src: str | Path, dst: str | Path, method: str, target: SparsityT
         state = {k: v.detach().to(dtype) for k, v in model.hf_state_dict().items()}
     else:
         state = quantized_state_dict(model, results, spec)
-        raw["quantization_config"] = quantization_config(spec)
+        raw["quantization_config"] = spec.to_hf()
     if output_format == "compressed-tensors":
         state, raw["quantization_config"] = sparse_checkpoint(
             state, spec, record["pattern"] or "unstructured", record["sparsity"])

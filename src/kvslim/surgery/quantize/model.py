@@ -20,8 +20,8 @@ import torch
 from tqdm import tqdm
 
 from kvslim.errors import KvslimError
-from kvslim.formats.compressed_tensors_int import pack_w8a8, quantization_config_w8a8
-from kvslim.formats.gptq import QuantizedWeight, pack_gptq, quantization_config
+from kvslim.formats.compressed_tensors_int import pack_w8a8
+from kvslim.formats.gptq import QuantizedWeight, pack_gptq
 from kvslim.formats.loader import load_model
 from kvslim.formats.writer import save_model
 from kvslim.quantization import QuantSpec
@@ -222,6 +222,6 @@ def quantize_model(src: str | Path, dst: str | Path, method: str, spec: QuantSpe
     results = quantize_layers(model, spec, windows, show_progress=show_progress, method=method,
                               awq_clip=awq_clip, smooth_alpha=smooth_alpha)
     state = quantized_state_dict(model, results, spec)
-    qcfg = quantization_config_w8a8() if method == "w8a8" else quantization_config(spec)
+    qcfg = spec.to_hf()             # GPTQ's layout for the 4/8-bit methods, W8A8's own
     raw = {**model.config.raw, "quantization_config": qcfg}
     return save_model(state, model.config.replace(raw=raw), dst, tokenizer_from=src)
