@@ -326,3 +326,29 @@ def test_the_engine_sets_no_attribute_of_its_collaborators():
             for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
             if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute)]
     assert not sets, sets
+
+
+FAMILY_WORD = re.compile(r"(?i)(?<![\w.])(llama(?![.\-_ ]?cpp|-server|-bench|-quantize|"
+                         r"-perplexity|-batched|_cpp)|mistral|qwen\d?|gemma\d?|phi-?3|mixtral|"
+                         r"deepseek)")
+
+
+def test_family_words_stay_in_few_files():
+    """A family's name in code (identifiers and strings, not docstrings) outside models/ and
+    the GGUF format's tables: at most 10 files (today: help texts naming real models, the
+    embedded models' names, HF's "llama3" RoPE type, Gemma's norm layer, the planner's
+    published configs)."""
+    files = set()
+    for path in source_files():
+        rel = str(path.relative_to(SRC))
+        if rel.startswith(("models/", "formats/gguf/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            text = (node.value if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and not is_docstring(path, node) else
+                    node.id if isinstance(node, ast.Name) else
+                    node.attr if isinstance(node, ast.Attribute) else
+                    node.name if isinstance(node, ast.alias) else None)
+            if text and FAMILY_WORD.search(text):
+                files.add(rel)
+    assert len(files) <= 10, sorted(files)

