@@ -172,6 +172,16 @@ def test_drafts_stop_at_longrope_original_context():
     sched, _ = longrope_scheduler(8)
     seq = add(sched, 5, name="a")
     step(sched)                                  # prompt; 6 tokens
-    seq.spec_token_ids = [7, 7, 7, 7]
+    sched.proposals = FixedProposals({seq.seq_id: [7, 7, 7, 7]})
     out = sched.schedule()
     assert out.scheduled[0].draft_token_ids == [7, 7]    # positions 5, 6, 7
+
+
+class FixedProposals:
+    """TokenProposals that propose given tokens once (a chain)."""
+
+    def __init__(self, tokens: dict[int, list[int]]):
+        self.tokens = tokens
+
+    def take(self, seq):
+        return self.tokens.pop(seq.seq_id, []), None

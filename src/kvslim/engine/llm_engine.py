@@ -85,11 +85,11 @@ class LLMEngine:
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching,
             watermark_blocks=max(1, self.runner.num_blocks // 100) if self.runner.num_blocks > 8 else 0,
             group_windows=self.runner.kv_groups.windows)
+        self.spec = self._speculative_decoder(learned)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, eos,
                                    self.config.enable_chunked_prefill,
-                                   LongRopeSwitch.of(self.model_config.rope_scaling))
-        self.spec = self._speculative_decoder(learned)
+                                   LongRopeSwitch.of(self.model_config.rope_scaling), self.spec)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.config, self.kv_plan)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -187,7 +187,7 @@ def _lean(entry: ScheduledSequence) -> Sequence:
     lean = copy.copy(seq)
     # the step's inputs, and the next token: the target of the last prompt logprob it scores
     lean.token_ids = TokenWindow(seq.token_ids, entry.start, entry.num_tokens + 1)
-    lean.block_hashes, lean.logprobs, lean.spec_token_ids = [], [], []
+    lean.block_hashes, lean.logprobs = [], []
     lean.prompt_logprobs = [None] * len(seq.prompt_logprobs)
     return lean
 

@@ -190,7 +190,7 @@ class Sampler:
     def verify_tree(self, logits: torch.Tensor, seq: Sequence, drafts: list[int],
                     parents: list[int]) -> tuple[list[SampleResult], list[int]]:
         """logits [1 + len(drafts), vocab] of a tree of drafts (row 0 the sequence's last
-        token, row i + 1 draft i, parents as Sequence.spec_parents): the tokens the target
+        token, row i + 1 draft i, parents as a TokenProposals tree's): the tokens the target
         takes walking down from the root, and the rows they were drawn from (the accepted
         path). Each row on the path is processed as plain sampling would process it after the
         path's drafts before it (bias, penalties, min_tokens); grammar-constrained sequences

@@ -20,11 +20,21 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Protocol
 
 from kvslim.attention.tree import TreeRows
 from kvslim.engine.block_manager import BlockManager
 from kvslim.engine.long_rope import LengthSwitch
 from kvslim.engine.sequence import Sequence, SequenceStatus
+
+
+class TokenProposals(Protocol):
+    """Tokens proposed for a sequence, to be verified after its last one (speculative
+    decoding's drafts: engine/speculative/decoder.py)."""
+
+    def take(self, seq: Sequence) -> tuple[list[int], list[int] | None]:
+        """The tokens proposed for `seq` this step (forgotten once taken), and for a tree each
+        one's parent (an index into them; -1: the sequence's last token); None: a chain."""
 
 
 @dataclass
@@ -36,7 +46,7 @@ class ScheduledSequence:
     start: int = 0                       # position of the first of them
     block_copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write, before
     # Speculative tokens fed after the sequence's last token, to be verified by this step,
-    # and for a tree each one's parent (Sequence.spec_parents; None: a chain).
+    # and for a tree each one's parent (see TokenProposals; None: a chain).
     draft_token_ids: list[int] = field(default_factory=list)
     draft_parents: list[int] | None = None
     # Per KV-cache group, the first block-table entry the block manager changed since the
@@ -93,9 +103,11 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: list[int] | tuple[int, ...] = (),
-                 enable_chunked_prefill: bool = True, length_switch: LengthSwitch | None = None):
+                 enable_chunked_prefill: bool = True, length_switch: LengthSwitch | None = None,
+                 proposals: TokenProposals | None = None):
         self.bm = block_manager
         self.length_switch = length_switch
+        self.proposals = proposals
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -181,8 +193,7 @@ class Scheduler:
         while it generates, as deep as max_tokens allows, as many as the token budget allows,
         and only when their slots are free without preempting anyone (speculation never costs
         another sequence its place)."""
-        drafts, seq.spec_token_ids = seq.spec_token_ids, []
-        parents, seq.spec_parents = seq.spec_parents, None
+        drafts, parents = self.proposals.take(seq) if self.proposals is not None else ([], None)
         if not drafts or seq.num_uncomputed_tokens != 1 or seq.fork_pending:
             return [], None
         depth = len(drafts)

@@ -53,12 +53,6 @@ class Sequence:
     # params.prompt_logprobs: entry i scores prompt token i given the ones before (None for 0).
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     fork_pending: bool = False             # parent of n > 1 completions, not forked yet
-    # Speculative decoding: tokens proposed for the next step, not part of token_ids until
-    # the target model has verified them.
-    spec_token_ids: list[int] = field(default_factory=list)
-    # and, for a tree of drafts, each one's parent (an index into spec_token_ids; -1: the
-    # sequence's last token). None: a chain, each draft after the one before.
-    spec_parents: list[int] | None = None
     # A sequence whose tokens a search strategy picks (`params.holds_samples`: beam search):
     # this step's candidates (SampleResults), held until the strategy advances the request.
     held_samples: list = field(default_factory=list)

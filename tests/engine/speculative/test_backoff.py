@@ -13,12 +13,16 @@ def _generating() -> Sequence:
     return seq
 
 
+def proposed(dec: SpeculativeDecoder, seq: Sequence) -> list[int]:
+    """The tokens last proposed for `seq` (left for the scheduler to take)."""
+    return dec.proposals[seq.seq_id][0]
+
+
 def _steps_until_proposal(dec: SpeculativeDecoder, seq: Sequence) -> int:
     """Steps without drafts before the next proposal."""
     for paused in range(1000):
-        seq.spec_token_ids = []
         dec.propose([seq])
-        if seq.spec_token_ids:
+        if dec.proposals.get(seq.seq_id, ([], None))[0]:
             return paused
     raise AssertionError("never proposed again")
 
@@ -30,12 +34,12 @@ def test_pauses_double_while_acceptance_stays_low_and_reset_after_a_good_window(
     assert _steps_until_proposal(dec, seq) == 0
     pauses = []
     for _ in range(3):                               # three windows with nothing accepted
-        dec.record(seq, seq.spec_token_ids, ["target's own token"])
+        dec.record(seq, proposed(dec, seq), ["target's own token"])
         pauses.append(_steps_until_proposal(dec, seq))
     assert pauses == [3, 6, 12]
-    dec.record(seq, seq.spec_token_ids, ["draft", "draft", "own"])   # all accepted
+    dec.record(seq, proposed(dec, seq), ["draft", "draft", "own"])   # all accepted
     assert _steps_until_proposal(dec, seq) == 0
-    dec.record(seq, seq.spec_token_ids, ["own"])
+    dec.record(seq, proposed(dec, seq), ["own"])
     assert _steps_until_proposal(dec, seq) == 3      # back to the first pause
     assert dec.stats.num_draft_tokens == 10 and dec.stats.num_accepted_tokens == 2
 
@@ -45,7 +49,7 @@ def test_no_back_off_when_the_threshold_is_zero():
     seq = _generating()
     for _ in range(4):
         assert _steps_until_proposal(dec, seq) == 0
-        dec.record(seq, seq.spec_token_ids, ["own"])
+        dec.record(seq, proposed(dec, seq), ["own"])
 
 
 def test_new_sequences_inherit_the_engine_wide_back_off():
@@ -53,9 +57,9 @@ def test_new_sequences_inherit_the_engine_wide_back_off():
                                                backoff_window=2, backoff_steps=3))
     first = _generating()
     assert _steps_until_proposal(dec, first) == 0
-    dec.record(first, first.spec_token_ids, ["own"])          # a window with nothing accepted
+    dec.record(first, proposed(dec, first), ["own"])          # a window with nothing accepted
     late = _generating()
     assert _steps_until_proposal(dec, late) == 3               # waits without probing first
-    dec.record(late, late.spec_token_ids, ["draft", "draft", "own"])   # engine-wide recovers
+    dec.record(late, proposed(dec, late), ["draft", "draft", "own"])   # engine-wide recovers
     fresh = _generating()
     assert _steps_until_proposal(dec, fresh) == 0

@@ -83,6 +83,8 @@ class SpeculativeDecoder:
         self.learned = learned
         self.reset_stats()
         self.draft_probs: dict[int, torch.Tensor] = {}      # seq_id -> q of its drafts
+        # seq_id -> (tokens, a tree's parents or None): this step's proposals, until taken
+        self.proposals: dict[int, tuple[list[int], list[int] | None]] = {}
         self._backoff: dict[int, _Backoff] = {}
         self._engine_wide = _Backoff()       # the same windows over every sequence's drafts
         self._step = 0
@@ -96,10 +98,11 @@ class SpeculativeDecoder:
                                      drafted_per_node=[0] * nodes, accepted_per_node=[0] * nodes)
 
     def propose(self, running: list[Sequence]) -> None:
-        """Set spec_token_ids (and, for a draft model, draft_probs) on the generating
-        sequences that should speculate this step."""
+        """Propose tokens (and, for a draft model, draft_probs) for the generating sequences
+        that should speculate this step; the scheduler `take`s them."""
         self._step += 1
         self.draft_probs = {}
+        self.proposals = {}
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return
@@ -121,18 +124,19 @@ class SpeculativeDecoder:
             for seq_id, guesses in self.learned.propose(seqs, room, tree.width).items():
                 seq = by_id[seq_id]
                 if tree.is_chain or self.verifies_chains_only(seq):
-                    seq.spec_token_ids = [ranked[0] for ranked in guesses]
+                    self.proposals[seq_id] = ([ranked[0] for ranked in guesses], None)
                 else:
-                    seq.spec_token_ids, seq.spec_parents = tree.drafts(guesses)
+                    self.proposals[seq_id] = tree.drafts(guesses)
             return
         if self.draft is None:
             for seq, k in zip(seqs, room):
-                seq.spec_token_ids = self.ngram.propose(seq.token_ids, k)
+                self.proposals[seq.seq_id] = (self.ngram.propose(seq.token_ids, k), None)
             return
         drafts = self.draft.propose(seqs, room)
         for seq in seqs:
             if seq.seq_id in drafts:
-                seq.spec_token_ids, self.draft_probs[seq.seq_id] = drafts[seq.seq_id]
+                tokens, self.draft_probs[seq.seq_id] = drafts[seq.seq_id]
+                self.proposals[seq.seq_id] = (tokens, None)
 
     def _speculates(self, seq: Sequence) -> bool:
         if seq.num_uncomputed_tokens != 1 or seq.fork_pending or seq.params.use_beam_search:
@@ -199,10 +203,16 @@ class SpeculativeDecoder:
                 b.pauses = 0
             b.drafted = b.accepted = 0
 
+    def take(self, seq: Sequence) -> tuple[list[int], list[int] | None]:
+        """The scheduler's side (scheduler.py's TokenProposals): this step's proposal for
+        `seq`, forgotten once taken."""
+        return self.proposals.pop(seq.seq_id, ([], None))
+
     def release(self, seq_ids: list[int]) -> None:
         """Forget finished or preempted sequences (a draft model frees their draft K/V)."""
         for seq_id in seq_ids:
             self._backoff.pop(seq_id, None)
+            self.proposals.pop(seq_id, None)
         for proposer in (self.draft, self.learned):
             if proposer is not None:
                 proposer.release(seq_ids)
