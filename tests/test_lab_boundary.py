@@ -112,3 +112,14 @@ def test_a_lab_command_without_the_lab_says_how_to_install_it(monkeypatch, capsy
     assert main.main(["bench", "peers", "--rounds", "1"]) == 2
     err = capsys.readouterr().err
     assert "kvslim bench" in err and "pip install -e ./lab" in err
+
+
+def test_a_broken_lab_costs_only_its_own_commands(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from kvslim.cli import main
+    broken = [SimpleNamespace(name="bench", value="kvslim_lab_missing.cli.bench_cmds")]
+    monkeypatch.setattr(main, "entry_points", lambda group: broken)
+    assert main.main(["memory", "--list"]) == 0
+    assert main.main(["bench", "peers"]) == 2
+    assert "pip install -e ./lab" in capsys.readouterr().err

@@ -36,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(f"kvslim.cli.{name}").register(sub)
     added = set()
     for entry in entry_points(group=PLUGIN_GROUP):
-        importlib.import_module(entry.value).register(sub)
+        try:
+            module = importlib.import_module(entry.value)
+        except ImportError:          # a broken plugin costs its commands, not the others
+            continue
+        module.register(sub)
         added.add(entry.name)
     for name, what in LAB_COMMANDS.items():
         if name not in added:
