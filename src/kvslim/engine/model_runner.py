@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvslim.attention import (KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, KVCacheLayer, PagedStepLayout,
+from kvslim.attention import (KV_SCALE_DTYPE, KVCacheLayer, PagedStepLayout,
                               PrefillChunk, QuantizedKVCacheLayer, build_paged_attention,
                               decode_kernel_usable, latent_cache_layers,
                               resolve_attention_backend, resolve_kv_cache_dtype)
 from kvslim.device import host_tensor
+from kvslim.dtypes import is_quantized_kv
 from kvslim.engine.block_table import BlockTables
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.outputs import RankKVStats
@@ -50,10 +51,6 @@ class RunnerFeatures:
     hidden_windows: HiddenWindows | None = None
 
 
-def is_quantized(kv_dtype: torch.dtype) -> bool:
-    return kv_dtype in QUANTIZED_KV_DTYPES.values()
-
-
 class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, eos_token_ids,
                  kv_plan: KVCachePlan, features: RunnerFeatures | None = None):
@@ -74,7 +71,7 @@ class ModelRunner:
         self.bytes_per_block = kv_plan.bytes_per_block
         self.num_blocks = kv_plan.num_blocks
         self.attention_backend = resolve_attention_backend(
-            config.attention_backend, self.device, is_quantized(self.kv_dtype), self.block_size,
+            config.attention_backend, self.device, is_quantized_kv(self.kv_dtype), self.block_size,
             decode_kernel_usable(self.device, self.dtype, self.kv_dtype), mc.mla is not None)
         # Not with tensor parallelism: the graphs would capture the ranks' collectives too.
         single = not config.enforce_eager and config.tensor_parallel_size == 1
@@ -109,7 +106,7 @@ class ModelRunner:
         self.kv_cache = [torch.zeros(*shape, width, dtype=self.kv_dtype, device=self.device)
                          for shape in shapes]
         self.kv_scales = None
-        if is_quantized(self.kv_dtype):
+        if is_quantized_kv(self.kv_dtype):
             self.kv_scales = [torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=self.device)
                               for shape in shapes]
         if mc.mla:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvslim.dtypes import KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, parse_dtype
+from kvslim.dtypes import KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, is_quantized_kv, parse_dtype
 from kvslim.errors import ConfigError
 from kvslim.layers.rope import validate_rope_scaling
 from kvslim.models.hf_fields import (LAYER_KV_HEADS_KEY, activation_from_hf,
@@ -200,7 +200,7 @@ class ModelConfig:
         dtype, "int8" or "fp8_e4m3"), plus the scales when that dtype is quantized."""
         dtype = parse_dtype(QUANTIZED_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype))
         return self.kv_storage_bytes_per_token(8 * dtype.itemsize,
-                                               dtype in QUANTIZED_KV_DTYPES.values())
+                                               is_quantized_kv(dtype))
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> None:
