@@ -1,6 +1,7 @@
 """`kvslim bench <kind>`: one sub-command per benchmark — throughput, latency, capacity, profile,
 serve (load against a running server), kernels (linear kernels for quantized weights), peers
-(every peer at its best in one run) and report (docs/benchmarks.md, around the peers run)."""
+(every peer at its best in one run), report (docs/benchmarks.md, around the peers run) and
+kv-quality (KV-cache settings: capacity, perplexity through the cache, passkey, speed)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import os
 
 def register(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency, capacity, report, "
-                                         "serve, kernels, peers")
+                                         "serve, kernels, peers, kv-quality")
     kinds = bench.add_subparsers(dest="bench_command", metavar="KIND", required=True)
     from kvslim_lab.cli.bench_engine_cmds import register_engine_benchmarks
     register_engine_benchmarks(kinds)
@@ -17,6 +18,8 @@ def register(sub) -> None:
     register_peers(kinds)
     from kvslim_lab.cli.bench_report_cmds import register_report
     register_report(kinds)
+    from kvslim_lab.cli.bench_quality_cmds import register_kv_quality
+    register_kv_quality(kinds)
     _register_serve(kinds)
 
 
