@@ -166,3 +166,80 @@ def test_tree_arguments_come_together():
     with pytest.raises(RuntimeError, match="come together"):
         paged_attention.paged_decode(q, k, v, None, None, tables, lens, 0, None, 1.0,
                                      torch.zeros(2, dtype=torch.long), None)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("window,sinks", [(5, 1), (5, 4), (5, 9), (70, 3), (70, 100), (20, 64)])
+def test_sinks_beside_a_window_match_the_reference(int8, window, sinks):
+    """Attention sinks (kv_cache/window.py): the first positions are seen past the window, in
+    partitions of their own; sinks that overlap the window are seen once."""
+    kv = caches(3, 64, int8)
+    q, tables, lens = step(6, 9, 64, width=40)
+    got = paged_attention.paged_decode(q, *kv, tables, lens, 0, window, 0.125, sinks=sinks)
+    ref = paged_attention.reference_paged_decode(q, *kv, tables, lens, 0, window, 0.125,
+                                                 sinks=sinks)
+    assert (got.double() - ref).abs().max() / ref.abs().max() < BOUND
+    plain = paged_attention.paged_decode(q, *kv, tables, lens, 0, window, 0.125)
+    assert not torch.equal(got, plain) or sinks >= int(lens.max()) - window
+
+
+def test_a_row_with_sinks_is_the_same_alone_and_in_a_batch():
+    kv = caches(3, 64, False)
+    q, tables, lens = step(6, 9, 64, width=40)
+    batched = paged_attention.paged_decode(q, *kv, tables, lens, 0, 7, 0.125, sinks=4)
+    for i in range(6):
+        alone = paged_attention.paged_decode(q[i:i + 1], *kv, tables[i:i + 1], lens[i:i + 1],
+                                             0, 7, 0.125, sinks=4)
+        assert torch.equal(alone, batched[i:i + 1])
+
+
+def lowbit_step(bits: int, kvh: int = 3, d: int = 64, b: int = 6, width: int = 12, seed: int = 2):
+    """A random 4- or 2-bit pool quantized by lowbit_codes, and each row's recent rows."""
+    from kvslim.kernels.lowbit_codes import quantize_key_blocks, quantize_value_blocks
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(BLOCKS, BS, kvh, d, generator=g) + torch.randn(d, generator=g) * 3
+    v = torch.randn(BLOCKS, BS, kvh, d, generator=g)
+    kc, kp = quantize_key_blocks(k, bits)
+    vc, vp = quantize_value_blocks(v, bits)
+    q, tables, lens = step(b, 3 * kvh, d, width, seed)
+    own = (lens - 1) % BS + 1                          # each row's positions in its own block
+    starts = torch.cumsum(own, 0) - own
+    recent = [torch.randn(int(own.sum()), kvh, d, generator=g).half() for _ in range(2)]
+    return q, kc, vc, kp, vp, *recent, starts, tables, lens
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("window,sinks", [(None, 0), (9, 0), (9, 3), (30, 5)])
+def test_the_lowbit_kernel_matches_its_reference(bits, window, sinks):
+    args = lowbit_step(bits)
+    got = paged_attention.paged_decode_lowbit(*args, 0, window, 0.125, sinks, bits)
+    ref = paged_attention.reference_paged_decode_lowbit(*args, 0, window, 0.125, sinks, bits)
+    assert (got.double() - ref).abs().max() / ref.abs().max() < BOUND
+
+
+def test_a_lowbit_row_is_the_same_alone_and_in_a_batch():
+    q, kc, vc, kp, vp, rk, rv, starts, tables, lens = lowbit_step(4)
+    batched = paged_attention.paged_decode_lowbit(q, kc, vc, kp, vp, rk, rv, starts, tables,
+                                                  lens, 0, None, 0.125, 0, 4)
+    for i in range(q.shape[0]):
+        own = int((lens[i] - 1) % BS + 1)
+        s = int(starts[i])
+        alone = paged_attention.paged_decode_lowbit(
+            q[i:i + 1], kc, vc, kp, vp, rk[s:s + own].contiguous(), rv[s:s + own].contiguous(),
+            torch.zeros(1, dtype=torch.long), tables[i:i + 1], lens[i:i + 1], 0, None, 0.125, 0, 4)
+        assert torch.equal(alone, batched[i:i + 1])
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_codes_round_trip(bits):
+    from kvslim.kernels.lowbit_codes import (dequantize_keys, dequantize_values, pack,
+                                               quantize_key_blocks, quantize_value_blocks,
+                                               unpack)
+    codes = torch.randint(0, 2 ** bits, (5, 64), dtype=torch.uint8)
+    assert torch.equal(unpack(pack(codes, bits), bits), codes)
+    x = torch.randn(3, BS, 2, 64)
+    step_k = (x.amax(1) - x.amin(1)) / (2 ** bits - 1)
+    assert ((dequantize_keys(*quantize_key_blocks(x, bits), bits) - x).abs()
+            <= step_k[:, None] * 0.5 + 1e-2).all()
+    err = (dequantize_values(*quantize_value_blocks(x, bits), bits) - x).abs()
+    assert err.max() < (x.max() - x.min()) / (2 ** bits - 1)

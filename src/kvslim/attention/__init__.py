@@ -19,8 +19,6 @@ with `enable_gqa`)."""
 from kvslim.attention.backends import (ATTENTION_BACKENDS, build_paged_attention,
                                        decode_kernel_usable, resolve_attention_backend)
 from kvslim.attention.dense import DenseAttention
-from kvslim.attention.flex import FlexPagedAttention
-from kvslim.attention.flex_metadata import FlexAttentionMetadata, build_flex_layer_metadata
 from kvslim.attention.kv_cache import (KV_CACHE_DTYPES, KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES,
                                        KVCacheLayer, QuantizedKVCacheLayer,
                                        resolve_kv_cache_dtype)
@@ -37,3 +35,15 @@ __all__ = ["ATTENTION_BACKENDS", "KV_CACHE_DTYPES", "KV_SCALE_DTYPE", "QUANTIZED
            "build_flex_layer_metadata", "build_layer_metadata", "build_paged_attention",
            "build_paged_metadata", "decode_kernel_usable", "latent_cache_layers",
            "resolve_attention_backend", "resolve_kv_cache_dtype"]
+
+# FlexAttention's backend loads when a step or a caller uses it (CUDA's; the CPU never does).
+_FLEX = {"FlexPagedAttention": "kvslim.attention.flex",
+         "FlexAttentionMetadata": "kvslim.attention.flex_metadata",
+         "build_flex_layer_metadata": "kvslim.attention.flex_metadata"}
+
+
+def __getattr__(name: str):
+    if name in _FLEX:
+        import importlib
+        return getattr(importlib.import_module(_FLEX[name]), name)
+    raise AttributeError(f"module 'kvslim.attention' has no attribute {name!r}")

@@ -19,15 +19,18 @@ The engine resolves the name once (`resolve_attention_backend`) and builds each 
 with `build_paged_attention`, on the eager path and on the decode-graph path alike."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvslim.attention.flex import FlexPagedAttention
-from kvslim.attention.flex_metadata import build_flex_layer_metadata
 from kvslim.attention.kv_cache import KVCacheLayer
 from kvslim.attention.metadata import PagedStepLayout, build_layer_metadata
 from kvslim.attention.paged import PagedAttention
 from kvslim.errors import KvslimError
 from kvslim.kernels import paged_attention
+
+if TYPE_CHECKING:
+    from kvslim.attention.flex import FlexPagedAttention
 
 ATTENTION_BACKENDS = ("auto", "gather", "flex", "kernel")
 
@@ -84,12 +87,18 @@ def check_attention_backend(name: str) -> None:
 
 def resolve_attention_backend(name: str, device: torch.device, kv_quantized: bool,
                               block_size: int, kernel_usable: bool = False,
-                              latent: bool = False) -> str:
+                              latent: bool = False, sinks: bool = False) -> str:
     """"gather", "flex" or "kernel" for a cache on `device`; `kernel_usable`: the decode
     kernel is built and takes this model's dtype and cache dtype (`decode_kernel_usable`);
     `latent`: the cache holds MLA's latent rows (latent_cache.py); "auto" gathers them on CUDA
-    (flex reads them too, not measured there yet)."""
+    (flex reads them too, not measured there yet). `sinks`: a layer keeps attention sinks
+    (kv_cache/window.py), which flex's mask does not build."""
     check_attention_backend(name)
+    if sinks and name == "flex":
+        raise KvslimError("kv_sink_tokens is not built for attention_backend=flex; use gather "
+                          "or kernel")
+    if sinks and name == "auto" and device.type == "cuda":
+        name = "gather"
     on_cuda = device.type == "cuda"
     if latent and name == "auto":
         # the kernel where it runs (CPU_DEFAULT_LATENT, measured), else gather: flex's eager
@@ -125,16 +134,20 @@ def decode_kernel_usable(device: torch.device, dtype: torch.dtype,
 
 def build_paged_attention(backend: str, kv_caches: list[KVCacheLayer],
                           layouts: PagedStepLayout | list[PagedStepLayout],
-                          layer_windows: list[int | None], layer_group: list[int] | None = None
+                          layer_windows: list[int | None], layer_group: list[int] | None = None,
+                          layer_sinks: list[int] | None = None
                           ) -> PagedAttention | FlexPagedAttention:
     """The step's attention context (backend: a resolved name), its metadata built once here
-    for every layer."""
+    for every layer. layer_sinks: each layer's sink tokens (kv_cache/window.py; flex takes
+    none, EngineConfig refuses them there)."""
     block_size = kv_caches[0].block_size
     if backend == "flex":
+        from kvslim.attention.flex import FlexPagedAttention
+        from kvslim.attention.flex_metadata import build_flex_layer_metadata
         metas = build_flex_layer_metadata(layouts, block_size, kv_caches[0].num_blocks,
                                           layer_windows, layer_group)
         return FlexPagedAttention(kv_caches, metas)
     # "kernel" comes resolved (resolve_attention_backend checked that the extension is built):
     # this runs inside the compiled decode step, which cannot trace that check.
-    metas = build_layer_metadata(layouts, block_size, layer_windows, layer_group)
+    metas = build_layer_metadata(layouts, block_size, layer_windows, layer_group, layer_sinks)
     return PagedAttention(kv_caches, metas, kernel=backend == "kernel")

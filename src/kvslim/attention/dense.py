@@ -13,12 +13,13 @@ from kvslim.attention.grouped import MaskCache, causal_mask, grouped_sdpa
 
 
 def build_dense_mask(seq_len: int, device: torch.device, padding_mask: torch.Tensor | None = None,
-                     sliding_window: int | None = None) -> torch.Tensor | None:
+                     sliding_window: int | None = None, sinks: int = 0) -> torch.Tensor | None:
     """[B or 1, T, T] bool (True = may attend), or None for plain causal attention.
-    padding_mask [B, T] bool, True for real tokens (left or right padding both work)."""
+    padding_mask [B, T] bool, True for real tokens (left or right padding both work). sinks:
+    with a window, the first positions every query also sees (kv_cache/window.py)."""
     if padding_mask is None and sliding_window is None:
         return None
-    allowed = causal_mask(seq_len, seq_len, device, sliding_window).unsqueeze(0)
+    allowed = causal_mask(seq_len, seq_len, device, sliding_window, sinks=sinks).unsqueeze(0)
     if padding_mask is not None:
         allowed = allowed & padding_mask[:, None, :].bool()
         # A padded query row would see no key at all and give NaN; let it see itself.
@@ -28,14 +29,18 @@ def build_dense_mask(seq_len: int, device: torch.device, padding_mask: torch.Ten
 
 class DenseAttention:
     def __init__(self, seq_len: int, device: torch.device, padding_mask: torch.Tensor | None = None,
-                 sliding_window: int | None | Sequence[int | None] = None):
+                 sliding_window: int | None | Sequence[int | None] = None,
+                 sinks: dict[int | None, int] | None = None):
         """padding_mask [B, T] bool, True for real tokens (left or right padding both work).
         sliding_window: one window for every layer, or one per layer (None: global), as in
-        models that mix local and global layers; one mask is built per distinct window."""
+        models that mix local and global layers; one mask is built per distinct window.
+        sinks: a window's sink tokens, by window (kv_cache/window.py's spans)."""
         self.layer_windows = (list(sliding_window) if isinstance(sliding_window, (list, tuple))
                               else None)
         windows = set(self.layer_windows) if self.layer_windows is not None else {sliding_window}
-        self.allowed = {w: build_dense_mask(seq_len, device, padding_mask, w) for w in windows}
+        sinks = sinks or {}
+        self.allowed = {w: build_dense_mask(seq_len, device, padding_mask, w, sinks.get(w, 0))
+                        for w in windows}
         self.default = sliding_window if self.layer_windows is None else None
         self.masks = MaskCache()
 

@@ -59,13 +59,14 @@ class MaskCache:
 
 
 def causal_mask(tq: int, tk: int, device: torch.device, sliding_window: int | None = None,
-                key_start: int = 0) -> torch.Tensor:
+                key_start: int = 0, sinks: int = 0) -> torch.Tensor:
     """[tq, tk - key_start] bool: query i (the last tq of tk positions) sees keys j <= its own
-    position, and only the last `sliding_window` of them when set; the keys are positions
-    key_start..tk-1 (a window layer reads only the blocks its window reaches)."""
+    position, and only the last `sliding_window` of them when set (and the first `sinks`
+    positions); the keys are positions key_start..tk-1 (a window layer reads only the blocks
+    its window reaches)."""
     q_pos = torch.arange(tk - tq, tk, device=device)[:, None]
     k_pos = torch.arange(key_start, tk, device=device)[None, :]
     allowed = k_pos <= q_pos
     if sliding_window is not None:
-        allowed &= k_pos > q_pos - sliding_window
+        allowed &= (k_pos > q_pos - sliding_window) | (k_pos < sinks)
     return allowed

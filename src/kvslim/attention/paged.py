@@ -41,9 +41,10 @@ class PagedAttention:
         cache writes and attention itself: the kernel path over a float32 cache, no tree. None
         where the layer must run its modules."""
         cache = self.kv_caches[layer_idx]
-        if not self.kernel or type(cache) is not KVCacheLayer or cache.k_cache.dtype != torch.float32:
-            return None
         meta = self.layer_metas[layer_idx]
+        if (not self.kernel or type(cache) is not KVCacheLayer
+                or cache.k_cache.dtype != torch.float32 or meta.sink_tokens):
+            return None
         key = id(meta)
         if key not in self.kernel_rows:
             self.kernel_rows[key] = _rows_of_tokens(meta.layout, cache.block_size)
@@ -98,7 +99,7 @@ class PagedAttention:
         return paged_attention.paged_decode(
             q, cache.k_cache, cache.v_cache, getattr(cache, "k_scales", None),
             getattr(cache, "v_scales", None), tables, lens, key_start, meta.sliding_window,
-            scale, tree_base, tree_bits)
+            scale, tree_base, tree_bits, meta.sink_tokens)
 
     @staticmethod
     def _attend_prefills(meta: PagedAttentionMetadata, masks: MaskCache, cache: KVCacheLayer,

@@ -13,7 +13,9 @@
   from this one pool. A group with a window releases the blocks its next query can no longer see
   (`release_out_of_window`), and allocates a prompt chunk by chunk instead of whole, so its blocks
   stay bounded however long the context grows; a prefix-cache hit for it needs only the cached
-  blocks inside the window of the hit's end (earlier ones may already have been evicted)."""
+  blocks inside the window of the hit's end (earlier ones may already have been evicted). A
+  window group with attention sinks (kv_cache/window.py) also keeps, and needs, the blocks of
+  its first `sinks` positions."""
 from __future__ import annotations
 
 import hashlib
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 from kvslim.engine.sequence import Sequence
 from kvslim.kv_cache.groups import NULL_BLOCK, first_needed_block
+from kvslim.kv_cache.window import sink_blocks
 
 
 def block_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
@@ -49,13 +52,17 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 watermark_blocks: int = 0, group_windows: tuple[int | None, ...] = (None,)):
-        """group_windows: per KV-cache group, its window (None: it keeps every block)."""
+                 watermark_blocks: int = 0, group_windows: tuple[int | None, ...] = (None,),
+                 group_sinks: tuple[int, ...] | None = None):
+        """group_windows: per KV-cache group, its window (None: it keeps every block);
+        group_sinks: per group, the first positions a window group keeps."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = watermark_blocks
         self.group_windows = tuple(group_windows)
+        self.group_sink_blocks = tuple(sink_blocks(s, block_size)
+                                       for s in group_sinks or (0,) * len(self.group_windows))
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[tuple[int, bytes], int] = {}   # (group, block digest) -> block id
@@ -97,9 +104,9 @@ class BlockManager:
 
     def _lookup(self, seq: Sequence) -> tuple[int, list[list[int]]]:
         """The longest cached prefix, in whole blocks, that every group can serve, and per group
-        the cached blocks it takes: all of them for a full group, those inside the window of the
-        prefix's end for a window group. The last token is never served from the cache: its
-        logits are needed, so it must be computed."""
+        its table of the prefix: every block for a full group; for a window group, its sink
+        blocks and those inside the window of the prefix's end (NULL_BLOCK between). The last
+        token is never served from the cache: its logits are needed, so it must be computed."""
         none = [[] for _ in self.group_windows]
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return 0, none              # prompt logprobs need the logits of every prompt token
@@ -127,10 +134,13 @@ class BlockManager:
         return hits
 
     def _window_hits(self, seq: Sequence, group: int, h: int) -> list[int] | None:
-        """A window group's cached blocks for a hit of `h` blocks: those the first computed
-        token can see, or None when one of them is gone."""
+        """A window group's table of a hit of `h` blocks: the cached blocks the first computed
+        token can see (its sinks' and its window's), NULL_BLOCK for the others; None when one
+        it needs is gone."""
         first = first_needed_block(h * self.block_size, self.group_windows[group], self.block_size)
-        hits = [self._cached_block(seq, group, i) for i in range(first, h)]
+        keep = min(self.group_sink_blocks[group], first)
+        hits = [self._cached_block(seq, group, i) if i < keep or i >= first else NULL_BLOCK
+                for i in range(h)]
         return None if None in hits else hits
 
     # ---- allocation ----------------------------------------------------------------------
@@ -152,7 +162,8 @@ class BlockManager:
         not cause a preemption)."""
         h, hits = self._lookup(seq)
         computed = h * self.block_size
-        revived = sum(1 for hit in hits for b in hit if self.blocks[b].ref_count == 0)
+        revived = sum(1 for hit in hits for b in hit
+                      if b != NULL_BLOCK and self.blocks[b].ref_count == 0)
         needed = sum(self._admission_blocks(seq, g, computed, num_new_tokens) - h
                      for g in range(self.num_groups))
         reserve = self.watermark_blocks if keep_watermark else 0
@@ -164,13 +175,12 @@ class BlockManager:
         assert not any(seq.block_tables), "sequence already holds blocks"
         h, hits = self._lookup(seq)
         computed = h * self.block_size
-        for block_id in (b for hit in hits for b in hit):     # all hits before any new block:
-            self._take(block_id)                             # a new one may evict a free hit
+        for block_id in (b for hit in hits for b in hit if b != NULL_BLOCK):
+            self._take(block_id)    # all hits before any new block: a new one may evict a hit
         tables = []
         for g, hit in enumerate(hits):
             new = self._admission_blocks(seq, g, computed, num_new_tokens) - h
-            tables.append([NULL_BLOCK] * (h - len(hit)) + hit
-                          + [self._allocate_new() for _ in range(new)])
+            tables.append(hit + [self._allocate_new() for _ in range(new)])
         seq.block_tables = tables
         seq.dirty_from = [0] * self.num_groups
         seq.num_computed_tokens = seq.num_cached_tokens = computed
@@ -286,8 +296,9 @@ class BlockManager:
             table = seq.block_tables[g]
             first = min(first_needed_block(seq.num_computed_tokens, window, self.block_size),
                         len(table))
+            keep = self.group_sink_blocks[g]
             start = first
-            while start > 0 and table[start - 1] != NULL_BLOCK:
+            while start > keep and table[start - 1] != NULL_BLOCK:
                 start -= 1
             self._release(table[start:first], tail_first=False)
             table[start:first] = [NULL_BLOCK] * (first - start)

@@ -18,6 +18,7 @@ from kvslim.engine.speculative.config import SpeculativeConfig
 from kvslim.errors import KvslimError
 from kvslim.kernels.activations import LINEAR_ACTIVATIONS
 from kvslim.kv_cache.plan import DEFAULT_BLOCK_SIZE
+from kvslim.kv_cache.window import KVWindow
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12,
@@ -113,6 +114,14 @@ class EngineConfig:
     keep_out_of_window_blocks: bool = option(
         False, "sliding-window layers keep every KV block (their window only masks) instead of "
                "releasing the blocks that fell out of it")
+    # kv_cache/window.py: any model's cache bounded at serve time (StreamingLLM's sinks).
+    kv_window: int | None = option(
+        None, "attend to the last W tokens only (plus the sink tokens) and free the KV blocks "
+              "behind the window: a sequence of any length holds the blocks of sinks + W tokens "
+              "(a layer's own narrower window is kept)", metavar="W")
+    kv_sink_tokens: int = option(
+        0, "with --kv-window, the first S tokens every query also attends to (attention sinks; "
+           "default 0)", metavar="S")
     # A SpeculativeConfig or a dict of its options; None: off.
     speculative: SpeculativeConfig | dict | None = option(
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
@@ -167,6 +176,7 @@ class EngineConfig:
                                   f"got {value!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise KvslimError(f"max_model_len must be positive, got {self.max_model_len}")
+        self.window = KVWindow.of(self.kv_window, self.kv_sink_tokens)
         self._check_parallel()
 
     def _check_parallel(self) -> None:

@@ -52,7 +52,8 @@ class DecodeGraphs:
     def __init__(self, model, kv_caches, scratch_slot: int, max_num_seqs: int,
                  max_blocks_per_seq: int, layer_windows: list[int | None],
                  layer_group: list[int] | None = None, use_graphs: bool = False,
-                 backend: str = "gather", compiled: bool = False):
+                 backend: str = "gather", compiled: bool = False,
+                 layer_sinks: list[int] | None = None):
         """layer_group: each layer's KV-cache group; every group has its own slot mapping and
         block tables (static buffers [groups, ...]). backend: the resolved attention backend.
         compiled: run the step as a compiled program (CPU; not with use_graphs).
@@ -60,6 +61,7 @@ class DecodeGraphs:
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         layer_group = layer_group or [0] * len(layer_windows)
         self.layer_windows, self.layer_group = layer_windows, layer_group
+        self.layer_sinks = layer_sinks
         num_groups = max(layer_group) + 1
         self.use_graphs = use_graphs
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
@@ -200,7 +202,7 @@ class DecodeGraphs:
             decode_block_tables=block_tables[g], decode_context_lens=context_lens)
             for g in range(slot_mapping.shape[0])]
         attn = build_paged_attention(self.backend, self.kv_caches, layouts, self.layer_windows,
-                                     self.layer_group)
+                                     self.layer_group, self.layer_sinks)
         return self.model(input_ids, positions, attn=attn)
 
     def _capture(self, batch: int, width: int):

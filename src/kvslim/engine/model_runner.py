@@ -22,6 +22,7 @@ from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvslim.layers.rope import longrope_original_context
 from kvslim.kv_cache.groups import first_needed_block
+from kvslim.kv_cache.window import layer_spans
 from kvslim.kv_cache.plan import KVCachePlan, plan_kv_cache
 from kvslim.models.causal_lm import CausalLM
 from kvslim.structured.manager import StructuredOutputManager
@@ -62,7 +63,9 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = kv_plan.block_size
-        self.layer_windows = list(mc.layer_sliding_windows)   # fixed: not rebuilt per step
+        spans = layer_spans(mc, config.window)        # fixed: not rebuilt per step
+        self.layer_windows = [s.window for s in spans]
+        self.layer_sinks = [s.sinks for s in spans]
         # LongRoPE: each token's sequence says which factors rotate it (Sequence.long_rope)
         self.has_long_rope = longrope_original_context(mc.rope_scaling) is not None
         self.kv_groups = kv_plan.groups
@@ -72,7 +75,8 @@ class ModelRunner:
         self.num_blocks = kv_plan.num_blocks
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.device, is_quantized_kv(self.kv_dtype), self.block_size,
-            decode_kernel_usable(self.device, self.dtype, self.kv_dtype), mc.mla is not None)
+            decode_kernel_usable(self.device, self.dtype, self.kv_dtype), mc.mla is not None,
+            any(self.layer_sinks))
         # Not with tensor parallelism: the graphs would capture the ranks' collectives too.
         single = not config.enforce_eager and config.tensor_parallel_size == 1
         use_graphs = self.device.type == "cuda" and single
@@ -139,7 +143,7 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.kv_caches, self.num_blocks * self.block_size,
                               self.config.max_num_seqs, self.block_tables.max_blocks,
                               self.layer_windows, self.layer_group, use_graphs,
-                              self.attention_backend, compiled)
+                              self.attention_backend, compiled, self.layer_sinks)
         graphs.prepare()
         return graphs
 
@@ -261,7 +265,7 @@ class ModelRunner:
             hidden = self.decode_graphs.run(input_ids, positions, layouts)
         if hidden is None:
             attn = build_paged_attention(self.attention_backend, self.kv_caches, layouts,
-                                         self.layer_windows, self.layer_group)
+                                         self.layer_windows, self.layer_group, self.layer_sinks)
             hidden = self.model(input_ids, positions, attn=attn, long_rope=long_rope)
         return hidden, entries, query_starts
 
@@ -270,7 +274,7 @@ class ModelRunner:
         skips the blocks before its window (released, or stale), except on the decode-graph
         path, whose tables have fixed widths."""
         window = self.kv_groups.groups[group].window
-        if window is None or self.decode_graphs is not None:
+        if window is None or self.decode_graphs is not None or self.kv_groups.groups[group].sinks:
             return 0
         return first_needed_block(position, window, self.block_size)
 

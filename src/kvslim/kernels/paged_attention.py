@@ -23,20 +23,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_scales: torch.Tensor | None, v_scales: torch.Tensor | None,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, key_start: int,
                  window: int | None, scale: float, tree_base: torch.Tensor | None = None,
-                 tree_bits: torch.Tensor | None = None) -> torch.Tensor:
+                 tree_bits: torch.Tensor | None = None, sinks: int = 0) -> torch.Tensor:
     """q [B, H, D] -> [B, H, Dv]: each decode over the keys before its length (and inside its
     window) of the blocks its table lists, from position `key_start` on. With tree_base and
     tree_bits [B] (int64), a row's keys from its base on are its path's (the length counts
     them: base + number of set bits). The values may be narrower than the keys (Dv <= D) and a
-    view of them: DeepSeek's latent cache, whose value is its row's first entries."""
+    view of them: DeepSeek's latent cache, whose value is its row's first entries. sinks: with
+    a window, the first positions every row also sees (kv_cache/window.py)."""
     return torch.ops.kvslim.paged_decode(q, k_cache, v_cache, k_scales, v_scales, block_tables,
                                          context_lens, key_start, window or 0, scale,
-                                         tree_base, tree_bits)
+                                         tree_base, tree_bits, sinks)
 
 
 def reference_paged_decode(q, k_cache, v_cache, k_scales, v_scales, block_tables,
                            context_lens, key_start, window, scale, tree_base=None,
-                           tree_bits=None) -> torch.Tensor:
+                           tree_bits=None, sinks=0) -> torch.Tensor:
     """The kernel's attention in float64, each row's keys picked out by their positions (a
     tree row's path from its ancestor bits)."""
     b, h, d = q.shape
@@ -47,7 +48,7 @@ def reference_paged_decode(q, k_cache, v_cache, k_scales, v_scales, block_tables
                                                                   (v_cache, v_scales)))
         logical = torch.arange(int(context_lens[i]))
         if window:
-            logical = logical[logical >= int(context_lens[i]) - window]
+            logical = logical[(logical >= int(context_lens[i]) - window) | (logical < sinks)]
         if tree_bits is not None and int(tree_bits[i]):
             base, bits = int(tree_base[i]), int(tree_bits[i])
             path = [base + j for j in range(64) if bits >> j & 1]
@@ -71,8 +72,51 @@ def _rows(cache, scales, table):
     return rows
 
 
+def paged_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
+                       k_params: torch.Tensor, v_params: torch.Tensor, recent_k: torch.Tensor,
+                       recent_v: torch.Tensor, recent_start: torch.Tensor,
+                       block_tables: torch.Tensor, context_lens: torch.Tensor, key_start: int,
+                       window: int | None, scale: float, sinks: int, bits: int) -> torch.Tensor:
+    """`paged_decode` over a 4- or 2-bit cache (kernels/lowbit_codes.py's layout): each row
+    reads the positions before its own block from the pool, dequantized as it goes, and those
+    from its block's start on from recent_k/recent_v (float16 [M, KVH, D], its first at
+    recent_start[row]): the block still being filled."""
+    group = k_codes.shape[-1] * 8 // bits // v_params.shape[-1]
+    return torch.ops.kvslim.paged_decode_lowbit(
+        q, k_codes, v_codes, k_params, v_params, recent_k, recent_v, recent_start, block_tables,
+        context_lens, key_start, window or 0, scale, sinks, bits, group)
+
+
+def reference_paged_decode_lowbit(q, k_codes, v_codes, k_params, v_params, recent_k, recent_v,
+                                  recent_start, block_tables, context_lens, key_start, window,
+                                  scale, sinks, bits) -> torch.Tensor:
+    """The low-bit kernel's attention in float64: the pool dequantized by lowbit_codes, each
+    row's own block replaced by its recent rows."""
+    from kvslim.kernels.lowbit_codes import dequantize_keys, dequantize_values
+    keys = dequantize_keys(k_codes, k_params, bits)
+    values = dequantize_values(v_codes, v_params, bits)
+    bs = k_codes.shape[1]
+    out = torch.zeros(*q.shape[:2], keys.shape[-1], dtype=torch.float64)
+    for i in range(q.shape[0]):
+        n = int(context_lens[i])
+        if n <= 0:
+            continue
+        limit, start = (n - 1) // bs * bs, int(recent_start[i])
+        k_rows, v_rows = (_rows(c, None, block_tables[i]) for c in (keys, values))
+        own = range(limit - key_start, n - key_start)
+        k_rows[list(own)] = recent_k[start:start + len(own)].double()
+        v_rows[list(own)] = recent_v[start:start + len(own)].double()
+        out[i] = reference_paged_decode(
+            q[i:i + 1], k_rows.view(-1, 1, *k_rows.shape[1:]),
+            v_rows.view(-1, 1, *v_rows.shape[1:]), None, None,
+            torch.arange(k_rows.shape[0])[None], context_lens[i:i + 1] - key_start, 0,
+            window, scale, sinks=max(0, sinks - key_start))[0]
+    return out
+
+
 FAKES = {"paged_decode": lambda q, k_cache, v_cache, *args: q.new_empty(*q.shape[:2],
-                                                                         v_cache.shape[-1])}
+                                                                         v_cache.shape[-1]),
+         "paged_decode_lowbit": lambda q, *args: q.new_empty(q.shape)}
 
 
 def available() -> bool:

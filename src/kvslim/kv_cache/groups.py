@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvslim.kv_cache.window import KVWindow, LayerSpan, layer_spans, sink_blocks
 from kvslim.models.config import ModelConfig
 
 NULL_BLOCK = -1          # a window group's released entry: no page behind it
@@ -30,6 +31,8 @@ class KVCacheGroup:
     # Blocks entirely older than this many tokens before the next query are released; None:
     # the group keeps every block (full attention, or freeing switched off).
     window: int | None
+    # The first positions the window group keeps however far its window moves (kv_window.py).
+    sinks: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,10 @@ class KVCacheGroups:
     def windows(self) -> tuple[int | None, ...]:
         return tuple(g.window for g in self.groups)
 
+    @property
+    def sinks(self) -> tuple[int, ...]:
+        return tuple(g.sinks for g in self.groups)
+
     def group_of_layer(self) -> list[int]:
         """Per layer, the index of its group."""
         owner = {layer: g for g, group in enumerate(self.groups) for layer in group.layers}
@@ -61,23 +68,25 @@ class KVCacheGroups:
         return [pos[layer] for layer in sorted(pos)]
 
 
-def kv_cache_groups(config: ModelConfig, free_out_of_window: bool = True) -> KVCacheGroups:
-    """The model's groups. One group of every layer when all layers share one window (Llama:
+def kv_cache_groups(config: ModelConfig, free_out_of_window: bool = True,
+                    kv_window: KVWindow | None = None) -> KVCacheGroups:
+    """The model's groups, by each layer's span (its window, narrowed by the engine's
+    `kv_window`, and its sinks). One group of every layer when all layers share one span (Llama:
     none; Mistral: all windowed, so every layer's old blocks go). `free_out_of_window=False` is
     the mask-only path: one group that keeps every block. Storage position j is shared by the
     j-th layer of each group, so those layers must have equal KV heads; a non-uniform GQA model
     that also mixes windows keeps every block instead (its windows remain masks)."""
     layers = range(config.num_hidden_layers)
-    windows = config.layer_sliding_windows
-    types = list(dict.fromkeys(windows))
+    spans = layer_spans(config, kv_window)
+    types: list[LayerSpan] = list(dict.fromkeys(spans))
     if not free_out_of_window:
         return KVCacheGroups((KVCacheGroup(tuple(layers), None),))
     if len(types) == 1:
-        return KVCacheGroups((KVCacheGroup(tuple(layers), types[0]),))
-    by_type = {w: [i for i in layers if windows[i] == w] for w in types}
+        return KVCacheGroups((KVCacheGroup(tuple(layers), types[0].window, types[0].sinks),))
+    by_type = {t: [i for i in layers if spans[i] == t] for t in types}
     size = math.gcd(*(len(ls) for ls in by_type.values()))
-    groups = tuple(KVCacheGroup(tuple(ls[i:i + size]), w)
-                   for w, ls in by_type.items() for i in range(0, len(ls), size))
+    groups = tuple(KVCacheGroup(tuple(ls[i:i + size]), t.window, t.sinks)
+                   for t, ls in by_type.items() for i in range(0, len(ls), size))
     heads = config.kv_heads_per_layer
     if any(len({heads[g.layers[j]] for g in groups}) > 1 for j in range(size)):
         return KVCacheGroups((KVCacheGroup(tuple(layers), None),))
@@ -92,32 +101,37 @@ def first_needed_block(num_computed_tokens: int, window: int | None, block_size:
     return max(0, num_computed_tokens - window + 1) // block_size
 
 
-def blocks_held(num_tokens: int, window: int | None, block_size: int) -> int:
+def blocks_held(num_tokens: int, window: int | None, block_size: int, sinks: int = 0) -> int:
     """Blocks one group holds for a sequence of `num_tokens` computed tokens between steps:
-    all of them for a full group, those its next query can see for a window group."""
+    all of them for a full group, those its next query can see for a window group (its sink
+    blocks included)."""
     if num_tokens <= 0:
         return 0
     last = (num_tokens - 1) // block_size
     first = min(first_needed_block(num_tokens, window, block_size), last)
-    return last - first + 1
+    return last - first + 1 + min(sink_blocks(sinks, block_size), first)
 
 
-def step_blocks(num_tokens: int, window: int | None, block_size: int, chunk: int) -> int:
+def step_blocks(num_tokens: int, window: int | None, block_size: int, chunk: int,
+                sinks: int = 0) -> int:
     """The most blocks one group holds for a sequence during a step that computes up to `chunk`
-    tokens and ends at `num_tokens`: a window group holds what the chunk's first query sees
-    through the chunk's end."""
+    tokens and ends at `num_tokens`: a window group holds its sink blocks and what the chunk's
+    first query sees through the chunk's end."""
     full = -(-num_tokens // block_size)
     if window is None:
         return full
-    return min(full, -(-(window - 1 + chunk) // block_size) + 1)
+    return min(full, -(-(window - 1 + chunk) // block_size) + 1 + sink_blocks(sinks, block_size))
 
 
 def longest_sequence(num_blocks: int, windows: tuple[int | None, ...], block_size: int,
-                     chunk: int, limit: int) -> int:
+                     chunk: int, limit: int, sinks: tuple[int, ...] | None = None) -> int:
     """The longest sequence (at most `limit` tokens) whose blocks in every group fit in
     `num_blocks` during any step: the full groups grow with it, the window groups do not."""
+    sinks = sinks or (0,) * len(windows)
+
     def fits(n: int) -> bool:
-        return sum(step_blocks(n, w, block_size, chunk) for w in windows) <= num_blocks
+        return sum(step_blocks(n, w, block_size, chunk, s)
+                   for w, s in zip(windows, sinks)) <= num_blocks
     lo, hi = 0, limit                        # fits() is monotone in n: bisect
     while lo < hi:
         mid = (lo + hi + 1) // 2

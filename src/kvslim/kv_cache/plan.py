@@ -49,7 +49,8 @@ class KVCachePlan:
 
     def blocks_per_sequence(self, context: int) -> int:
         """Blocks a sequence of `context` tokens holds between steps, over every group."""
-        return sum(blocks_held(context, w, self.block_size) for w in self.windows)
+        return sum(blocks_held(context, g.window, self.block_size, g.sinks)
+                   for g in self.groups.groups)
 
     def max_sequences(self, context: int) -> int:
         """Sequences of `context` tokens that fit at once."""
@@ -58,7 +59,8 @@ class KVCachePlan:
     def longest_sequence(self, chunk: int, limit: int) -> int:
         """The longest sequence (at most `limit` tokens) that fits during any step computing up
         to `chunk` tokens (`groups.longest_sequence`)."""
-        return longest_sequence(self.num_blocks, self.windows, self.block_size, chunk, limit)
+        return longest_sequence(self.num_blocks, self.windows, self.block_size, chunk, limit,
+                                self.groups.sinks)
 
 
 def size_kv_cache(groups: KVCacheGroups, block_size: int, bytes_per_token: int, budget: int,
@@ -81,7 +83,8 @@ def plan_kv_cache(config: ModelConfig, kv_dtype, options, num_blocks: int | None
     and `max_model_len`, when given, size a cache to match another one (the draft model's, the
     other ranks') instead of the budget. KvslimError when one block does not fit in
     kv_cache_memory, or max_model_len asks for more than the cache holds."""
-    groups = kv_cache_groups(config, not options.keep_out_of_window_blocks)
+    groups = kv_cache_groups(config, not options.keep_out_of_window_blocks,
+                             getattr(options, "window", None))
     plan = size_kv_cache(groups, options.block_size, config.kv_cache_bytes_per_token(kv_dtype),
                          options.kv_cache_memory, kv_dtype)
     if num_blocks is not None:
@@ -99,6 +102,12 @@ def _max_model_len(plan: KVCachePlan, config: ModelConfig, options) -> int:
     """The model's context, capped by what the KV cache can hold for one sequence (a user who
     asks for more than the cache holds gets an error instead)."""
     positions = config.max_position_embeddings
+    if (options.max_model_len or 0) > positions and getattr(options, "window", None) \
+            and not config.positions_past_context:
+        raise KvslimError(
+            f"max_model_len={options.max_model_len} is past the model's {positions} positions, "
+            f"which its {config.rope_type} RoPE factors were fitted for: a window runs past "
+            f"them only where RoPE's frequencies do not depend on the context")
     capacity = plan.longest_sequence(options.max_num_batched_tokens,
                                      max(positions, options.max_model_len or 0))
     if options.max_model_len is not None:

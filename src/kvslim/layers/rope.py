@@ -25,6 +25,10 @@ from torch import nn
 from kvslim.errors import ConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# Those whose frequencies do not depend on the context: any position is defined, so a windowed
+# cache (kv_cache/window.py) may run past max_position_embeddings. LongRoPE's long factors were
+# fitted for contexts up to the model's.
+ROPE_TYPES_PAST_CONTEXT = tuple(t for t in SUPPORTED_ROPE_TYPES if t != "longrope")
 # The fields each scaling cannot do without.
 _REQUIRED = {"yarn": ("factor", "original_max_position_embeddings"),
              "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}

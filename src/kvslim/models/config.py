@@ -11,7 +11,7 @@ import torch
 
 from kvslim.dtypes import KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, is_quantized_kv, parse_dtype
 from kvslim.errors import ConfigError
-from kvslim.layers.rope import validate_rope_scaling
+from kvslim.layers.rope import ROPE_TYPES_PAST_CONTEXT, validate_rope_scaling
 from kvslim.models.hf_fields import (LAYER_KV_HEADS_KEY, activation_from_hf,
                                      check_rotary_fraction, layer_kv_heads_from_hf, rope_from_hf)
 from kvslim.models.shape_only import MLAConfig, MoEConfig
@@ -134,6 +134,15 @@ class ModelConfig:
 
     def kv_heads_of(self, layer_idx: int) -> int:
         return self.kv_heads_per_layer[layer_idx]
+
+    @property
+    def rope_type(self) -> str:
+        return (self.rope_scaling or {}).get("rope_type", "default")
+
+    @property
+    def positions_past_context(self) -> bool:
+        """Whether its RoPE defines positions past max_position_embeddings (layers/rope.py)."""
+        return self.rope_type in ROPE_TYPES_PAST_CONTEXT
 
     @property
     def layer_sliding_windows(self) -> tuple[int | None, ...]:

@@ -151,7 +151,7 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& weights
   kvslim_store_slots::write_slots(v_cache, slots, v);
   const at::Tensor att = kvslim_paged_attention::paged_decode(
       heads3.narrow(1, 0, heads), k_cache, v_cache, std::nullopt, std::nullopt, block_tables,
-      context_lens, key_start, window, scale, std::nullopt, std::nullopt);
+      context_lens, key_start, window, scale, std::nullopt, std::nullopt, 0);
   at::Tensor a = mm(att.view({N, heads * D}), wo);
   if (norms[ATTN_OUT]) rms_norm_rows(a.data_ptr<float>(), data(norms[ATTN_OUT]), a.data_ptr<float>(), N, H, feps);
   at::Tensor y = x + a;

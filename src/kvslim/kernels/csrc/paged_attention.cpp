@@ -38,18 +38,35 @@ namespace kvslim_paged_attention {
 struct Cache {
   const float* f32 = nullptr;         // float32 elements, or
   const int8_t* i8 = nullptr;         // int8 elements with
-  const c10::Half* scales = nullptr;  // their scales
-  int64_t block_stride, slot_stride, head_stride;   // elements per block, slot, kv head
+  const c10::Half* scales = nullptr;  // their scales, or
+  const uint8_t* packed = nullptr;    // 4- or 2-bit codes, each element code * scale + min
+  int64_t block_stride, slot_stride, head_stride;   // elements (bytes, packed) per block, ...
   int64_t scale_block, scale_slot;                   // scales per block, per slot
   int64_t kv_heads, head_dim;
+  // Packed (attention/lowbit_cache.py): `bits` per code, low bits first in a byte; params
+  // [.., 2, head_dim / group] (scale, then min) per block and head (keys per channel: group 1,
+  // no slot stride) or per slot and head (values per token in groups).
+  int64_t bits = 0, group = 1, param_block = 0, param_slot = 0, param_head = 0;
 
   // Row `slot` of `block` for kv head `h` as float32: the cache's own row (float32), or
-  // `out` [head_dim] holding it dequantized (int8).
+  // `out` [head_dim] holding it dequantized (int8, packed).
   const float* row(int64_t block, int64_t slot, int64_t h, float* out) const {
     const int64_t at = block * block_stride + slot * slot_stride + h * head_stride;
     if (f32 != nullptr) return f32 + at;
+    if (packed != nullptr) return unpack(at, block * param_block + slot * param_slot + h * param_head, out);
     const float s = (float)scales[block * scale_block + slot * scale_slot + h];
     for (int64_t d = 0; d < head_dim; ++d) out[d] = (float)i8[at + d] * s;
+    return out;
+  }
+
+  const float* unpack(int64_t at, int64_t p, float* out) const {
+    const int64_t per_byte = 8 / bits, groups = head_dim / group;
+    const uint8_t mask = (uint8_t)((1 << bits) - 1);
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const int code = packed[at + d / per_byte] >> (d % per_byte * bits) & mask;
+      const int64_t g = d / group;
+      out[d] = (float)code * (float)scales[p + g] + (float)scales[p + groups + g];
+    }
     return out;
   }
 };
@@ -104,6 +121,22 @@ struct Scratch {
   std::vector<float> scores, row;
 };
 
+// A low-bit cache's recent keys and values in float16 (attention/lowbit_cache.py): a row reads
+// its positions from `limit` on from here ([rows, kv_heads, head_dim], its first at `start`)
+// instead of the pool, whose block is still being filled. No row has any: limit past all.
+struct Recent {
+  const c10::Half* k = nullptr;
+  const c10::Half* v = nullptr;
+  int64_t limit = std::numeric_limits<int64_t>::max(), start = 0;
+
+  const float* row(const c10::Half* x, int64_t pos, int64_t h, int64_t KVH, int64_t D,
+                   float* out) const {
+    const c10::Half* r = x + ((start + pos - limit) * KVH + h) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = (float)r[d];
+    return out;
+  }
+};
+
 // One partition of a sequence's keys, positions [lo, hi), for all its KV heads: per query
 // head hq (KV head hq / G) its largest score m, the sum l of exp(score - m) and the unnormalized
 // sum of values acc[Dv]. A key slot's heads lie side by side in the cache, so the loops run
@@ -112,15 +145,17 @@ struct Scratch {
 void attend_partition(const Cache& kc, const Cache& vc, const float* q, const int64_t* table,
                       const Path& path, int64_t KVH, int64_t G, int64_t D, int64_t Dv,
                       int64_t BS, int64_t key_start, int64_t lo, int64_t hi, float sc, float* m,
-                      float* l, float* acc, Scratch& t) {
+                      float* l, float* acc, Scratch& t, const Recent& recent) {
   const int64_t n = hi - lo, H = KVH * G;
   std::vector<float>& scores = t.scores;
   scores.assign(H * n, 0.f);
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t pos = path.at(lo + j) - key_start;
+    const int64_t logical = path.at(lo + j), pos = logical - key_start;
     const int64_t block = table[pos / BS], slot = pos % BS;
     for (int64_t h = 0; h < KVH; ++h) {
-      const float* k = kc.row(block, slot, h, t.row.data());
+      const float* k = logical >= recent.limit
+                           ? recent.row(recent.k, logical, h, KVH, D, t.row.data())
+                           : kc.row(block, slot, h, t.row.data());
       for (int64_t hq = h * G; hq < (h + 1) * G; ++hq)
         scores[hq * n + j] = dot(q + hq * D, k, D) * sc;
     }
@@ -136,10 +171,12 @@ void attend_partition(const Cache& kc, const Cache& vc, const float* q, const in
   }
   std::fill(acc, acc + H * Dv, 0.f);
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t pos = path.at(lo + j) - key_start;
+    const int64_t logical = path.at(lo + j), pos = logical - key_start;
     const int64_t block = table[pos / BS], slot = pos % BS;
     for (int64_t h = 0; h < KVH; ++h) {
-      const float* v = vc.row(block, slot, h, t.row.data());
+      const float* v = logical >= recent.limit
+                           ? recent.row(recent.v, logical, h, KVH, Dv, t.row.data())
+                           : vc.row(block, slot, h, t.row.data());
       for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
         float* o = acc + hq * Dv;
         const float w = scores[hq * n + j];
@@ -182,12 +219,29 @@ std::vector<Path> tree_paths(const std::optional<at::Tensor>& tree_base,
 // depends on the sequence's own positions only, so its bits do not depend on the batch.
 constexpr int64_t PART = 64;
 
+// A row's keys in partitions of at most PART positions, each inside one PART-aligned run of
+// positions: its sinks [key_start, min(sinks, lo)) first, then [lo, hi).
+struct Item {
+  int64_t row, lo, hi;
+};
+
+void add_partitions(int64_t row, int64_t lo, int64_t hi, std::vector<Item>& items) {
+  for (int64_t a = lo; a < hi; a = (a / PART + 1) * PART)
+    items.push_back({row, a, std::min(hi, (a / PART + 1) * PART)});
+}
+
+at::Tensor attend_rows(const at::Tensor& qc, const Cache& kc, const Cache& vc, int64_t BS,
+                       const at::Tensor& block_tables, const at::Tensor& context_lens,
+                       int64_t key_start, int64_t window, double scale,
+                       const std::vector<Path>& paths, int64_t sinks,
+                       const std::vector<Recent>& recent);
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const std::optional<at::Tensor>& k_scales,
                         const std::optional<at::Tensor>& v_scales, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, int64_t key_start, int64_t window,
                         double scale, const std::optional<at::Tensor>& tree_base,
-                        const std::optional<at::Tensor>& tree_bits) {
+                        const std::optional<at::Tensor>& tree_bits, int64_t sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "paged_decode: q must be float32 [B, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.is_contiguous() &&
                   v_cache.stride(3) == 1 && v_cache.size(3) <= k_cache.size(3) &&
@@ -197,42 +251,49 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
                   context_lens.numel() == q.size(0),
               "paged_decode: one block table and one length per query");
-  const at::Tensor qc = q.contiguous();
+  std::vector<int64_t> offsets;
+  const std::vector<Path> paths = tree_paths(tree_base, tree_bits, q.size(0), offsets);
+  return attend_rows(q.contiguous(), cache_of(k_cache, k_scales), cache_of(v_cache, v_scales),
+                     k_cache.size(1), block_tables, context_lens, key_start, window, scale,
+                     paths, sinks, std::vector<Recent>(q.size(0)));
+}
+
+at::Tensor attend_rows(const at::Tensor& qc, const Cache& kc, const Cache& vc, int64_t BS,
+                       const at::Tensor& block_tables, const at::Tensor& context_lens,
+                       int64_t key_start, int64_t window, double scale,
+                       const std::vector<Path>& paths, int64_t sinks,
+                       const std::vector<Recent>& recent) {
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor lens = context_lens.to(at::kLong).contiguous();
-  const Cache kc = cache_of(k_cache, k_scales), vc = cache_of(v_cache, v_scales);
   const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2), Dv = vc.head_dim;
-  const int64_t KVH = kc.kv_heads, G = H / KVH, BS = k_cache.size(1), W = tables.size(1);
+  const int64_t KVH = kc.kv_heads, G = H / KVH, W = tables.size(1);
   TORCH_CHECK(D == kc.head_dim && H % KVH == 0, "paged_decode: q's heads do not fit the cache");
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  std::vector<int64_t> offsets;
-  const std::vector<Path> paths = tree_paths(tree_base, tree_bits, B, offsets);
-  // Each sequence's visible keys [lo, hi) and its partitions, numbered across the batch.
-  std::vector<int64_t> lo(B), hi(B), first(B + 1, 0);
+  // Each sequence's visible keys (its sinks, then [lo, hi)) and their partitions, numbered
+  // across the batch: first[b] is row b's first.
+  std::vector<Item> items;
+  std::vector<int64_t> first(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
-    hi[b] = std::min(lp[b], key_start + W * BS);
-    lo[b] = window > 0 ? std::max(key_start, lp[b] - window) : key_start;
-    const int64_t parts = hi[b] > lo[b] ? (hi[b] - 1) / PART - lo[b] / PART + 1 : 0;
-    first[b + 1] = first[b] + parts;
+    const int64_t hi = std::min(lp[b], key_start + W * BS);
+    const int64_t lo = window > 0 ? std::max(key_start, lp[b] - window) : key_start;
+    if (window > 0) add_partitions(b, key_start, std::min(std::min(sinks, lo), hi), items);
+    add_partitions(b, lo, hi, items);
+    first[b + 1] = (int64_t)items.size();
   }
   const int64_t P = first[B];
   at::Tensor out = at::zeros({B, H, Dv}, qc.options());
   std::vector<float> m(P * H), l(P * H), acc(P * H * Dv);
-  std::vector<int64_t> seq_of(P);
-  for (int64_t b = 0; b < B; ++b) std::fill(seq_of.begin() + first[b], seq_of.begin() + first[b + 1], b);
   const float* qp = qc.data_ptr<float>();
   const float sc = (float)scale;
   kvslim_team::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     scratch.row.resize(D);
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t b = seq_of[p];
-      const int64_t c = lo[b] / PART + (p - first[b]);
-      const int64_t a = std::max(lo[b], c * PART), z = std::min(hi[b], (c + 1) * PART);
+      const int64_t b = items[p].row;
       attend_partition(kc, vc, qp + b * H * D, tp + b * W, paths[b], KVH, G, D, Dv, BS,
-                       key_start, a, z, sc, m.data() + p * H, l.data() + p * H,
-                       acc.data() + p * H * Dv, scratch);
+                       key_start, items[p].lo, items[p].hi, sc, m.data() + p * H, l.data() + p * H,
+                       acc.data() + p * H * Dv, scratch, recent[b]);
     }
   });
   float* op = out.data_ptr<float>();
@@ -257,12 +318,87 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// A 4- or 2-bit cache (attention/lowbit_cache.py): keys per channel over each block, values per
+// token in groups of `group`, codes packed along head_dim; each row's positions from the start
+// of its own block on read from recent_k/recent_v (float16, [rows, kv_heads, head_dim]) at
+// recent_start[row]. The same sums in the same order as paged_decode's.
+Cache packed_cache(const at::Tensor& codes, const at::Tensor& params, int64_t bits, int64_t group,
+                   bool per_channel) {
+  Cache c;
+  c.packed = codes.data_ptr<uint8_t>();
+  c.scales = params.data_ptr<c10::Half>();
+  c.block_stride = codes.stride(0);
+  c.slot_stride = codes.stride(1);
+  c.head_stride = codes.stride(2);
+  c.kv_heads = codes.size(2);
+  c.head_dim = codes.size(3) * 8 / bits;
+  c.bits = bits;
+  c.group = group;
+  c.param_block = params.stride(0);
+  c.param_slot = per_channel ? 0 : params.stride(1);
+  c.param_head = params.stride(per_channel ? 1 : 2);
+  return c;
+}
+
+at::Tensor paged_decode_lowbit(const at::Tensor& q, const at::Tensor& k_codes,
+                               const at::Tensor& v_codes, const at::Tensor& k_params,
+                               const at::Tensor& v_params, const at::Tensor& recent_k,
+                               const at::Tensor& recent_v, const at::Tensor& recent_start,
+                               const at::Tensor& block_tables, const at::Tensor& context_lens,
+                               int64_t key_start, int64_t window, double scale, int64_t sinks,
+                               int64_t bits, int64_t group) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "paged_decode_lowbit: q must be float32 [B, H, D]");
+  TORCH_CHECK((bits == 4 || bits == 2) && k_codes.scalar_type() == at::kByte &&
+                  v_codes.scalar_type() == at::kByte && k_codes.is_contiguous() &&
+                  v_codes.is_contiguous() && k_codes.sizes() == v_codes.sizes(),
+              "paged_decode_lowbit: codes are uint8 [blocks, block_size, kv_heads, head_dim * bits / 8] "
+              "of 4 or 2 bits");
+  const int64_t BS = k_codes.size(1), KVH = k_codes.size(2), D = k_codes.size(3) * 8 / bits;
+  TORCH_CHECK(k_params.scalar_type() == at::kHalf && v_params.scalar_type() == at::kHalf &&
+                  k_params.is_contiguous() && v_params.is_contiguous() &&
+                  k_params.dim() == 4 && k_params.size(3) == D && D % group == 0 &&
+                  v_params.dim() == 5 && v_params.size(4) == D / group,
+              "paged_decode_lowbit: params are float16 [blocks, kv_heads, 2, head_dim] (keys) and "
+              "[blocks, block_size, kv_heads, 2, head_dim / group] (values)");
+  TORCH_CHECK(recent_k.scalar_type() == at::kHalf && recent_v.scalar_type() == at::kHalf &&
+                  recent_k.is_contiguous() && recent_v.is_contiguous() &&
+                  recent_k.sizes() == recent_v.sizes() && recent_k.size(1) == KVH &&
+                  recent_k.size(2) == D && recent_start.numel() == q.size(0),
+              "paged_decode_lowbit: recent keys and values are float16 [rows, kv_heads, head_dim], "
+              "one start per query");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
+                  context_lens.numel() == q.size(0),
+              "paged_decode_lowbit: one block table and one length per query");
+  const at::Tensor starts = recent_start.to(at::kLong).contiguous();
+  const at::Tensor lens = context_lens.to(at::kLong).contiguous();
+  const int64_t M = recent_k.size(0);
+  std::vector<Recent> recent(q.size(0));
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    const int64_t n = lens.data_ptr<int64_t>()[b];
+    recent[b] = {recent_k.data_ptr<c10::Half>(), recent_v.data_ptr<c10::Half>(),
+                 n > 0 ? (n - 1) / BS * BS : 0, starts.data_ptr<int64_t>()[b]};
+    TORCH_CHECK(n <= 0 || (recent[b].start >= 0 && recent[b].start + n - recent[b].limit <= M),
+                "paged_decode_lowbit: a row's recent keys lie outside recent_k");
+  }
+  return attend_rows(q.contiguous(), packed_cache(k_codes, k_params, bits, 1, true),
+                     packed_cache(v_codes, v_params, bits, group, false), BS, block_tables,
+                     context_lens, key_start, window, scale, std::vector<Path>(q.size(0)), sinks,
+                     recent);
+}
+
 }  // namespace kvslim_paged_attention
 
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scales, Tensor? v_scales, "
         "Tensor block_tables, Tensor context_lens, int key_start, int window, float scale, "
-        "Tensor? tree_base=None, Tensor? tree_bits=None) -> Tensor");
+        "Tensor? tree_base=None, Tensor? tree_bits=None, int sinks=0) -> Tensor");
+  m.def("paged_decode_lowbit(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_params, "
+        "Tensor v_params, Tensor recent_k, Tensor recent_v, Tensor recent_start, "
+        "Tensor block_tables, Tensor context_lens, int key_start, int window, float scale, "
+        "int sinks, int bits, int group) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("paged_decode", &kvslim_paged_attention::paged_decode); }
+TORCH_LIBRARY_IMPL(kvslim, CPU, m) {
+  m.impl("paged_decode", &kvslim_paged_attention::paged_decode);
+  m.impl("paged_decode_lowbit", &kvslim_paged_attention::paged_decode_lowbit);
+}
