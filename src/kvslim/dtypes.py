@@ -19,6 +19,7 @@ class DType:
     aliases: tuple[str, ...] = ()
     model: bool = False                # a dtype a model computes in
     kv_quantized: bool = False         # a KV cache stored with a float16 scale per token and head
+    kv_packed: bool = False            # a KV cache of packed codes, KIVI's layout (lowbit_codes)
 
 
 DTYPES: tuple[DType, ...] = (
@@ -28,15 +29,18 @@ DTYPES: tuple[DType, ...] = (
     DType("fp8_e4m3", "fp8", 8, torch.float8_e4m3fn, ("float8", "float8_e4m3fn", "float8_e5m2"),
           kv_quantized=True),
     DType("int8", "int8", 8, torch.int8, kv_quantized=True),
-    DType("int4", "int4", 4, None),
+    DType("int4", "int4", 4, None, kv_packed=True),
+    DType("int2", "int2", 2, None, kv_packed=True),
 )
 _BY_NAME = {key: d for d in DTYPES for key in (d.name, d.short, *d.aliases)}
 
 MODEL_DTYPES = tuple(d.name for d in DTYPES if d.model)
 # The quantized KV-cache dtypes the engine offers, by name.
 QUANTIZED_KV_DTYPES = {d.name: d.torch_dtype for d in DTYPES if d.kv_quantized}
+# The 4- and 2-bit KV caches (kernels/lowbit_codes.py), by name: their bits per code.
+PACKED_KV_BITS = {d.name: d.bits for d in DTYPES if d.kv_packed}
 # What `kv_cache_dtype` (`--kv-cache-dtype`) accepts: "auto" (the model's dtype) or one of those.
-KV_CACHE_DTYPES = ("auto", *QUANTIZED_KV_DTYPES)
+KV_CACHE_DTYPES = ("auto", *QUANTIZED_KV_DTYPES, *PACKED_KV_BITS)
 KV_SCALE_DTYPE = torch.float16
 
 
@@ -61,5 +65,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def is_quantized_kv(dtype: torch.dtype) -> bool:
+def is_quantized_kv(dtype: torch.dtype | str) -> bool:
+    """An int8/fp8 cache: elements with a float16 scale per token and head."""
     return dtype in QUANTIZED_KV_DTYPES.values()
+
+
+def packed_kv_bits(kv_dtype: torch.dtype | str) -> int | None:
+    """The bits of a packed 4-/2-bit cache's codes ("int4", "int2"), None for any other."""
+    return PACKED_KV_BITS.get(kv_dtype) if isinstance(kv_dtype, str) else None

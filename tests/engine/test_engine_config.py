@@ -30,7 +30,7 @@ NON_DEFAULT = {
     "--keep-out-of-window-blocks": None, "--cuda-sparse-24": None,
     "--speculative-config": '{"method": "ngram", "num_speculative_tokens": 2}',
     "--tensor-parallel-size": "1", "--tensor-parallel-oversubscribe": None,
-    "--distributed-timeout": "5.5", "--kv-window": "64", "--kv-sink-tokens": "4",
+    "--distributed-timeout": "5.5", "--kv-window": "64", "--kv-sink-tokens": "4", "--kv-hadamard": None,
 }
 
 
@@ -46,7 +46,7 @@ def test_every_generated_flag_round_trips_to_the_config():
         keep_out_of_window_blocks=True, cuda_sparse_24=True, speculative={"method": "ngram",
                                                      "num_speculative_tokens": 2},
         tensor_parallel_oversubscribe=True, distributed_timeout=5.5, kv_window=64,
-        kv_sink_tokens=4)
+        kv_sink_tokens=4, kv_hadamard=True)
     assert asdict(config) == asdict(expected)
     changed = {f.name for f in fields(EngineConfig)
                if getattr(config, f.name) != getattr(EngineConfig(), f.name)}

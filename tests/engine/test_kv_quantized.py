@@ -86,4 +86,4 @@ def test_fp8_cache_runs_where_torch_supports_it(hf_checkpoints):
     assert eng.kv_cache_stats().kv_cache_dtype == "float8_e4m3fn"
     assert len(tokens(run(eng, prompts_of([9, 30]), PARAMS))[1]) == 16
     with pytest.raises(KvslimError, match="kv_cache_dtype must be one of"):
-        EngineConfig(kv_cache_dtype="int4")
+        EngineConfig(kv_cache_dtype="int3")

@@ -78,10 +78,15 @@ def test_kv_per_token_of_every_builtin():
 def test_kv_dtypes():
     spec = builtin_spec("Llama-2-70B")
     sizes = {d: plan_memory(spec, kv_dtype=d).kv_bytes_per_token
-             for d in ("fp32", "fp16", "bf16", "fp8", "int8", "int4")}
+             for d in ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "int2")}
     scales = 80 * 2 * 8 * 2              # a float16 scale per token, layer, K/V and KV head
+    # Packed, in blocks of 64: per layer and KV head, the keys' float16 scale and minimum per
+    # channel over the block (2 * 2 * 128 / 64 bytes a token) and the values' per token and
+    # group of 64 channels (2 groups * 2 * 2 bytes).
+    packed = 80 * 8 * (2 * 2 * 128 // 64 + 2 * 2 * 2)
     assert sizes == {"fp32": 655_360, "fp16": 327_680, "bf16": 327_680, "fp8": 163_840 + scales,
-                     "int8": 163_840 + scales, "int4": 81_920}
+                     "int8": 163_840 + scales, "int4": 81_920 + packed,
+                     "int2": 40_960 + packed}
     assert plan_memory(spec, dtype="int4").kv_dtype == "fp16"     # quantized weights: 16-bit KV
     assert plan_memory(spec, dtype="int4").weight_bytes == 68_976_648_192 // 2
     assert storage_bytes(3, "int4") == 2

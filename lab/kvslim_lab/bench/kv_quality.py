@@ -26,7 +26,7 @@ from kvslim.dtypes import lookup
 from kvslim.errors import KvslimError
 
 FLOAT_NAMES = ("float", "float32", "auto")     # the model's own dtype: float32 on the CPU
-OPTION_KEYS = {"w": "kv_window", "s": "kv_sink_tokens"}
+OPTION_KEYS = {"w": "kv_window", "s": "kv_sink_tokens", "bs": "block_size"}
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,8 @@ def _setting(parts: list[str]) -> KVSetting:
     for part in parts[1:]:
         key, _, value = part.partition("=")
         if key not in OPTION_KEYS or not value.isdigit():
-            raise KvslimError(f"--settings: {part!r} is not w=TOKENS (window) or s=TOKENS "
-                              f"(sink tokens)")
+            raise KvslimError(f"--settings: {part!r} is not w=TOKENS (window), s=TOKENS "
+                              f"(sink tokens) or bs=TOKENS (block size)")
         options[OPTION_KEYS[key]] = int(value)
     return KVSetting(",".join(parts), options)
 

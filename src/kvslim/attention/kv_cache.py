@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from kvslim.dtypes import KV_CACHE_DTYPES, KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES  # noqa: F401
+from kvslim.dtypes import (KV_CACHE_DTYPES, KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES,  # noqa: F401
+                           packed_kv_bits)
 from kvslim.errors import KvslimError
 from kvslim.kernels import store_slots as slot_kernel
 
@@ -31,6 +32,7 @@ _MIN_SCALE = 2.0 ** -14
 class KVCacheLayer:
     """K and V of one layer in the model's dtype: [blocks, block_size, kv_heads, head_dim] each."""
     latent = False          # MLA's latent rows instead of K/V heads (latent_cache.py)
+    packed = False          # 4-/2-bit codes with recent rows beside them (lowbit_cache.py)
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -138,9 +140,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype,
                            device: torch.device) -> torch.dtype:
     """"auto" is the model's dtype; "int8" anywhere; "fp8_e4m3" where this device and torch can
-    store, index and convert float8 (checked by doing it, not by a version table)."""
+    store, index and convert float8 (checked by doing it, not by a version table); "int4" and
+    "int2" stay names (packed codes, lowbit_cache.py)."""
     if name == "auto":
         return model_dtype
+    if packed_kv_bits(name):
+        return name
     dtype = QUANTIZED_KV_DTYPES[name]
     if dtype.is_floating_point:
         _check_float8(name, dtype, device)

@@ -45,6 +45,7 @@ class PagedStepLayout:
     decode_context_lens: torch.Tensor | None = None  # [num_decodes]
     decode_key_start: int = 0  # position of the tables' first key (a multiple of block_size)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    recent: Any = None         # a packed cache's RecentRows (lowbit_cache.py), else None
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,8 @@ class PagedAttention:
         meta = self.layer_metas[layer_idx]
         masks = self.mask_caches[id(meta)]
         cache = self.kv_caches[layer_idx]
+        if cache.packed:
+            return self._attend_packed(meta, cache, q, k, v, scale)
         k, v = cache.write(meta.layout.slot_mapping, k, v)
         if self.kernel:
             return self._attend_in_place(meta, cache, q, scale)
@@ -87,15 +89,32 @@ class PagedAttention:
         mask = masks.get(-1, meta.decode_allowed, q.shape[1] // kvh, q.dtype)
         return grouped_sdpa(q[:, None], keys, values, mask, scale)[:, 0]
 
+    def _rows(self, meta: PagedAttentionMetadata, block_size: int) -> tuple:
+        key = id(meta)
+        if key not in self.kernel_rows:
+            self.kernel_rows[key] = _rows_of_tokens(meta.layout, block_size)
+        return self.kernel_rows[key]
+
+    def _attend_packed(self, meta: PagedAttentionMetadata, cache, q: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """A 4-/2-bit cache (lowbit_cache.py): every token through the low-bit kernel, the pool
+        before its own block and its block's recent rows (rotated with K and V, if they are)."""
+        recent_k, recent_v = cache.write(meta.layout.recent, k, v)
+        if cache.rotation is not None:
+            q = q @ cache.rotation
+        tables, lens, key_start, _, _ = self._rows(meta, cache.block_size)
+        out = paged_attention.paged_decode_lowbit(
+            q.contiguous(), cache.k_codes, cache.v_codes, cache.key_params, cache.value_params,
+            recent_k, recent_v, meta.layout.recent.row_start, tables, lens, key_start,
+            meta.sliding_window, scale, meta.sink_tokens, cache.bits)
+        return out if cache.rotation is None else out @ cache.rotation.T
+
     def _attend_in_place(self, meta: PagedAttentionMetadata, cache: KVCacheLayer,
                          q: torch.Tensor, scale: float) -> torch.Tensor:
         """Every token of the step, decodes and prefill chunks alike, through the kernel: each
         query over the keys before its own position, so a prompt's numbers do not depend on
         how it was split into chunks or on what was cached before it."""
-        key = id(meta)
-        if key not in self.kernel_rows:
-            self.kernel_rows[key] = _rows_of_tokens(meta.layout, cache.block_size)
-        tables, lens, key_start, tree_base, tree_bits = self.kernel_rows[key]
+        tables, lens, key_start, tree_base, tree_bits = self._rows(meta, cache.block_size)
         return paged_attention.paged_decode(
             q, cache.k_cache, cache.v_cache, getattr(cache, "k_scales", None),
             getattr(cache, "v_scales", None), tables, lens, key_start, meta.sliding_window,

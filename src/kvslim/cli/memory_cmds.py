@@ -25,8 +25,8 @@ def register(sub) -> None:
     p.add_argument("--memory", help="device budget, e.g. 24GiB or 80GB (GB = 10^9, GiB = 2^30)")
     add_engine_flags(
         p, "block_size", "tensor_parallel_size",
-        block_size=dict(help="KV block size in tokens, as the engine allocates (default "
-                             "%(default)s)"),
+        block_size=dict(help="KV block size in tokens, as the engine allocates (default: the "
+                             "engine's for --kv-dtype)"),
         tensor_parallel_size=dict(help="also show one rank's share at N tensor-parallel ranks: "
                                        "its weights, its KV heads (replicated when N exceeds "
                                        "them) and what fits in --memory per device"))

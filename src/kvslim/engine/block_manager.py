@@ -53,9 +53,13 @@ class Block:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  watermark_blocks: int = 0, group_windows: tuple[int | None, ...] = (None,),
-                 group_sinks: tuple[int, ...] | None = None):
+                 group_sinks: tuple[int, ...] | None = None, private_partial_blocks: bool = False):
         """group_windows: per KV-cache group, its window (None: it keeps every block);
-        group_sinks: per group, the first positions a window group keeps."""
+        group_sinks: per group, the first positions a window group keeps;
+        private_partial_blocks: a fork does not share its parent's partly filled block but
+        computes its tokens again (a packed cache keeps that block's K/V in its sequence's
+        recent rows, attention/lowbit_cache.py)."""
+        self.private_partial_blocks = private_partial_blocks
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -255,6 +259,11 @@ class BlockManager:
             for block_id in table:
                 if block_id != NULL_BLOCK:
                     self.blocks[block_id].ref_count += 1
+        if self.private_partial_blocks and child.num_computed_tokens % self.block_size:
+            full = child.num_computed_tokens // self.block_size
+            self.trim(child, full * self.block_size)
+            child.num_computed_tokens = full * self.block_size
+            child.registered_blocks = [min(r, full) for r in child.registered_blocks]
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Free the blocks past the first `num_tokens` tokens (slots reserved for speculative

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from kvslim.attention.backends import ATTENTION_BACKENDS
-from kvslim.dtypes import KV_CACHE_DTYPES
+from kvslim.dtypes import KV_CACHE_DTYPES, PACKED_KV_BITS, QUANTIZED_KV_DTYPES
 from kvslim.engine.speculative.config import SpeculativeConfig
 from kvslim.errors import KvslimError
 from kvslim.kernels.activations import LINEAR_ACTIVATIONS
-from kvslim.kv_cache.plan import DEFAULT_BLOCK_SIZE
+from kvslim.kv_cache.plan import DEFAULT_BLOCK_SIZE, PACKED_BLOCK_SIZE
 from kvslim.kv_cache.window import KVWindow
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
@@ -65,14 +65,18 @@ class EngineConfig:
                                 "value their float one)")
     device: str = option("auto", "cpu, cuda or auto")
     kv_cache_dtype: str = option(
-        "auto", "KV-cache storage: auto (the model's dtype) or " + " or ".join(KV_CACHE_DTYPES[1:])
-        + ", with a float16 scale per token and KV head (default auto)", choices=KV_CACHE_DTYPES)
+        "auto", "KV-cache storage: auto (the model's dtype), " + " or ".join(QUANTIZED_KV_DTYPES)
+        + " (a float16 scale per token and KV head), " + " or ".join(PACKED_KV_BITS)
+        + " (keys per channel over each block, values per token in groups, the block being "
+          "filled kept in float16; kvslim's CPU kernel) (default auto)", choices=KV_CACHE_DTYPES)
     # Bytes for K and V of all layers (per tensor-parallel rank); a size text is parsed.
     kv_cache_memory: int | str = option(
         "1GiB", "KV-cache budget per tensor-parallel rank, e.g. 512MiB, 2GiB (default "
                 "%(default)s)")
-    block_size: int = option(DEFAULT_BLOCK_SIZE,
-                             "tokens per KV-cache block (default %(default)s)")
+    # None: DEFAULT_BLOCK_SIZE, or PACKED_BLOCK_SIZE for a packed cache (kv_cache/plan.py).
+    block_size: int | None = option(
+        None, f"tokens per KV-cache block (default {DEFAULT_BLOCK_SIZE}; {PACKED_BLOCK_SIZE} for "
+              f"the packed KV caches, whose keys share a scale per block and channel)")
     max_num_seqs: int = option(64, "most sequences running at once (default %(default)s)")
     max_num_batched_tokens: int = option(
         1024, "tokens computed per step, prefill chunks included (default %(default)s)")
@@ -122,6 +126,9 @@ class EngineConfig:
     kv_sink_tokens: int = option(
         0, "with --kv-window, the first S tokens every query also attends to (attention sinks; "
            "default 0)", metavar="S")
+    kv_hadamard: bool = option(
+        False, "with a packed --kv-cache-dtype, rotate K and V by a Hadamard matrix before "
+               "quantizing (QuaRot): outlier channels spread over all of them")
     # A SpeculativeConfig or a dict of its options; None: off.
     speculative: SpeculativeConfig | dict | None = option(
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
@@ -165,6 +172,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.block_size is None:
+            self.block_size = (PACKED_BLOCK_SIZE if self.kv_cache_dtype in PACKED_KV_BITS
+                               else DEFAULT_BLOCK_SIZE)
         self.speculative = SpeculativeConfig.from_value(self.speculative)
         for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:

@@ -14,16 +14,17 @@ from kvslim.attention import (KV_SCALE_DTYPE, KVCacheLayer, PagedStepLayout,
                               decode_kernel_usable, latent_cache_layers,
                               resolve_attention_backend, resolve_kv_cache_dtype)
 from kvslim.device import host_tensor
-from kvslim.dtypes import is_quantized_kv
+from kvslim.dtypes import is_quantized_kv, packed_kv_bits
 from kvslim.engine.block_table import BlockTables
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.outputs import RankKVStats
+from kvslim.errors import KvslimError
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvslim.layers.rope import longrope_original_context
 from kvslim.kv_cache.groups import first_needed_block
 from kvslim.kv_cache.window import layer_spans
-from kvslim.kv_cache.plan import KVCachePlan, plan_kv_cache
+from kvslim.kv_cache.plan import KVCachePlan, plan_kv_cache, recent_blocks
 from kvslim.models.causal_lm import CausalLM
 from kvslim.structured.manager import StructuredOutputManager
 
@@ -77,8 +78,13 @@ class ModelRunner:
             config.attention_backend, self.device, is_quantized_kv(self.kv_dtype), self.block_size,
             decode_kernel_usable(self.device, self.dtype, self.kv_dtype), mc.mla is not None,
             any(self.layer_sinks))
-        # Not with tensor parallelism: the graphs would capture the ranks' collectives too.
-        single = not config.enforce_eager and config.tensor_parallel_size == 1
+        self.packed_bits = packed_kv_bits(self.kv_dtype)
+        if self.packed_bits:
+            check_packed_cache(self.attention_backend, config, mc)
+        # Not with tensor parallelism: the graphs would capture the ranks' collectives too; not
+        # with a packed cache, whose recent rows are laid out per step on the host.
+        single = (not config.enforce_eager and config.tensor_parallel_size == 1
+                  and not self.packed_bits)
         use_graphs = self.device.type == "cuda" and single
         compiled = self.device.type == "cpu" and single and config.compile_decode
         self._allocate_cache(reserved_blocks=int(use_graphs or compiled))
@@ -104,6 +110,17 @@ class ModelRunner:
         mc = self.model.config
         blocks = self.num_blocks + reserved_blocks
         layers = self.kv_groups.groups[0].layers
+        if self.packed_bits:
+            from kvslim.attention.lowbit_cache import LowBitKVCacheLayer
+            storage = [LowBitKVCacheLayer.allocate(
+                blocks, self.block_size, mc.kv_heads_of(layer), mc.head_dim,
+                self.config.max_num_seqs, recent_blocks(self.config), self.packed_bits,
+                self.config.kv_hadamard, self.device)
+                for layer in layers]
+            self.kv_cache, self.kv_scales = [t for s in storage for t in s.tensors()], None
+            self.kv_storage = storage
+            self.kv_caches = [storage[j] for j in self.kv_groups.position_of_layer()]
+            return
         shapes = ([(1, blocks, self.block_size, 1)] * len(layers) if mc.mla else
                   [(2, blocks, self.block_size, mc.kv_heads_of(layer)) for layer in layers])
         width = mc.mla.cache_width if mc.mla else mc.head_dim
@@ -131,7 +148,10 @@ class ModelRunner:
     @property
     def kv_slot_bytes(self) -> int:
         """Bytes one token's slot takes in the allocated tensors, every layer's elements and
-        scales: what the allocation really holds per token (checked against the planner)."""
+        scales: what the allocation really holds per token (checked against the planner); a
+        packed cache's: its blocks over their tokens, rounded up (its recent rows are apart)."""
+        if self.packed_bits:
+            return -(-sum(s.block_bytes() for s in self.kv_storage) // self.block_size)
         tensors = self.kv_cache + (self.kv_scales or [])
         return sum(t[:, 0, 0].numel() * t.element_size() for t in tensors)
 
@@ -317,6 +337,12 @@ class ModelRunner:
         position and block-table row, on the device; trees: each chunk's TreeRows or None."""
         bs, table = self.block_size, self.block_tables.table[group]
         layout = PagedStepLayout(slot_mapping=self.block_tables.slots(group, rows_t, pos, bs))
+        if self.packed_bits:
+            from kvslim.attention.lowbit_cache import recent_rows
+            layout.recent = recent_rows([(row, e.start, e.num_tokens, e.seq.block_tables[group])
+                                         for e, row in zip(entries, rows)], bs,
+                                        self.config.max_num_seqs,
+                                        self.kv_caches[0].recent_blocks, self.device)
         if nd:
             starts = [e.start for e in entries[:nd]]
             first = min(self._first_block(group, start) for start in starts)
@@ -340,3 +366,21 @@ def _attention_order(entries: list[ScheduledSequence]) -> list[ScheduledSequence
     choice of the attention backend; what each row means comes from the entry)."""
     return ([e for e in entries if e.num_tokens == 1]
             + [e for e in entries if e.num_tokens != 1])
+
+
+def check_packed_cache(backend: str, config: EngineConfig, model_config) -> None:
+    """What a 4-/2-bit cache (attention/lowbit_cache.py) runs with, or a one-line error: kvslim's
+    CPU decode kernel (a float32 model), chains of speculative tokens that fit in a block, a
+    power-of-two head_dim for the Hadamard rotation."""
+    name = config.kv_cache_dtype
+    if backend != "kernel":
+        raise KvslimError(f"kv_cache_dtype={name} runs on kvslim's CPU decode kernel: a float32 "
+                          f"model on the CPU with attention_backend auto or kernel")
+    spec = config.speculative
+    if spec is not None and (spec.tree is not None or
+                             spec.num_speculative_tokens + 1 > config.block_size):
+        raise KvslimError(f"kv_cache_dtype={name} verifies chains of drafts no longer than a "
+                          f"block less one token ({config.block_size - 1}), not trees")
+    d = model_config.head_dim
+    if config.kv_hadamard and d & (d - 1):
+        raise KvslimError(f"kv_hadamard needs a power-of-two head_dim, this model has {d}")

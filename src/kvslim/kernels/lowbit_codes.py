@@ -19,7 +19,7 @@ import torch
 
 from kvslim.dtypes import KV_SCALE_DTYPE
 
-VALUE_GROUP = 32          # channels per value scale (a head narrower than this: the whole head)
+VALUE_GROUP = 64          # channels per value scale (a head narrower than this: the whole head)
 _MIN_SCALE = 2.0 ** -14   # float16's smallest normal: a constant run gets this, not 0
 
 
@@ -102,3 +102,18 @@ def hadamard(n: int, device: torch.device | None = None) -> torch.Tensor:
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h / math.sqrt(n)).to(device)
+
+
+def block_bytes(kv_heads: int, head_dim: int, bits: int, block_size: int) -> int:
+    """One layer's block in the pool: K and V codes, the keys' scale and minimum per channel,
+    the values' per token and group (float16 each)."""
+    codes = 2 * block_size * kv_heads * packed_width(head_dim, bits)
+    key_params = kv_heads * 2 * head_dim * 2
+    value_params = block_size * kv_heads * 2 * (head_dim // value_group(head_dim)) * 2
+    return codes + key_params + value_params
+
+
+# Blocks of recent rows a sequence keeps (attention/lowbit_cache.py): the block being filled,
+# and with speculative decoding the one before it too (a step may fill it and give tokens back).
+RECENT_BLOCKS = 1
+RECENT_BLOCKS_SPECULATIVE = 2

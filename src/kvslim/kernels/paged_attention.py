@@ -14,9 +14,11 @@ import torch
 from kvslim.kernels import extension
 
 
-def supports(cache_dtype: torch.dtype, query_dtype: torch.dtype, device: torch.device) -> bool:
+def supports(cache_dtype: torch.dtype | str, query_dtype: torch.dtype,
+             device: torch.device) -> bool:
+    """float32, int8 and the packed "int4"/"int2" caches, float32 queries, on the CPU."""
     return (device.type == "cpu" and query_dtype == torch.float32
-            and cache_dtype in (torch.float32, torch.int8))
+            and cache_dtype in (torch.float32, torch.int8, "int4", "int2"))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -17,9 +17,14 @@ from typing import Any
 from kvslim.errors import KvslimError
 from kvslim.kv_cache.groups import KVCacheGroups, blocks_held, kv_cache_groups, longest_sequence
 from kvslim.models.config import ModelConfig
-from kvslim.dtypes import DTYPES
+from kvslim.dtypes import DTYPES, packed_kv_bits
 
 DEFAULT_BLOCK_SIZE = 16    # tokens per block: the engine's default and the planner's
+# A packed 4-/2-bit cache's default: its keys' scale and minimum per channel are shared by a
+# block's tokens, and its block being filled stays in float16 (measured on SmolLM2 through the
+# cache, docs/kv-cache-compression.md: 64 keeps int4 within 1% of float at 1.83x int8's
+# token slots; 16 loses less but holds 1.5x).
+PACKED_BLOCK_SIZE = 64
 
 # The planner's names (`kvslim memory --kv-dtype`, plan/memory.py) for the engine's quantized
 # KV-cache dtypes (`--kv-cache-dtype`): the caches stored with a float16 scale per token and KV
@@ -64,12 +69,14 @@ class KVCachePlan:
 
 
 def size_kv_cache(groups: KVCacheGroups, block_size: int, bytes_per_token: int, budget: int,
-                  kv_dtype: Any = None) -> KVCachePlan:
+                  kv_dtype: Any = None, block_bytes: int | None = None) -> KVCachePlan:
     """Whole blocks of `budget` bytes. `bytes_per_token`: one token in every layer, scales
     included; a page holds one group's share of it for `block_size` tokens (the shares are
-    equal: position j of every group has the same KV heads, `kv_cache_groups`). No minimum here:
-    the planner shows a budget that holds no block."""
-    bytes_per_block = block_size * bytes_per_token // len(groups.groups)
+    equal: position j of every group has the same KV heads, `kv_cache_groups`). `block_bytes`:
+    a block of every layer exactly, where a block carries more than its tokens (a packed
+    cache's key parameters). No minimum here: the planner shows a budget that holds no block."""
+    block_bytes = block_bytes or block_size * bytes_per_token
+    bytes_per_block = block_bytes // len(groups.groups)
     return KVCachePlan(kv_dtype, groups, block_size, bytes_per_block,
                        max(0, budget) // bytes_per_block)
 
@@ -85,8 +92,11 @@ def plan_kv_cache(config: ModelConfig, kv_dtype, options, num_blocks: int | None
     kv_cache_memory, or max_model_len asks for more than the cache holds."""
     groups = kv_cache_groups(config, not options.keep_out_of_window_blocks,
                              getattr(options, "window", None))
-    plan = size_kv_cache(groups, options.block_size, config.kv_cache_bytes_per_token(kv_dtype),
-                         options.kv_cache_memory, kv_dtype)
+    bs, budget = options.block_size, options.kv_cache_memory
+    if packed_kv_bits(kv_dtype):        # the recent blocks come out of the same budget
+        budget -= packed_recent_bytes(config, bs, recent_rows(options), recent_blocks(options))
+    plan = size_kv_cache(groups, bs, config.kv_cache_bytes_per_token(kv_dtype, bs), budget,
+                         kv_dtype, config.kv_cache_block_bytes(kv_dtype, bs))
     if num_blocks is not None:
         plan = replace(plan, num_blocks=num_blocks)
     elif plan.num_blocks < 1:
@@ -98,6 +108,27 @@ def plan_kv_cache(config: ModelConfig, kv_dtype, options, num_blocks: int | None
     return replace(plan, max_model_len=max_model_len)
 
 
+def packed_recent_bytes(config: ModelConfig, block_size: int, rows: int,
+                        blocks: int | None = None) -> int:
+    """A packed cache's recent rows (attention/lowbit_cache.py): `blocks` blocks (default
+    RECENT_BLOCKS) of K and V in float16 per sequence row, every layer."""
+    from kvslim.attention.lowbit_cache import RECENT_BLOCKS, RECENT_DTYPE
+    blocks = blocks or RECENT_BLOCKS
+    return rows * blocks * block_size * config.kv_bytes_per_token(RECENT_DTYPE)
+
+
+def recent_rows(options) -> int:
+    """Sequences a packed cache keeps recent blocks for: one per block-table row the runner
+    has (engine/block_table.py: max_num_seqs)."""
+    return options.max_num_seqs
+
+
+def recent_blocks(options) -> int:
+    """Blocks of recent rows per sequence: two with speculative decoding (lowbit_codes.py)."""
+    from kvslim.attention.lowbit_cache import RECENT_BLOCKS, RECENT_BLOCKS_SPECULATIVE
+    return RECENT_BLOCKS_SPECULATIVE if getattr(options, "speculative", None) else RECENT_BLOCKS
+
+
 def _max_model_len(plan: KVCachePlan, config: ModelConfig, options) -> int:
     """The model's context, capped by what the KV cache can hold for one sequence (a user who
     asks for more than the cache holds gets an error instead)."""
@@ -106,8 +137,8 @@ def _max_model_len(plan: KVCachePlan, config: ModelConfig, options) -> int:
             and not config.positions_past_context:
         raise KvslimError(
             f"max_model_len={options.max_model_len} is past the model's {positions} positions, "
-            f"which its {config.rope_type} RoPE factors were fitted for: a window runs past "
-            f"them only where RoPE's frequencies do not depend on the context")
+            f"which its {config.rope_scaling['rope_type']} RoPE factors were fitted for: a "
+            f"window runs past them only where RoPE's frequencies do not depend on the context")
     capacity = plan.longest_sequence(options.max_num_batched_tokens,
                                      max(positions, options.max_model_len or 0))
     if options.max_model_len is not None:

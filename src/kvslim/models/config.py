@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-from kvslim.dtypes import KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, is_quantized_kv, parse_dtype
+from kvslim.dtypes import (KV_SCALE_DTYPE, QUANTIZED_KV_DTYPES, is_quantized_kv, packed_kv_bits,
+                           parse_dtype)
+from kvslim.kernels.lowbit_codes import block_bytes
 from kvslim.errors import ConfigError
 from kvslim.layers.rope import ROPE_TYPES_PAST_CONTEXT, validate_rope_scaling
 from kvslim.models.hf_fields import (LAYER_KV_HEADS_KEY, activation_from_hf,
@@ -136,13 +138,9 @@ class ModelConfig:
         return self.kv_heads_per_layer[layer_idx]
 
     @property
-    def rope_type(self) -> str:
-        return (self.rope_scaling or {}).get("rope_type", "default")
-
-    @property
     def positions_past_context(self) -> bool:
         """Whether its RoPE defines positions past max_position_embeddings (layers/rope.py)."""
-        return self.rope_type in ROPE_TYPES_PAST_CONTEXT
+        return (self.rope_scaling or {}).get("rope_type", "default") in ROPE_TYPES_PAST_CONTEXT
 
     @property
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
@@ -204,12 +202,26 @@ class ModelConfig:
         elements = -(-self.kv_elements_per_token(num_kv_heads) * element_bits // 8)
         return elements + (self.kv_scale_bytes_per_token(num_kv_heads) if scaled else 0)
 
-    def kv_cache_bytes_per_token(self, kv_cache_dtype: torch.dtype | str) -> int:
-        """What the engine's cache stores per token: the elements in `kv_cache_dtype` (a float
-        dtype, "int8" or "fp8_e4m3"), plus the scales when that dtype is quantized."""
+    def kv_cache_bytes_per_token(self, kv_cache_dtype: torch.dtype | str,
+                                 block_size: int = 16) -> int:
+        """What the engine's cache stores per token: the elements in `kv_cache_dtype` plus the
+        scales of a quantized one; a packed cache's block over its tokens, rounded up."""
+        if packed_kv_bits(kv_cache_dtype):
+            return -(-self.kv_cache_block_bytes(kv_cache_dtype, block_size) // block_size)
         dtype = parse_dtype(QUANTIZED_KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype))
         return self.kv_storage_bytes_per_token(8 * dtype.itemsize,
                                                is_quantized_kv(dtype))
+
+    def kv_cache_block_bytes(self, kv_cache_dtype: torch.dtype | str, block_size: int) -> int:
+        """One block of `block_size` tokens, all layers, exactly (kernels/lowbit_codes.py)."""
+        bits = packed_kv_bits(kv_cache_dtype)
+        if bits is None:
+            return block_size * self.kv_cache_bytes_per_token(kv_cache_dtype)
+        if self.mla is not None:
+            raise ConfigError(f"kv_cache_dtype={kv_cache_dtype} is not built for MLA's latent "
+                              "cache")
+        return sum(block_bytes(h, self.head_dim, bits, block_size)
+                   for h in self.kv_heads_per_layer)
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> None:

@@ -12,15 +12,16 @@ framework's workspace and allocator slack, and the scales of int4 (KV or weights
 quantized weights."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvslim.errors import KvslimError
 from kvslim.models.config import ModelConfig
 from kvslim.kv_cache.groups import KVCacheGroups, blocks_held, kv_cache_groups
-from kvslim.dtypes import DTYPES, lookup
-from kvslim.kv_cache.plan import DEFAULT_BLOCK_SIZE, ENGINE_KV_DTYPES, size_kv_cache
+from kvslim.dtypes import DTYPES, lookup, packed_kv_bits
+from kvslim.kv_cache.plan import (DEFAULT_BLOCK_SIZE, ENGINE_KV_DTYPES, PACKED_BLOCK_SIZE,
+                                  packed_recent_bytes, size_kv_cache)
 from kvslim.plan.parameters import parameter_counts
 from kvslim.plan.published import builtin_config
 
@@ -44,11 +45,17 @@ def storage_bytes(num_elements: int, dtype: str) -> int:
     return -(-num_elements * STORAGE_BITS[dtype] // 8)
 
 
-def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, num_kv_heads: int | None = None
-                       ) -> int:
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, num_kv_heads: int | None = None,
+                       block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """K/V bytes per token, all layers, in the planner's `kv_dtype`, by the rule the engine
-    allocates with (`ModelConfig.kv_storage_bytes_per_token`): fp8 and int8 with their scales.
-    `num_kv_heads`: the same model with that many KV heads in every layer."""
+    allocates with (`ModelConfig.kv_storage_bytes_per_token`): fp8 and int8 with their scales;
+    int4 and int2 as the engine packs them, a block's parameters over its `block_size` tokens
+    (`ModelConfig.kv_cache_block_bytes`). `num_kv_heads`: the same model with that many KV
+    heads in every layer."""
+    if packed_kv_bits(kv_dtype):
+        shaped = config if num_kv_heads is None else replace(
+            config, num_key_value_heads=num_kv_heads, layer_kv_heads=None, mla=None)
+        return shaped.kv_cache_bytes_per_token(kv_dtype, block_size)
     return config.kv_storage_bytes_per_token(STORAGE_BITS[kv_dtype], kv_dtype in SCALED_KV_DTYPES,
                                              num_kv_heads)
 
@@ -211,10 +218,14 @@ def model_dict(config: ModelConfig) -> dict[str, Any]:
 
 def plan_memory(config: ModelConfig, context: int = DEFAULT_CONTEXT, batch: int = 1,
                 dtype: str | None = None, kv_dtype: str | None = None,
-                memory_bytes: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE
+                memory_bytes: int | None = None, block_size: int | None = None
                 ) -> MemoryPlan:
     """`dtype` (weights) defaults to the checkpoint's dtype; `kv_dtype` to the weights' dtype when
-    that is a float type, else fp16 (quantized-weight runtimes keep a 16-bit cache)."""
+    that is a float type, else fp16 (quantized-weight runtimes keep a 16-bit cache);
+    `block_size` to the engine's for that KV dtype."""
+    if block_size is None:
+        packed = packed_kv_bits((lookup(kv_dtype) or lookup("fp16")).name) if kv_dtype else None
+        block_size = PACKED_BLOCK_SIZE if packed else DEFAULT_BLOCK_SIZE
     for flag, value in (("--context", context), ("--batch", batch), ("--block-size", block_size)):
         if not isinstance(value, int) or value <= 0:
             raise KvslimError(f"{flag} must be a positive integer, got {value}")
@@ -228,7 +239,7 @@ def plan_memory(config: ModelConfig, context: int = DEFAULT_CONTEXT, batch: int 
     windows = kv_cache_groups(config).windows
     layouts = []
     for layout in kv_layouts(config):
-        per_token = kv_bytes_per_token(config, kv_dtype, layout.num_kv_heads)
+        per_token = kv_bytes_per_token(config, kv_dtype, layout.num_kv_heads, block_size)
         capacity = None if memory_bytes is None else \
             kv_capacity(memory_bytes - weight_bytes, per_token, block_size, context, windows)
         layouts.append(LayoutPlan(layout.name, layout.label, layout.is_model,
@@ -269,8 +280,12 @@ def _notes(plan: MemoryPlan) -> list[str]:
     if plan.kv_dtype in SCALED_KV_DTYPES:
         notes.append(f"{plan.kv_dtype} KV includes a float16 scale per token and KV head, as "
                      "kvslim's engine stores it (--kv-cache-dtype)")
-    elif plan.kv_dtype == "int4":
-        notes.append("int4 KV counts elements only, not the scales stored beside them")
+    elif packed_kv_bits(plan.kv_dtype):
+        recent = packed_recent_bytes(plan.model, plan.block_size, 1)
+        notes.append(f"{plan.kv_dtype} KV as kvslim's engine packs it: keys per channel over "
+                     f"each block of {plan.block_size} tokens, values per token in groups, "
+                     f"float16 scales and minimums included; each running sequence also "
+                     f"keeps its block being filled in float16 ({recent:,} bytes)")
     return notes
 
 

@@ -1,0 +1,162 @@
+"""The KV cache at 4 and 2 bits (`--kv-cache-dtype int4` / `int2`): KIVI's layout in the paged
+pool, with each sequence's block still being filled kept in float16 beside it.
+
+Keys are quantized per channel over a block's tokens, so a block can only be quantized once it
+is full (kernels/lowbit_codes.py says the arithmetic). Until then its keys and values live in
+the sequence's *recent* rows: float16, one block per block-table row (the block being filled;
+with speculative decoding also the one before it, which a step may fill and then give back). This is KIVI's full-precision residual, bounded by one block.
+
+What a query sees depends only on its own position, never on how the sequence was computed: a
+query at position p reads every position before its own block (p // block_size * block_size)
+from the pool, dequantized, and the positions of its own block from the recent rows. So a
+prompt computed in one chunk or in several, found in the prefix cache (whole blocks, already
+quantized) or recomputed after a preemption gives the same bits, and so does its batch.
+
+Per step (`RecentRows`, built once by the model runner and shared by every layer): each
+sequence's recent rows of the block its first new token lands in, then its new tokens, gathered
+into one float16 tensor that the decode kernel reads beside the pool; the blocks the step fills
+are quantized from it before attention; the new tokens are kept as the sequence's recent rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvslim.kernels.lowbit_codes import (RECENT_BLOCKS, RECENT_BLOCKS_SPECULATIVE,  # noqa: F401
+                                         dequantize_keys, dequantize_values,
+                                         hadamard, packed_width, quantize_key_blocks,
+                                         quantize_value_blocks, value_group)
+
+RECENT_DTYPE = torch.float16
+
+
+@dataclass
+class RecentRows:
+    """One step's indices into a packed cache (every layer the same): rows of [recent rows
+    flattened; the step's new tokens] that make the step's recent tensor, where each token's
+    own block starts in it, where each new token is kept, and the blocks the step fills."""
+    gather: torch.Tensor          # [M] rows of cat(recent.view(-1, ..), new) -> the step's tensor
+    row_start: torch.Tensor       # [N] per new token: its own block's first row in that tensor
+    keep_from: torch.Tensor       # [K] new tokens kept as recent rows (the last two blocks')
+    keep_to: torch.Tensor         # [K] their rows in recent.view(-1, ..)
+    fill_rows: torch.Tensor       # [F, block_size] rows of the step's tensor per filled block
+    fill_blocks: torch.Tensor     # [F] the pool blocks they fill
+
+
+def recent_rows(entries: list[tuple[int, int, int, list[int]]], block_size: int,
+                num_rows: int, blocks: int, device: torch.device) -> RecentRows:
+    """entries: per sequence in step order (its tokens consecutive in the step), (its block-
+    table row, first position, number of new tokens, its block table in this group); num_rows,
+    blocks: the block-table rows the recent rows are allocated for, and blocks per row."""
+    bs = block_size
+    per_row = blocks * bs
+    base = num_rows * per_row                   # new tokens follow every recent row
+    gather, row_start, keep_from, keep_to, fill_rows, fill_blocks = [], [], [], [], [], []
+    token = 0
+    for row, start, n, table in entries:
+        first_block, end = start // bs, start + n
+        offset = len(gather)
+        half = row * per_row + first_block % blocks * bs
+        gather += range(half, half + start - first_block * bs)        # the block's earlier rows
+        gather += range(base + token, base + token + n)
+        row_start += [offset + (p // bs - first_block) * bs for p in range(start, end)]
+        last_kept = max(first_block, (end - 1) // bs - blocks + 1)
+        for p in range(max(start, last_kept * bs), end):
+            keep_from.append(token + p - start)
+            keep_to.append(row * per_row + p // bs % blocks * bs + p % bs)
+        for b in range(first_block, end // bs):
+            first = offset + (b - first_block) * bs
+            fill_rows.append(list(range(first, first + bs)))
+            fill_blocks.append(table[b])
+        token += n
+    def t(x, shape=None):
+        out = torch.tensor(x, dtype=torch.long)
+        return (out.view(shape) if shape else out).to(device)
+    return RecentRows(t(gather), t(row_start), t(keep_from), t(keep_to),
+                      t(fill_rows, (-1, bs)), t(fill_blocks))
+
+
+class LowBitKVCacheLayer:
+    """One layer's packed pool: codes [blocks, block_size, kvh, D*bits/8] for K and V, key
+    params [blocks, kvh, 2, D] and value params [blocks, block_size, kvh, 2, D/g] (float16), and
+    the recent rows [rows, blocks * block_size, kvh, D] for K and V. `rotation`: a
+    Hadamard matrix K and V are rotated by before quantizing (and q with them; the output is
+    rotated back), or None."""
+    latent = False
+    packed = True
+
+    def __init__(self, codes: torch.Tensor, key_params: torch.Tensor, value_params: torch.Tensor,
+                 recent: torch.Tensor, bits: int, rotation: torch.Tensor | None):
+        self.k_codes, self.v_codes = codes[0], codes[1]
+        self.key_params, self.value_params = key_params, value_params
+        self.recent_k, self.recent_v = recent[0], recent[1]
+        self.bits, self.rotation = bits, rotation
+
+    @classmethod
+    def allocate(cls, blocks: int, block_size: int, kv_heads: int, head_dim: int, rows: int,
+                 recent_blocks: int, bits: int, rotate: bool,
+                 device: torch.device) -> "LowBitKVCacheLayer":
+        width, groups = packed_width(head_dim, bits), head_dim // value_group(head_dim)
+        return cls(torch.zeros(2, blocks, block_size, kv_heads, width, dtype=torch.uint8,
+                               device=device),
+                   torch.zeros(blocks, kv_heads, 2, head_dim, dtype=torch.float16, device=device),
+                   torch.zeros(blocks, block_size, kv_heads, 2, groups, dtype=torch.float16,
+                               device=device),
+                   torch.zeros(2, rows, recent_blocks * block_size, kv_heads, head_dim,
+                               dtype=RECENT_DTYPE, device=device),
+                   bits, hadamard(head_dim, device) if rotate else None)
+
+    @property
+    def block_size(self) -> int:
+        return self.k_codes.shape[1]
+
+    @property
+    def recent_blocks(self) -> int:
+        return self.recent_k.shape[1] // self.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k_codes.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_codes.device
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor it allocated (the runner's byte count)."""
+        return [self.k_codes, self.v_codes, self.key_params, self.value_params, self.recent_k,
+                self.recent_v]
+
+    def block_bytes(self) -> int:
+        """One block in the pool: its codes and parameters."""
+        return sum(t[0].numel() * t.element_size() for t in self.tensors()[:4])
+
+    def write(self, recent: RecentRows, k: torch.Tensor, v: torch.Tensor):
+        """The step's new k, v [N, KVH, D]: returns its recent keys and values [M, KVH, D]
+        (float16) for the kernel, after quantizing the blocks the step fills into the pool and
+        keeping the new tokens as recent rows."""
+        if self.rotation is not None:
+            k, v = k @ self.rotation, v @ self.rotation
+        fresh = []
+        for x, store in ((k, self.recent_k), (v, self.recent_v)):
+            flat = store.view(-1, *store.shape[2:])
+            fresh.append(torch.cat([flat, x.to(RECENT_DTYPE)]).index_select(0, recent.gather))
+            flat.index_copy_(0, recent.keep_to, x.to(RECENT_DTYPE).index_select(0, recent.keep_from))
+        if recent.fill_blocks.numel():
+            self._fill(recent, *fresh)
+        return fresh[0], fresh[1]
+
+    def _fill(self, recent: RecentRows, keys: torch.Tensor, values: torch.Tensor) -> None:
+        blocks = recent.fill_blocks
+        codes, params = quantize_key_blocks(keys[recent.fill_rows], self.bits)
+        self.k_codes.index_copy_(0, blocks, codes)
+        self.key_params.index_copy_(0, blocks, params)
+        codes, params = quantize_value_blocks(values[recent.fill_rows], self.bits)
+        self.v_codes.index_copy_(0, blocks, codes)
+        self.value_params.index_copy_(0, blocks, params)
+
+    def dequantized(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole pool blocks, float32 [len(blocks) * block_size, KVH, D] (rotated)."""
+        keys = dequantize_keys(self.k_codes[blocks], self.key_params[blocks], self.bits)
+        values = dequantize_values(self.v_codes[blocks], self.value_params[blocks], self.bits)
+        return keys.flatten(0, 1), values.flatten(0, 1)
