@@ -32,10 +32,13 @@ RECENT_DTYPE = torch.float16
 
 @dataclass
 class RecentRows:
-    """One step's indices into a packed cache (every layer the same): rows of [recent rows
-    flattened; the step's new tokens] that make the step's recent tensor, where each token's
-    own block starts in it, where each new token is kept, and the blocks the step fills."""
-    gather: torch.Tensor          # [M] rows of cat(recent.view(-1, ..), new) -> the step's tensor
+    """One step's indices into a packed cache (every layer the same): which recent rows and
+    which new tokens make the step's recent tensor, where each token's own block starts in it,
+    where each new token is kept, and the blocks the step fills."""
+    size: int                     # rows of the step's recent tensor
+    old_to: torch.Tensor          # its rows taken from the recent rows ...
+    old_from: torch.Tensor        # ... these (rows of recent.view(-1, ..))
+    new_to: torch.Tensor          # its rows taken from the step's new tokens, in order
     row_start: torch.Tensor       # [N] per new token: its own block's first row in that tensor
     keep_from: torch.Tensor       # [K] new tokens kept as recent rows (the last two blocks')
     keep_to: torch.Tensor         # [K] their rows in recent.view(-1, ..)
@@ -50,15 +53,16 @@ def recent_rows(entries: list[tuple[int, int, int, list[int]]], block_size: int,
     blocks: the block-table rows the recent rows are allocated for, and blocks per row."""
     bs = block_size
     per_row = blocks * bs
-    base = num_rows * per_row                   # new tokens follow every recent row
-    gather, row_start, keep_from, keep_to, fill_rows, fill_blocks = [], [], [], [], [], []
-    token = 0
+    old_to, old_from, new_to, row_start, keep_from, keep_to = [], [], [], [], [], []
+    fill_rows, fill_blocks = [], []
+    token = offset = 0
     for row, start, n, table in entries:
         first_block, end = start // bs, start + n
-        offset = len(gather)
+        earlier = start - first_block * bs                            # the block's earlier rows
         half = row * per_row + first_block % blocks * bs
-        gather += range(half, half + start - first_block * bs)        # the block's earlier rows
-        gather += range(base + token, base + token + n)
+        old_to += range(offset, offset + earlier)
+        old_from += range(half, half + earlier)
+        new_to += range(offset + earlier, offset + earlier + n)
         row_start += [offset + (p // bs - first_block) * bs for p in range(start, end)]
         last_kept = max(first_block, (end - 1) // bs - blocks + 1)
         for p in range(max(start, last_kept * bs), end):
@@ -69,11 +73,13 @@ def recent_rows(entries: list[tuple[int, int, int, list[int]]], block_size: int,
             fill_rows.append(list(range(first, first + bs)))
             fill_blocks.append(table[b])
         token += n
+        offset += earlier + n
+
     def t(x, shape=None):
         out = torch.tensor(x, dtype=torch.long)
         return (out.view(shape) if shape else out).to(device)
-    return RecentRows(t(gather), t(row_start), t(keep_from), t(keep_to),
-                      t(fill_rows, (-1, bs)), t(fill_blocks))
+    return RecentRows(offset, t(old_to), t(old_from), t(new_to), t(row_start), t(keep_from),
+                      t(keep_to), t(fill_rows, (-1, bs)), t(fill_blocks))
 
 
 class LowBitKVCacheLayer:
@@ -139,9 +145,12 @@ class LowBitKVCacheLayer:
             k, v = k @ self.rotation, v @ self.rotation
         fresh = []
         for x, store in ((k, self.recent_k), (v, self.recent_v)):
-            flat = store.view(-1, *store.shape[2:])
-            fresh.append(torch.cat([flat, x.to(RECENT_DTYPE)]).index_select(0, recent.gather))
-            flat.index_copy_(0, recent.keep_to, x.to(RECENT_DTYPE).index_select(0, recent.keep_from))
+            flat, x = store.view(-1, *store.shape[2:]), x.to(RECENT_DTYPE)
+            rows = x.new_empty(recent.size, *x.shape[1:])
+            rows.index_copy_(0, recent.old_to, flat.index_select(0, recent.old_from))
+            rows.index_copy_(0, recent.new_to, x)
+            fresh.append(rows)
+            flat.index_copy_(0, recent.keep_to, x.index_select(0, recent.keep_from))
         if recent.fill_blocks.numel():
             self._fill(recent, *fresh)
         return fresh[0], fresh[1]

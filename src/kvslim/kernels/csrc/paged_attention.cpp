@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -49,23 +50,70 @@ struct Cache {
   int64_t bits = 0, group = 1, param_block = 0, param_slot = 0, param_head = 0;
 
   // Row `slot` of `block` for kv head `h` as float32: the cache's own row (float32), or
-  // `out` [head_dim] holding it dequantized (int8, packed).
-  const float* row(int64_t block, int64_t slot, int64_t h, float* out) const {
+  // `out` [head_dim] holding it dequantized (int8, packed). `memo`: a packed cache's per-block
+  // parameters in float32, converted once per block and head (a thread's own).
+  const float* row(int64_t block, int64_t slot, int64_t h, float* out,
+                   std::vector<float>& memo, std::vector<int64_t>& memo_block) const {
     const int64_t at = block * block_stride + slot * slot_stride + h * head_stride;
     if (f32 != nullptr) return f32 + at;
-    if (packed != nullptr) return unpack(at, block * param_block + slot * param_slot + h * param_head, out);
+    if (packed != nullptr) {
+      unpack_codes(packed + at, out);
+      return apply_params(block, slot, h, out, memo, memo_block);
+    }
     const float s = (float)scales[block * scale_block + slot * scale_slot + h];
     for (int64_t d = 0; d < head_dim; ++d) out[d] = (float)i8[at + d] * s;
     return out;
   }
 
-  const float* unpack(int64_t at, int64_t p, float* out) const {
-    const int64_t per_byte = 8 / bits, groups = head_dim / group;
-    const uint8_t mask = (uint8_t)((1 << bits) - 1);
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const int code = packed[at + d / per_byte] >> (d % per_byte * bits) & mask;
-      const int64_t g = d / group;
-      out[d] = (float)code * (float)scales[p + g] + (float)scales[p + groups + g];
+  // int4: two shifts a byte, which the compiler vectorizes; int2: a table of a byte's four
+  // codes as floats (its shifts and masks per element did not vectorize: 3x slower, measured
+  // by benchmarks/kv_lowbit_attention.py).
+  static const float* int2_table() {
+    static const std::vector<float> t = [] {
+      std::vector<float> t(256 * 4);
+      for (int b = 0; b < 256; ++b)
+        for (int i = 0; i < 4; ++i) t[4 * b + i] = (float)(b >> (2 * i) & 3);
+      return t;
+    }();
+    return t.data();
+  }
+
+  void unpack_codes(const uint8_t* src, float* out) const {
+    if (bits == 4) {
+      for (int64_t i = 0; i < head_dim / 2; ++i) {
+        out[2 * i] = (float)(src[i] & 15);
+        out[2 * i + 1] = (float)(src[i] >> 4);
+      }
+      return;
+    }
+    const float* table = int2_table();
+    for (int64_t i = 0; i < head_dim / 4; ++i) {
+      const float* e = table + 4 * src[i];
+      out[4 * i] = e[0];
+      out[4 * i + 1] = e[1];
+      out[4 * i + 2] = e[2];
+      out[4 * i + 3] = e[3];
+    }
+  }
+
+  // code * scale + min: per channel (keys, the block's parameters memoized per head) or per
+  // group of the row's own (values).
+  const float* apply_params(int64_t block, int64_t slot, int64_t h, float* out,
+                            std::vector<float>& memo, std::vector<int64_t>& memo_block) const {
+    const c10::Half* p = scales + block * param_block + slot * param_slot + h * param_head;
+    if (param_slot == 0) {                    // keys: per channel, shared by the block
+      float* f = memo.data() + h * 2 * head_dim;
+      if (memo_block[h] != block) {
+        for (int64_t d = 0; d < 2 * head_dim; ++d) f[d] = (float)p[d];
+        memo_block[h] = block;
+      }
+      for (int64_t d = 0; d < head_dim; ++d) out[d] = out[d] * f[d] + f[head_dim + d];
+      return out;
+    }
+    const int64_t groups = head_dim / group;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float sc = (float)p[g], mn = (float)p[groups + g];
+      for (int64_t d = g * group; d < (g + 1) * group; ++d) out[d] = out[d] * sc + mn;
     }
     return out;
   }
@@ -118,7 +166,8 @@ struct Path {
 
 // A thread's working memory: scores [H][n] and a dequantized row (int8 caches).
 struct Scratch {
-  std::vector<float> scores, row;
+  std::vector<float> scores, row, memo;       // memo: a packed cache's key parameters
+  std::vector<int64_t> memo_block;            // per kv head, the block memo holds (-1: none)
 };
 
 // A low-bit cache's recent keys and values in float16 (attention/lowbit_cache.py): a row reads
@@ -155,7 +204,7 @@ void attend_partition(const Cache& kc, const Cache& vc, const float* q, const in
     for (int64_t h = 0; h < KVH; ++h) {
       const float* k = logical >= recent.limit
                            ? recent.row(recent.k, logical, h, KVH, D, t.row.data())
-                           : kc.row(block, slot, h, t.row.data());
+                           : kc.row(block, slot, h, t.row.data(), t.memo, t.memo_block);
       for (int64_t hq = h * G; hq < (h + 1) * G; ++hq)
         scores[hq * n + j] = dot(q + hq * D, k, D) * sc;
     }
@@ -176,7 +225,7 @@ void attend_partition(const Cache& kc, const Cache& vc, const float* q, const in
     for (int64_t h = 0; h < KVH; ++h) {
       const float* v = logical >= recent.limit
                            ? recent.row(recent.v, logical, h, KVH, Dv, t.row.data())
-                           : vc.row(block, slot, h, t.row.data());
+                           : vc.row(block, slot, h, t.row.data(), t.memo, t.memo_block);
       for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
         float* o = acc + hq * Dv;
         const float w = scores[hq * n + j];
@@ -289,6 +338,8 @@ at::Tensor attend_rows(const at::Tensor& qc, const Cache& kc, const Cache& vc, i
   kvslim_team::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     scratch.row.resize(D);
+    scratch.memo.resize(KVH * 2 * D);
+    scratch.memo_block.assign(KVH, -1);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t b = items[p].row;
       attend_partition(kc, vc, qp + b * H * D, tp + b * W, paths[b], KVH, G, D, Dv, BS,
