@@ -139,3 +139,15 @@ def test_what_is_not_built_is_refused_in_one_line(hf_checkpoints):
     with pytest.raises(KvslimError, match="chains of drafts"):
         engine(hf_checkpoints["gqa"], kv_cache_dtype="int2", block_size=4,
                speculative={"method": "ngram", "num_speculative_tokens": 4})
+
+
+def test_two_tensor_parallel_ranks_decode_as_one(hf_checkpoints):
+    """Each rank packs its own KV heads and keeps its own recent rows."""
+    path, prompts = hf_checkpoints["gqa"], prompts_of([5, 13, 30], seed=3)
+    one = tokens(run(engine(path, kv_cache_dtype="int4"), prompts, PARAMS))
+    two = engine(path, kv_cache_dtype="int4", tensor_parallel_size=2,
+                 tensor_parallel_oversubscribe=True)
+    try:
+        assert tokens(run(two, prompts, PARAMS)) == one
+    finally:
+        two.shutdown()
