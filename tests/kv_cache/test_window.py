@@ -61,3 +61,8 @@ def test_which_rope_types_run_past_the_trained_context():
     long = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
             "original_max_position_embeddings": 64}
     assert not _config(rope_scaling=long).positions_past_context
+
+
+def test_a_window_equal_to_the_models_takes_the_sinks():
+    hybrid = _config(sliding_window=32, layer_types=TYPES)
+    assert layer_spans(hybrid, KVWindow(32, 4)) == (LayerSpan(32, 4),) * 3

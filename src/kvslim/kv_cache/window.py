@@ -51,8 +51,9 @@ class KVWindow:
         return cls(window, sinks or 0)
 
     def span_over(self, model_window: int | None) -> LayerSpan:
-        """A layer's span given its own window (None: global): the narrower wins."""
-        if model_window is not None and model_window <= self.window:
+        """A layer's span given its own window (None: global): the narrower wins (an equal one
+        takes the sinks, so that one window has one sink count: attention/metadata.py)."""
+        if model_window is not None and model_window < self.window:
             return LayerSpan(model_window, 0)
         return LayerSpan(self.window, self.sinks)
 
