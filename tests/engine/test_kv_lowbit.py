@@ -11,8 +11,8 @@ from kvslim.engine.sampling_params import SamplingParams
 from kvslim.errors import KvslimError
 from kvslim.formats.loader import load_model
 from kvslim.kv_cache.plan import packed_recent_bytes
-from kvslim.kernels.lowbit_codes import (dequantize_keys, dequantize_values, hadamard,
-                                         quantize_key_blocks, quantize_value_blocks)
+from kvslim.kernels.lowbit_codes import (RESIDUAL_BLOCKS, dequantize_keys, dequantize_values,
+                                         hadamard, quantize_key_blocks, quantize_value_blocks)
 
 pytestmark = needs_kernels
 PARAMS = SamplingParams(max_tokens=16, **GREEDY)
@@ -23,6 +23,7 @@ class LowBitReference:
     """Dense attention over a [1, T] pass that sees K/V as the packed cache stores them."""
     def __init__(self, bits: int, rotate: bool):
         self.bits, self.rotate = bits, rotate
+        self.residual = RESIDUAL_BLOCKS[bits]
 
     def caches_latent(self, layer_idx):
         return False
@@ -39,7 +40,9 @@ class LowBitReference:
         vq = torch.cat([dequantize_values(*quantize_value_blocks(blocks(v16), self.bits),
                                           self.bits).flatten(0, 1).double(), v16[full:]])
         pos = torch.arange(t)
-        own = (pos[None, :] // BLOCK == pos[:, None] // BLOCK)[:, :, None, None]  # [Tq, Tk]
+        # a query's residual: its own block and the residual - 1 before it, in float16
+        first = (pos[:, None] // BLOCK - self.residual + 1).clamp(min=0)
+        own = (pos[None, :] // BLOCK >= first)[:, :, None, None]                 # [Tq, Tk]
         g = q.shape[1] // k.shape[1]
         keys = torch.where(own, k16.repeat_interleave(g, 1)[None],
                            kq.repeat_interleave(g, 1)[None])                # [Tq, Tk, H, D]
@@ -88,28 +91,32 @@ def test_greedy_is_independent_of_batch_chunks_preemption_and_prefix_cache(path,
     chunked = engine(path, max_num_batched_tokens=7, **options)
     assert tokens(run(chunked, prompts, PARAMS)) == alone
     per_block = chunked.runner.bytes_per_block
-    recent = packed_recent_bytes(chunked.model_config, BLOCK, 64)
+    recent = packed_recent_bytes(chunked.model_config, BLOCK, 64,
+                                 chunked.runner.kv_caches[0].recent_blocks)
     tight = engine(path, kv_cache_memory=recent + 40 * per_block, **options)
     assert tokens(run(tight, prompts, PARAMS)) == alone
     assert tight.kv_cache_stats().num_preemptions > 0
     cached = engine(path, **options)
     first = run(cached, prompts[-3:-2], PARAMS)
     rest = run(cached, prompts[-2:], PARAMS)
-    assert all(o.metrics.num_cached_tokens == 24 for o in rest)
+    # int2 keeps a full block in its float16 residual: no prefix cache (block_manager.py)
+    hit = 24 if dtype == "int4" else 0
+    assert all(o.metrics.num_cached_tokens == hit for o in rest)
     assert tokens(first + rest) == alone[-3:]
 
 
-def test_forks_and_speculative_chains_decode_as_plain_greedy(hf_checkpoints):
+@pytest.mark.parametrize("dtype", ["int4", "int2"])
+def test_forks_and_speculative_chains_decode_as_plain_greedy(hf_checkpoints, dtype):
     path = hf_checkpoints["gqa"]
     prompts = prompts_of([9, 30, 6], seed=5)
-    plain = tokens(run(engine(path, kv_cache_dtype="int4", block_size=BLOCK), prompts, PARAMS))
-    forked = run(engine(path, kv_cache_dtype="int4", block_size=BLOCK), prompts,
+    plain = tokens(run(engine(path, kv_cache_dtype=dtype, block_size=BLOCK), prompts, PARAMS))
+    forked = run(engine(path, kv_cache_dtype=dtype, block_size=BLOCK), prompts,
                  SamplingParams(max_tokens=16, n=2, **GREEDY))
     assert [[c.token_ids for c in o.outputs] for o in forked] == [[t, t] for t in plain]
-    spec = engine(path, kv_cache_dtype="int4", block_size=8,
+    spec = engine(path, kv_cache_dtype=dtype, block_size=8,
                   speculative={"method": "ngram", "num_speculative_tokens": 3})
     assert tokens(run(spec, prompts, PARAMS)) == tokens(run(
-        engine(path, kv_cache_dtype="int4", block_size=8), prompts, PARAMS))
+        engine(path, kv_cache_dtype=dtype, block_size=8), prompts, PARAMS))
 
 
 def test_more_token_slots_than_int8_in_the_same_budget(hf_checkpoints):
@@ -124,7 +131,7 @@ def test_more_token_slots_than_int8_in_the_same_budget(hf_checkpoints):
     assert eng.config.block_size == 64 and engines["int8"].config.block_size == 16
     assert eng.kv_cache_stats().bytes_per_token == eng.model_config.kv_cache_bytes_per_token(
         "int4", 64)
-    recent = packed_recent_bytes(eng.model_config, 64, 8)
+    recent = packed_recent_bytes(eng.model_config, 64, 8, 1)
     block = eng.model_config.kv_cache_block_bytes("int4", 64)
     assert eng.runner.num_blocks == (4 * 2**20 - recent) // block
     assert sum(t.numel() * t.element_size() for t in eng.runner.kv_cache) == \

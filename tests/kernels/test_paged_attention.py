@@ -193,8 +193,10 @@ def test_a_row_with_sinks_is_the_same_alone_and_in_a_batch():
         assert torch.equal(alone, batched[i:i + 1])
 
 
-def lowbit_step(bits: int, kvh: int = 3, d: int = 64, b: int = 6, width: int = 12, seed: int = 2):
-    """A random 4- or 2-bit pool quantized by lowbit_codes, and each row's recent rows."""
+def lowbit_step(bits: int, kvh: int = 3, d: int = 64, b: int = 6, width: int = 12, seed: int = 2,
+                residual: int = 1):
+    """A random 4- or 2-bit pool quantized by lowbit_codes, and each row's recent rows (its
+    residual: its own block and the residual - 1 before it)."""
     from kvslim.kernels.lowbit_codes import quantize_key_blocks, quantize_value_blocks
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(BLOCKS, BS, kvh, d, generator=g) + torch.randn(d, generator=g) * 3
@@ -202,18 +204,20 @@ def lowbit_step(bits: int, kvh: int = 3, d: int = 64, b: int = 6, width: int = 1
     kc, kp = quantize_key_blocks(k, bits)
     vc, vp = quantize_value_blocks(v, bits)
     q, tables, lens = step(b, 3 * kvh, d, width, seed)
-    own = (lens - 1) % BS + 1                          # each row's positions in its own block
+    own = lens - ((lens - 1) // BS - residual + 1).clamp(min=0) * BS   # its residual's positions
     starts = torch.cumsum(own, 0) - own
     recent = [torch.randn(int(own.sum()), kvh, d, generator=g).half() for _ in range(2)]
     return q, kc, vc, kp, vp, *recent, starts, tables, lens
 
 
 @pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("residual", [1, 2])
 @pytest.mark.parametrize("window,sinks", [(None, 0), (9, 0), (9, 3), (30, 5)])
-def test_the_lowbit_kernel_matches_its_reference(bits, window, sinks):
-    args = lowbit_step(bits)
-    got = paged_attention.paged_decode_lowbit(*args, 0, window, 0.125, sinks, bits)
-    ref = paged_attention.reference_paged_decode_lowbit(*args, 0, window, 0.125, sinks, bits)
+def test_the_lowbit_kernel_matches_its_reference(bits, residual, window, sinks):
+    args = lowbit_step(bits, residual=residual)
+    got = paged_attention.paged_decode_lowbit(*args, 0, window, 0.125, sinks, bits, residual)
+    ref = paged_attention.reference_paged_decode_lowbit(*args, 0, window, 0.125, sinks, bits,
+                                                        residual)
     assert (got.double() - ref).abs().max() / ref.abs().max() < BOUND
 
 

@@ -7,8 +7,8 @@ the sequence's *recent* rows: float16, one block per block-table row (the block 
 with speculative decoding also the one before it, which a step may fill and then give back). This is KIVI's full-precision residual, bounded by one block.
 
 What a query sees depends only on its own position, never on how the sequence was computed: a
-query at position p reads every position before its own block (p // block_size * block_size)
-from the pool, dequantized, and the positions of its own block from the recent rows. So a
+query at position p reads every position before its residual (the blocks up to its own) from
+the pool, dequantized, and the positions of its residual from the recent rows. So a
 prompt computed in one chunk or in several, found in the prefix cache (whole blocks, already
 quantized) or recomputed after a preemption gives the same bits, and so does its batch.
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvslim.kernels.lowbit_codes import (RECENT_BLOCKS, RECENT_BLOCKS_SPECULATIVE,  # noqa: F401
-                                         dequantize_keys, dequantize_values,
+from kvslim.kernels.lowbit_codes import (RESIDUAL_BLOCKS, dequantize_keys,  # noqa: F401
+                                         dequantize_values, recent_blocks,
                                          hadamard, packed_width, quantize_key_blocks,
                                          quantize_value_blocks, value_group)
 
@@ -47,31 +47,37 @@ class RecentRows:
 
 
 def recent_rows(entries: list[tuple[int, int, int, list[int]]], block_size: int,
-                num_rows: int, blocks: int, device: torch.device) -> RecentRows:
+                num_rows: int, blocks: int, residual: int, device: torch.device) -> RecentRows:
     """entries: per sequence in step order (its tokens consecutive in the step), (its block-
     table row, first position, number of new tokens, its block table in this group); num_rows,
-    blocks: the block-table rows the recent rows are allocated for, and blocks per row."""
+    blocks: the block-table rows the recent rows are allocated for, and blocks per row (a ring:
+    block b in slot b % blocks); residual: the blocks a query reads from them, its own and the
+    full ones before it. A block goes to the pool when it leaves every query's residual."""
     bs = block_size
     per_row = blocks * bs
     old_to, old_from, new_to, row_start, keep_from, keep_to = [], [], [], [], [], []
     fill_rows, fill_blocks = [], []
     token = offset = 0
+
+    def first_float(p: int) -> int:                 # the first block position p reads in float
+        return max(0, p // bs - residual + 1)
+
     for row, start, n, table in entries:
-        first_block, end = start // bs, start + n
-        earlier = start - first_block * bs                            # the block's earlier rows
-        half = row * per_row + first_block % blocks * bs
+        end, first = start + n, first_float(start)
+        earlier = start - first * bs
         old_to += range(offset, offset + earlier)
-        old_from += range(half, half + earlier)
+        old_from += [row * per_row + p // bs % blocks * bs + p % bs for p in range(first * bs, start)]
         new_to += range(offset + earlier, offset + earlier + n)
-        row_start += [offset + (p // bs - first_block) * bs for p in range(start, end)]
-        last_kept = max(first_block, (end - 1) // bs - blocks + 1)
+        row_start += [offset + (first_float(p) - first) * bs for p in range(start, end)]
+        last_kept = max(start // bs, (end - 1) // bs - blocks + 1)
         for p in range(max(start, last_kept * bs), end):
             keep_from.append(token + p - start)
             keep_to.append(row * per_row + p // bs % blocks * bs + p % bs)
-        for b in range(first_block, end // bs):
-            first = offset + (b - first_block) * bs
-            fill_rows.append(list(range(first, first + bs)))
-            fill_blocks.append(table[b])
+        for b in range(first, end // bs - residual + 1):   # its residual ends inside the step
+            if (b + residual) * bs > start:
+                rows = offset + (b - first) * bs
+                fill_rows.append(list(range(rows, rows + bs)))
+                fill_blocks.append(table[b])
         token += n
         offset += earlier + n
 
@@ -97,6 +103,7 @@ class LowBitKVCacheLayer:
         self.key_params, self.value_params = key_params, value_params
         self.recent_k, self.recent_v = recent[0], recent[1]
         self.bits, self.rotation = bits, rotation
+        self.residual = RESIDUAL_BLOCKS[bits]
 
     @classmethod
     def allocate(cls, blocks: int, block_size: int, kv_heads: int, head_dim: int, rows: int,

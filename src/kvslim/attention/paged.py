@@ -106,7 +106,7 @@ class PagedAttention:
         out = paged_attention.paged_decode_lowbit(
             q.contiguous(), cache.k_codes, cache.v_codes, cache.key_params, cache.value_params,
             recent_k, recent_v, meta.layout.recent.row_start, tables, lens, key_start,
-            meta.sliding_window, scale, meta.sink_tokens, cache.bits)
+            meta.sliding_window, scale, meta.sink_tokens, cache.bits, cache.residual)
         return out if cache.rotation is None else out @ cache.rotation.T
 
     def _attend_in_place(self, meta: PagedAttentionMetadata, cache: KVCacheLayer,

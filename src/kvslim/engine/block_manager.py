@@ -53,16 +53,20 @@ class Block:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  watermark_blocks: int = 0, group_windows: tuple[int | None, ...] = (None,),
-                 group_sinks: tuple[int, ...] | None = None, private_partial_blocks: bool = False):
+                 group_sinks: tuple[int, ...] | None = None, float_tail_blocks: int = 0):
         """group_windows: per KV-cache group, its window (None: it keeps every block);
         group_sinks: per group, the first positions a window group keeps;
-        private_partial_blocks: a fork does not share its parent's partly filled block but
-        computes its tokens again (a packed cache keeps that block's K/V in its sequence's
-        recent rows, attention/lowbit_cache.py)."""
-        self.private_partial_blocks = private_partial_blocks
+        float_tail_blocks: a packed cache's residual (attention/lowbit_cache.py): a sequence's
+        last blocks, the one being filled and any full ones before it, whose K/V live in its own
+        recent rows (the pool holds them once they are older). A fork computes them again. With
+        full blocks in it, a prefix-cache hit could not be exact (the first query after the hit
+        would read the block before it from the pool, a query computed from scratch from its
+        recent rows), so prefix caching is off."""
+        self.float_tail_blocks = float_tail_blocks
+        self._older = max(0, float_tail_blocks - 1)     # full blocks kept in float16
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching = enable_prefix_caching and not self._older
         self.watermark_blocks = watermark_blocks
         self.group_windows = tuple(group_windows)
         self.group_sink_blocks = tuple(sink_blocks(s, block_size)
@@ -259,8 +263,11 @@ class BlockManager:
             for block_id in table:
                 if block_id != NULL_BLOCK:
                     self.blocks[block_id].ref_count += 1
-        if self.private_partial_blocks and child.num_computed_tokens % self.block_size:
-            full = child.num_computed_tokens // self.block_size
+        if self.float_tail_blocks and (child.num_computed_tokens % self.block_size
+                                       or self._older):
+            # with full blocks in the residual, their recomputation would need the ones
+            # before in float16 too: the child starts over
+            full = 0 if self._older else child.num_computed_tokens // self.block_size
             self.trim(child, full * self.block_size)
             child.num_computed_tokens = full * self.block_size
             child.registered_blocks = [min(r, full) for r in child.registered_blocks]

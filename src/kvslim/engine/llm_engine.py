@@ -85,7 +85,7 @@ class LLMEngine:
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching,
             watermark_blocks=max(1, self.runner.num_blocks // 100) if self.runner.num_blocks > 8 else 0,
             group_windows=self.runner.kv_groups.windows, group_sinks=self.runner.kv_groups.sinks,
-            private_partial_blocks=bool(self.runner.packed_bits))
+            float_tail_blocks=self.runner.residual_blocks)
         self.spec = self._speculative_decoder(learned)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, eos,

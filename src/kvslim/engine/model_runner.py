@@ -24,6 +24,7 @@ from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvslim.layers.rope import longrope_original_context
 from kvslim.kv_cache.groups import first_needed_block
 from kvslim.kv_cache.window import layer_spans
+from kvslim.kernels.lowbit_codes import RESIDUAL_BLOCKS
 from kvslim.kv_cache.plan import KVCachePlan, plan_kv_cache, recent_blocks
 from kvslim.models.causal_lm import CausalLM
 from kvslim.structured.manager import StructuredOutputManager
@@ -79,6 +80,8 @@ class ModelRunner:
             decode_kernel_usable(self.device, self.dtype, self.kv_dtype), mc.mla is not None,
             any(self.layer_sinks))
         self.packed_bits = packed_kv_bits(self.kv_dtype)
+        # The blocks at a sequence's end whose K/V a packed cache keeps in float16.
+        self.residual_blocks = RESIDUAL_BLOCKS[self.packed_bits] if self.packed_bits else 0
         if self.packed_bits:
             check_packed_cache(self.attention_backend, config, mc)
         # Not with tensor parallelism: the graphs would capture the ranks' collectives too; not
@@ -114,7 +117,8 @@ class ModelRunner:
             from kvslim.attention.lowbit_cache import LowBitKVCacheLayer
             storage = [LowBitKVCacheLayer.allocate(
                 blocks, self.block_size, mc.kv_heads_of(layer), mc.head_dim,
-                self.config.max_num_seqs, recent_blocks(self.config), self.packed_bits,
+                self.config.max_num_seqs, recent_blocks(self.config, self.kv_dtype),
+                self.packed_bits,
                 self.config.kv_hadamard, self.device)
                 for layer in layers]
             self.kv_cache, self.kv_scales = [t for s in storage for t in s.tensors()], None
@@ -342,7 +346,8 @@ class ModelRunner:
             layout.recent = recent_rows([(row, e.start, e.num_tokens, e.seq.block_tables[group])
                                          for e, row in zip(entries, rows)], bs,
                                         self.config.max_num_seqs,
-                                        self.kv_caches[0].recent_blocks, self.device)
+                                        self.kv_caches[0].recent_blocks,
+                                        self.kv_caches[0].residual, self.device)
         if nd:
             starts = [e.start for e in entries[:nd]]
             first = min(self._first_block(group, start) for start in starts)

@@ -113,7 +113,12 @@ def block_bytes(kv_heads: int, head_dim: int, bits: int, block_size: int) -> int
     return codes + key_params + value_params
 
 
-# Blocks of recent rows a sequence keeps (attention/lowbit_cache.py): the block being filled,
-# and with speculative decoding the one before it too (a step may fill it and give tokens back).
-RECENT_BLOCKS = 1
-RECENT_BLOCKS_SPECULATIVE = 2
+# KIVI's full-precision residual, in blocks (attention/lowbit_cache.py): a query reads the
+# block being filled and, at 2 bits, the full block before it from float16 recent rows.
+RESIDUAL_BLOCKS = {4: 1, 2: 2}
+
+
+def recent_blocks(bits: int, speculative: bool) -> int:
+    """Blocks of recent rows a sequence keeps: its residual, and with speculative decoding one
+    more (a step may fill a block and give tokens back)."""
+    return RESIDUAL_BLOCKS[bits] + int(speculative)

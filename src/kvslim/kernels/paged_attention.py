@@ -78,20 +78,22 @@ def paged_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.T
                        k_params: torch.Tensor, v_params: torch.Tensor, recent_k: torch.Tensor,
                        recent_v: torch.Tensor, recent_start: torch.Tensor,
                        block_tables: torch.Tensor, context_lens: torch.Tensor, key_start: int,
-                       window: int | None, scale: float, sinks: int, bits: int) -> torch.Tensor:
+                       window: int | None, scale: float, sinks: int, bits: int,
+                       residual: int = 1) -> torch.Tensor:
     """`paged_decode` over a 4- or 2-bit cache (kernels/lowbit_codes.py's layout): each row
-    reads the positions before its own block from the pool, dequantized as it goes, and those
-    from its block's start on from recent_k/recent_v (float16 [M, KVH, D], its first at
-    recent_start[row]): the block still being filled."""
+    reads the positions before the last `residual` blocks up to its own from the pool,
+    dequantized as it goes, and those from their start on from recent_k/recent_v (float16
+    [M, KVH, D], its first at recent_start[row]): the block still being filled (and the ones
+    before it that are kept in float16)."""
     group = k_codes.shape[-1] * 8 // bits // v_params.shape[-1]
     return torch.ops.kvslim.paged_decode_lowbit(
         q, k_codes, v_codes, k_params, v_params, recent_k, recent_v, recent_start, block_tables,
-        context_lens, key_start, window or 0, scale, sinks, bits, group)
+        context_lens, key_start, window or 0, scale, sinks, bits, group, residual)
 
 
 def reference_paged_decode_lowbit(q, k_codes, v_codes, k_params, v_params, recent_k, recent_v,
                                   recent_start, block_tables, context_lens, key_start, window,
-                                  scale, sinks, bits) -> torch.Tensor:
+                                  scale, sinks, bits, residual=1) -> torch.Tensor:
     """The low-bit kernel's attention in float64: the pool dequantized by lowbit_codes, each
     row's own block replaced by its recent rows."""
     from kvslim.kernels.lowbit_codes import dequantize_keys, dequantize_values
@@ -103,7 +105,8 @@ def reference_paged_decode_lowbit(q, k_codes, v_codes, k_params, v_params, recen
         n = int(context_lens[i])
         if n <= 0:
             continue
-        limit, start = (n - 1) // bs * bs, int(recent_start[i])
+        limit = max(0, (n - 1) // bs - residual + 1) * bs
+        start = int(recent_start[i])
         k_rows, v_rows = (_rows(c, None, block_tables[i]) for c in (keys, values))
         own = range(limit - key_start, n - key_start)
         k_rows[list(own)] = recent_k[start:start + len(own)].double()

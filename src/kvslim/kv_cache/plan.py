@@ -94,7 +94,8 @@ def plan_kv_cache(config: ModelConfig, kv_dtype, options, num_blocks: int | None
                              getattr(options, "window", None))
     bs, budget = options.block_size, options.kv_cache_memory
     if packed_kv_bits(kv_dtype):        # the recent blocks come out of the same budget
-        budget -= packed_recent_bytes(config, bs, recent_rows(options), recent_blocks(options))
+        budget -= packed_recent_bytes(config, bs, recent_rows(options),
+                                      recent_blocks(options, kv_dtype))
     plan = size_kv_cache(groups, bs, config.kv_cache_bytes_per_token(kv_dtype, bs), budget,
                          kv_dtype, config.kv_cache_block_bytes(kv_dtype, bs))
     if num_blocks is not None:
@@ -108,12 +109,10 @@ def plan_kv_cache(config: ModelConfig, kv_dtype, options, num_blocks: int | None
     return replace(plan, max_model_len=max_model_len)
 
 
-def packed_recent_bytes(config: ModelConfig, block_size: int, rows: int,
-                        blocks: int | None = None) -> int:
-    """A packed cache's recent rows (attention/lowbit_cache.py): `blocks` blocks (default
-    RECENT_BLOCKS) of K and V in float16 per sequence row, every layer."""
-    from kvslim.attention.lowbit_cache import RECENT_BLOCKS, RECENT_DTYPE
-    blocks = blocks or RECENT_BLOCKS
+def packed_recent_bytes(config: ModelConfig, block_size: int, rows: int, blocks: int) -> int:
+    """A packed cache's recent rows (attention/lowbit_cache.py): `blocks` blocks of K and V in
+    float16 per sequence row, every layer."""
+    from kvslim.attention.lowbit_cache import RECENT_DTYPE
     return rows * blocks * block_size * config.kv_bytes_per_token(RECENT_DTYPE)
 
 
@@ -123,10 +122,10 @@ def recent_rows(options) -> int:
     return options.max_num_seqs
 
 
-def recent_blocks(options) -> int:
-    """Blocks of recent rows per sequence: two with speculative decoding (lowbit_codes.py)."""
-    from kvslim.attention.lowbit_cache import RECENT_BLOCKS, RECENT_BLOCKS_SPECULATIVE
-    return RECENT_BLOCKS_SPECULATIVE if getattr(options, "speculative", None) else RECENT_BLOCKS
+def recent_blocks(options, kv_dtype) -> int:
+    """Blocks of recent rows per sequence of a packed cache (kernels/lowbit_codes.py)."""
+    from kvslim.attention.lowbit_cache import recent_blocks as blocks
+    return blocks(packed_kv_bits(kv_dtype), getattr(options, "speculative", None) is not None)
 
 
 def _max_model_len(plan: KVCachePlan, config: ModelConfig, options) -> int:

@@ -21,7 +21,7 @@ from kvslim.models.config import ModelConfig
 from kvslim.kv_cache.groups import KVCacheGroups, blocks_held, kv_cache_groups
 from kvslim.dtypes import DTYPES, lookup, packed_kv_bits
 from kvslim.kv_cache.plan import (DEFAULT_BLOCK_SIZE, ENGINE_KV_DTYPES, PACKED_BLOCK_SIZE,
-                                  packed_recent_bytes, size_kv_cache)
+                                  packed_recent_bytes, recent_blocks, size_kv_cache)
 from kvslim.plan.parameters import parameter_counts
 from kvslim.plan.published import builtin_config
 
@@ -281,7 +281,8 @@ def _notes(plan: MemoryPlan) -> list[str]:
         notes.append(f"{plan.kv_dtype} KV includes a float16 scale per token and KV head, as "
                      "kvslim's engine stores it (--kv-cache-dtype)")
     elif packed_kv_bits(plan.kv_dtype):
-        recent = packed_recent_bytes(plan.model, plan.block_size, 1)
+        recent = packed_recent_bytes(plan.model, plan.block_size, 1,
+                                     recent_blocks(None, plan.kv_dtype))
         notes.append(f"{plan.kv_dtype} KV as kvslim's engine packs it: keys per channel over "
                      f"each block of {plan.block_size} tokens, values per token in groups, "
                      f"float16 scales and minimums included; each running sequence also "

@@ -371,8 +371,9 @@ at::Tensor attend_rows(const at::Tensor& qc, const Cache& kc, const Cache& vc, i
 
 // A 4- or 2-bit cache (attention/lowbit_cache.py): keys per channel over each block, values per
 // token in groups of `group`, codes packed along head_dim; each row's positions from the start
-// of its own block on read from recent_k/recent_v (float16, [rows, kv_heads, head_dim]) at
-// recent_start[row]. The same sums in the same order as paged_decode's.
+// of its own block on (of the `residual` blocks ending with its own) read from recent_k/recent_v
+// (float16, [rows, kv_heads, head_dim]) at recent_start[row]. The same sums in the same order as
+// paged_decode's.
 Cache packed_cache(const at::Tensor& codes, const at::Tensor& params, int64_t bits, int64_t group,
                    bool per_channel) {
   Cache c;
@@ -397,7 +398,7 @@ at::Tensor paged_decode_lowbit(const at::Tensor& q, const at::Tensor& k_codes,
                                const at::Tensor& recent_v, const at::Tensor& recent_start,
                                const at::Tensor& block_tables, const at::Tensor& context_lens,
                                int64_t key_start, int64_t window, double scale, int64_t sinks,
-                               int64_t bits, int64_t group) {
+                               int64_t bits, int64_t group, int64_t residual) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "paged_decode_lowbit: q must be float32 [B, H, D]");
   TORCH_CHECK((bits == 4 || bits == 2) && k_codes.scalar_type() == at::kByte &&
                   v_codes.scalar_type() == at::kByte && k_codes.is_contiguous() &&
@@ -427,7 +428,8 @@ at::Tensor paged_decode_lowbit(const at::Tensor& q, const at::Tensor& k_codes,
   for (int64_t b = 0; b < q.size(0); ++b) {
     const int64_t n = lens.data_ptr<int64_t>()[b];
     recent[b] = {recent_k.data_ptr<c10::Half>(), recent_v.data_ptr<c10::Half>(),
-                 n > 0 ? (n - 1) / BS * BS : 0, starts.data_ptr<int64_t>()[b]};
+                 n > 0 ? std::max<int64_t>(0, (n - 1) / BS - residual + 1) * BS : 0,
+                 starts.data_ptr<int64_t>()[b]};
     TORCH_CHECK(n <= 0 || (recent[b].start >= 0 && recent[b].start + n - recent[b].limit <= M),
                 "paged_decode_lowbit: a row's recent keys lie outside recent_k");
   }
@@ -446,7 +448,7 @@ TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("paged_decode_lowbit(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_params, "
         "Tensor v_params, Tensor recent_k, Tensor recent_v, Tensor recent_start, "
         "Tensor block_tables, Tensor context_lens, int key_start, int window, float scale, "
-        "int sinks, int bits, int group) -> Tensor");
+        "int sinks, int bits, int group, int residual=1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvslim, CPU, m) {
