@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from kvslim.kernels import paged_attention
-from kvslim.kernels.lowbit_codes import quantize_key_blocks, quantize_value_blocks
+from kvslim.kernels.lowbit_codes import (RESIDUAL_BLOCKS, quantize_key_blocks,
+                                         quantize_value_blocks)
 from kvslim.kv_cache.plan import DEFAULT_BLOCK_SIZE, PACKED_BLOCK_SIZE
 
 H, KVH, D = 9, 3, 64
@@ -48,12 +49,13 @@ def step(dtype: str, batch: int, context: int, g: torch.Generator):
     q = torch.randn(batch, H, D, generator=g)
     if dtype not in ("int4", "int2"):
         return lambda: paged_attention.paged_decode(q, *cache, tables, lens, 0, None, 0.125)
-    own = (context - 1) % bs + 1
+    bits = int(dtype.removeprefix("int"))
+    residual = RESIDUAL_BLOCKS[bits]          # the engine's: its float16 blocks per sequence
+    own = context - max(0, (context - 1) // bs - residual + 1) * bs
     recent = [torch.randn(batch * own, KVH, D, generator=g).half() for _ in range(2)]
     starts = torch.arange(batch) * own
-    bits = int(dtype.removeprefix("int"))
     return lambda: paged_attention.paged_decode_lowbit(q, *cache, *recent, starts, tables, lens,
-                                                      0, None, 0.125, 0, bits)
+                                                      0, None, 0.125, 0, bits, residual)
 
 
 def measure(dtypes, batches, contexts, rounds: int) -> list[dict]:
