@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvslim.kernels.lowbit_codes import (RESIDUAL_BLOCKS, dequantize_keys,  # noqa: F401
-                                         dequantize_values, recent_blocks,
-                                         hadamard, packed_width, quantize_key_blocks,
-                                         quantize_value_blocks, value_group)
+# recent_blocks is kv_cache/plan.py's way to the rule (it may not import kernels itself)
+from kvslim.kernels.lowbit_codes import (RESIDUAL_BLOCKS, hadamard, packed_width,  # noqa: F401
+                                         quantize_key_blocks, quantize_value_blocks,
+                                         recent_blocks, value_group)
 
 RECENT_DTYPE = torch.float16
 
@@ -170,9 +170,3 @@ class LowBitKVCacheLayer:
         codes, params = quantize_value_blocks(values[recent.fill_rows], self.bits)
         self.v_codes.index_copy_(0, blocks, codes)
         self.value_params.index_copy_(0, blocks, params)
-
-    def dequantized(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of whole pool blocks, float32 [len(blocks) * block_size, KVH, D] (rotated)."""
-        keys = dequantize_keys(self.k_codes[blocks], self.key_params[blocks], self.bits)
-        values = dequantize_values(self.v_codes[blocks], self.value_params[blocks], self.bits)
-        return keys.flatten(0, 1), values.flatten(0, 1)
