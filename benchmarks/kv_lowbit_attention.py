@@ -59,19 +59,23 @@ def step(dtype: str, batch: int, context: int, g: torch.Generator):
 
 
 def measure(dtypes, batches, contexts, rounds: int) -> list[dict]:
+    """Each cell the median of `rounds`, the dtypes interleaved in every round (A B C D A B C
+    D ...), so a shared machine's slow spell falls on all of them alike."""
     g = torch.Generator().manual_seed(0)
     rows = []
     for context in contexts:
         for batch in batches:
-            for dtype in dtypes:
-                run = step(dtype, batch, context, g)
+            runs = {dtype: step(dtype, batch, context, g) for dtype in dtypes}
+            times = {dtype: [] for dtype in dtypes}
+            for run in runs.values():
                 run()
-                times = []
-                for _ in range(rounds):
+            for _ in range(rounds):
+                for dtype, run in runs.items():
                     t = time.perf_counter()
                     run()
-                    times.append(time.perf_counter() - t)
-                ms = statistics.median(times) * 1e3
+                    times[dtype].append(time.perf_counter() - t)
+            for dtype in dtypes:
+                ms = statistics.median(times[dtype]) * 1e3
                 rows.append({"dtype": dtype, "batch": batch, "context": context,
                              "ms": round(ms, 4), "us_per_token": round(ms * 1e3 / batch, 2)})
                 print(f"context {context:>5}  batch {batch:>3}  {dtype:>7}: {ms:8.3f} ms "

@@ -6,8 +6,10 @@ the block's tokens (one scale and minimum per block, KV head and channel); value
 per token in groups of `VALUE_GROUP` channels. Both are asymmetric: code = round((x - min) /
 scale) in [0, 2^bits - 1], x ~ code * scale + min. Scale and minimum are float16 and the codes are
 computed from the float16-rounded ones, so dequantizing is exact arithmetic on what is stored.
-Codes are packed along head_dim, element d in bits (d % per_byte) * bits of byte d // per_byte
-(low bits first), as the kernel (kernels/csrc/paged_attention.cpp) reads them.
+Codes are packed along head_dim in planes, as llama.cpp's Q4_0 packs its nibbles: with n =
+D * bits / 8 bytes a row, element d lies in bits (d // n) * bits of byte d % n, so the kernel
+(kernels/csrc/paged_attention.cpp) unpacks a row as per_byte contiguous runs, a shift and a mask
+each, which vectorize (interleaved codes did not: benchmarks/kv_lowbit_attention.py).
 
 Measured before building (benchmarks/kv_lowbit_probe.py, docs/kv-cache-compression.md): per
 channel keys lose 1.3% perplexity at 4 bits on SmolLM2, per token keys 16%."""
@@ -35,16 +37,16 @@ def packed_width(head_dim: int, bits: int) -> int:
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [..., D] (each < 2^bits) -> uint8 [..., D * bits / 8]."""
     per_byte = 8 // bits
-    grouped = codes.view(*codes.shape[:-1], -1, per_byte).to(torch.int32)
-    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
-    return (grouped << shifts).sum(-1).to(torch.uint8)
+    planes = codes.view(*codes.shape[:-1], per_byte, -1).to(torch.int32)
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32)[:, None] * bits
+    return (planes << shifts).sum(-2).to(torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of `pack`: uint8 codes [..., D]."""
     per_byte = 8 // bits
-    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * bits
-    codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32)[:, None] * bits
+    codes = (packed.to(torch.int32)[..., None, :] >> shifts) & ((1 << bits) - 1)
     return codes.flatten(-2).to(torch.uint8)
 
 

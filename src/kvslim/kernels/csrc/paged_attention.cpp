@@ -33,8 +33,28 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace kvslim_paged_attention {
+
+// n float16 values as float32, eight at a time where the host converts them in one instruction
+// (F16C), not one element at a time.
+inline void halves_to_floats(const c10::Half* src, float* out, int64_t n) {
+  int64_t d = 0;
+#if defined(__F16C__)
+  for (; d + 8 <= n; d += 8)
+    _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + d))));
+#endif
+  for (; d < n; ++d) out[d] = (float)src[d];
+}
+
+// GCC's vector types, lowered to whatever vectors the host has.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef float f32x2 __attribute__((vector_size(8)));
 
 struct Cache {
   const float* f32 = nullptr;         // float32 elements, or
@@ -44,95 +64,107 @@ struct Cache {
   int64_t block_stride, slot_stride, head_stride;   // elements (bytes, packed) per block, ...
   int64_t scale_block, scale_slot;                   // scales per block, per slot
   int64_t kv_heads, head_dim;
-  // Packed (attention/lowbit_cache.py): `bits` per code, low bits first in a byte; params
+  // Packed (attention/lowbit_cache.py): `bits` per code, in planes (codes()); params
   // [.., 2, head_dim / group] (scale, then min) per block and head (keys per channel: group 1,
   // no slot stride) or per slot and head (values per token in groups).
   int64_t bits = 0, group = 1, param_block = 0, param_slot = 0, param_head = 0;
 
-  // Row `slot` of `block` for kv head `h` as float32: the cache's own row (float32), or
-  // `out` [head_dim] holding it dequantized (int8, packed). `memo`: a packed cache's per-block
-  // parameters in float32, converted once per block and head (a thread's own).
-  const float* row(int64_t block, int64_t slot, int64_t h, float* out,
-                   std::vector<float>& memo, std::vector<int64_t>& memo_block) const {
+  // Row `slot` of `block` for kv head `h` as float32: the cache's own row (float32), or `out`
+  // [head_dim] holding it dequantized (int8; packed values, code * scale + min per group).
+  // Packed keys are scored on their codes instead (fold_keys).
+  const float* row(int64_t block, int64_t slot, int64_t h, float* out) const {
     const int64_t at = block * block_stride + slot * slot_stride + h * head_stride;
     if (f32 != nullptr) return f32 + at;
     if (packed != nullptr) {
-      unpack_codes(packed + at, out);
-      return apply_params(block, slot, h, out, memo, memo_block);
+      const c10::Half* p = params(block, slot, h);
+      const int64_t groups = head_dim / group;
+      float affine[8];                            // scale, then min, per group (at most 4)
+      for (int64_t g = 0; g < 2 * groups; ++g) affine[g] = (float)p[g];
+      codes(block, slot, h, out, affine, affine + groups);
+      return out;
     }
     const float s = (float)scales[block * scale_block + slot * scale_slot + h];
     for (int64_t d = 0; d < head_dim; ++d) out[d] = (float)i8[at + d] * s;
     return out;
   }
 
-  // int4: two shifts a byte, which the compiler vectorizes; int2: a table of a byte's four
-  // codes as floats (its shifts and masks per element did not vectorize: 3x slower, measured
-  // by benchmarks/kv_lowbit_attention.py).
-  static const float* int2_table() {
-    static const std::vector<float> t = [] {
-      std::vector<float> t(256 * 4);
-      for (int b = 0; b < 256; ++b)
-        for (int i = 0; i < 4; ++i) t[4 * b + i] = (float)(b >> (2 * i) & 3);
-      return t;
-    }();
-    return t.data();
+  // A packed row's codes as floats in `out` [head_dim], each code * scale[g] + min[g] of its
+  // group g where `scale` is given. The codes lie in planes (kernels/lowbit_codes.py): plane i
+  // of n bytes holds elements [i * n, (i + 1) * n).
+  __attribute__((always_inline)) void codes(int64_t block, int64_t slot, int64_t h, float* out,
+                                            const float* scale = nullptr,
+                                            const float* mins = nullptr) const {
+    const uint8_t* src = packed + block * block_stride + slot * slot_stride + h * head_stride;
+    if (bits == 4) return planes<4>(src, out, head_dim, group, scale, mins);
+    planes<2>(src, out, head_dim, group, scale, mins);
   }
 
-  void unpack_codes(const uint8_t* src, float* out) const {
-    if (bits == 4) {
-      for (int64_t i = 0; i < head_dim / 2; ++i) {
-        out[2 * i] = (float)(src[i] & 15);
-        out[2 * i + 1] = (float)(src[i] >> 4);
+  // 16 codes at a time in GCC's vector types (one widening, shift, mask, convert and, for a
+  // value, multiply-add each, on whatever the host's vectors are; a group holds whole runs of
+  // 16): plain loops over a plane's runtime length compiled to 64-byte vectors that a 32-byte
+  // plane never filled, twice int8's time.
+  template <int BITS>
+  __attribute__((always_inline)) static void planes(const uint8_t* src, float* out,
+                                                    int64_t head_dim, int64_t group,
+                                                    const float* scale, const float* mins) {
+    typedef uint8_t u8x16 __attribute__((vector_size(16)));
+    typedef int32_t i32x16 __attribute__((vector_size(64)));
+    constexpr int per_byte = 8 / BITS;
+    constexpr uint8_t mask = (1 << BITS) - 1;
+    const int64_t n = head_dim / per_byte;
+    int64_t i = 0;
+    const bool runs = scale == nullptr || group % 16 == 0;
+    for (; runs && i + 16 <= n; i += 16) {
+      u8x16 bytes;
+      std::memcpy(&bytes, src + i, 16);
+#pragma GCC unroll 4
+      for (int plane = 0; plane < per_byte; ++plane) {
+        const u8x16 c = (bytes >> (plane * BITS)) & mask;
+        f32x16 f = __builtin_convertvector(__builtin_convertvector(c, i32x16), f32x16);
+        if (scale != nullptr) {
+          const int64_t g = (plane * n + i) / group;
+          f = f * scale[g] + mins[g];
+        }
+        std::memcpy(out + plane * n + i, &f, sizeof f);
       }
-      return;
     }
-    const float* table = int2_table();
-    for (int64_t i = 0; i < head_dim / 4; ++i) {
-      const float* e = table + 4 * src[i];
-      out[4 * i] = e[0];
-      out[4 * i + 1] = e[1];
-      out[4 * i + 2] = e[2];
-      out[4 * i + 3] = e[3];
-    }
+    for (; i < n; ++i)
+      for (int plane = 0; plane < per_byte; ++plane) {
+        const int64_t e = plane * n + i;
+        const float c = (float)((src[i] >> (plane * BITS)) & mask);
+        out[e] = scale != nullptr ? c * scale[e / group] + mins[e / group] : c;
+      }
   }
 
-  // code * scale + min: per channel (keys, the block's parameters memoized per head) or per
-  // group of the row's own (values).
-  const float* apply_params(int64_t block, int64_t slot, int64_t h, float* out,
-                            std::vector<float>& memo, std::vector<int64_t>& memo_block) const {
-    const c10::Half* p = scales + block * param_block + slot * param_slot + h * param_head;
-    if (param_slot == 0) {                    // keys: per channel, shared by the block
-      float* f = memo.data() + h * 2 * head_dim;
-      if (memo_block[h] != block) {
-        for (int64_t d = 0; d < 2 * head_dim; ++d) f[d] = (float)p[d];
-        memo_block[h] = block;
-      }
-      for (int64_t d = 0; d < head_dim; ++d) out[d] = out[d] * f[d] + f[head_dim + d];
-      return out;
-    }
-    const int64_t groups = head_dim / group;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float sc = (float)p[g], mn = (float)p[groups + g];
-      for (int64_t d = g * group; d < (g + 1) * group; ++d) out[d] = out[d] * sc + mn;
-    }
-    return out;
+  // A packed value row's (scale, min) per group of `group` channels, float16 [2][head_dim/group].
+  const c10::Half* params(int64_t block, int64_t slot, int64_t h) const {
+    return scales + block * param_block + slot * param_slot + h * param_head;
   }
 };
 
 // sum_d a[d] * b[d] in 16 interleaved partial sums (lane j: every d = j mod 16, in order),
-// then combined as a fixed tree (j + 8, j + 4, j + 2, j + 1): one fixed order that the
-// compiler vectorizes into one 16-lane chain (-ffp-contract=off keeps each product and sum
-// rounded as written). Inlined: called per key and query head, its call and its partial sums'
-// trip through memory cost more than its 64 multiply-adds.
+// then combined as a fixed tree (j + 8, j + 4, j + 2, j + 1): one fixed order, written in GCC's
+// vector types so that the sums are one 16-lane chain and the tree four vector halvings
+// (-ffp-contract=off keeps each product and sum rounded as written). As plain loops the compiler
+// kept the tree scalar, through the stack, costlier than the products (perf, decode at batch
+// 32). Inlined: called per key and query head.
+
 __attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t n) {
-  float part[16] = {};
+  f32x16 part = {};
   int64_t d = 0;
-  for (; d + 16 <= n; d += 16)
-    for (int j = 0; j < 16; ++j) part[j] += a[d + j] * b[d + j];
+  for (; d + 16 <= n; d += 16) {
+    f32x16 x, y;
+    std::memcpy(&x, a + d, sizeof x);
+    std::memcpy(&y, b + d, sizeof y);
+    part += x * y;
+  }
   for (int j = 0; d < n; ++d, ++j) part[j] += a[d] * b[d];
-  for (int w = 8; w >= 1; w /= 2)
-    for (int j = 0; j < w; ++j) part[j] += part[j + w];
-  return part[0];
+  const f32x8 p8 = __builtin_shufflevector(part, part, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(part, part, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 p4 = __builtin_shufflevector(p8, p8, 0, 1, 2, 3) +
+                   __builtin_shufflevector(p8, p8, 4, 5, 6, 7);
+  const f32x2 p2 = __builtin_shufflevector(p4, p4, 0, 1) + __builtin_shufflevector(p4, p4, 2, 3);
+  return p2[0] + p2[1];
 }
 
 Cache cache_of(const at::Tensor& cache, const std::optional<at::Tensor>& scales) {
@@ -164,11 +196,30 @@ struct Path {
   int64_t at(int64_t pos) const { return pos < base ? pos : base + path[pos - base]; }
 };
 
-// A thread's working memory: scores [H][n] and a dequantized row (int8 caches).
+// A thread's working memory: scores [H][n] and a dequantized row (int8 and packed caches); for
+// a packed cache each query head folded with its kv head's key parameters (`folded` [H][D],
+// `bias` [H], for the block `folded_block` [KVH], -1: none).
 struct Scratch {
-  std::vector<float> scores, row, memo;       // memo: a packed cache's key parameters
-  std::vector<int64_t> memo_block;            // per kv head, the block memo holds (-1: none)
+  std::vector<float> scores, row, folded, bias;
+  std::vector<int64_t> folded_block;
 };
+
+// A packed cache's keys are scored on their codes: per channel k = code * scale + min, so
+// q . k = (q * scale) . code + q . min, with q folded into a block's parameters once per
+// partition and query head instead of every key dequantized.
+void fold_keys(const Cache& kc, int64_t block, int64_t h, const float* q, int64_t G, Scratch& t) {
+  const int64_t D = kc.head_dim;
+  const c10::Half* p = kc.scales + block * kc.param_block + h * kc.param_head;
+  float* scale = t.row.data();
+  float* mins = scale + D;
+  halves_to_floats(p, scale, 2 * D);
+  for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
+    float* f = t.folded.data() + hq * D;
+    for (int64_t d = 0; d < D; ++d) f[d] = q[hq * D + d] * scale[d];
+    t.bias[hq] = dot(q + hq * D, mins, D);
+  }
+  t.folded_block[h] = block;
+}
 
 // A low-bit cache's recent keys and values in float16 (attention/lowbit_cache.py): a row reads
 // its positions from `limit` on from here ([rows, kv_heads, head_dim], its first at `start`)
@@ -180,8 +231,7 @@ struct Recent {
 
   const float* row(const c10::Half* x, int64_t pos, int64_t h, int64_t KVH, int64_t D,
                    float* out) const {
-    const c10::Half* r = x + ((start + pos - limit) * KVH + h) * D;
-    for (int64_t d = 0; d < D; ++d) out[d] = (float)r[d];
+    halves_to_floats(x + ((start + pos - limit) * KVH + h) * D, out, D);
     return out;
   }
 };
@@ -196,15 +246,23 @@ void attend_partition(const Cache& kc, const Cache& vc, const float* q, const in
                       int64_t BS, int64_t key_start, int64_t lo, int64_t hi, float sc, float* m,
                       float* l, float* acc, Scratch& t, const Recent& recent) {
   const int64_t n = hi - lo, H = KVH * G;
+  std::fill(t.folded_block.begin(), t.folded_block.end(), -1);   // folded with this row's q
   std::vector<float>& scores = t.scores;
   scores.assign(H * n, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t logical = path.at(lo + j), pos = logical - key_start;
     const int64_t block = table[pos / BS], slot = pos % BS;
     for (int64_t h = 0; h < KVH; ++h) {
+      if (kc.packed != nullptr && logical < recent.limit) {
+        if (t.folded_block[h] != block) fold_keys(kc, block, h, q, G, t);
+        kc.codes(block, slot, h, t.row.data());
+        for (int64_t hq = h * G; hq < (h + 1) * G; ++hq)
+          scores[hq * n + j] = (dot(t.folded.data() + hq * D, t.row.data(), D) + t.bias[hq]) * sc;
+        continue;
+      }
       const float* k = logical >= recent.limit
                            ? recent.row(recent.k, logical, h, KVH, D, t.row.data())
-                           : kc.row(block, slot, h, t.row.data(), t.memo, t.memo_block);
+                           : kc.row(block, slot, h, t.row.data());
       for (int64_t hq = h * G; hq < (h + 1) * G; ++hq)
         scores[hq * n + j] = dot(q + hq * D, k, D) * sc;
     }
@@ -225,7 +283,7 @@ void attend_partition(const Cache& kc, const Cache& vc, const float* q, const in
     for (int64_t h = 0; h < KVH; ++h) {
       const float* v = logical >= recent.limit
                            ? recent.row(recent.v, logical, h, KVH, Dv, t.row.data())
-                           : vc.row(block, slot, h, t.row.data(), t.memo, t.memo_block);
+                           : vc.row(block, slot, h, t.row.data());
       for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
         float* o = acc + hq * Dv;
         const float w = scores[hq * n + j];
@@ -337,9 +395,10 @@ at::Tensor attend_rows(const at::Tensor& qc, const Cache& kc, const Cache& vc, i
   const float sc = (float)scale;
   kvslim_team::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
-    scratch.row.resize(D);
-    scratch.memo.resize(KVH * 2 * D);
-    scratch.memo_block.assign(KVH, -1);
+    scratch.row.resize(2 * std::max(D, Dv));     // a row, or a block's key scales and minimums
+    scratch.folded.resize(H * D);
+    scratch.bias.resize(H);
+    scratch.folded_block.assign(KVH, -1);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t b = items[p].row;
       attend_partition(kc, vc, qp + b * H * D, tp + b * W, paths[b], KVH, G, D, Dv, BS,
@@ -372,8 +431,8 @@ at::Tensor attend_rows(const at::Tensor& qc, const Cache& kc, const Cache& vc, i
 // A 4- or 2-bit cache (attention/lowbit_cache.py): keys per channel over each block, values per
 // token in groups of `group`, codes packed along head_dim; each row's positions from the start
 // of its own block on (of the `residual` blocks ending with its own) read from recent_k/recent_v
-// (float16, [rows, kv_heads, head_dim]) at recent_start[row]. The same sums in the same order as
-// paged_decode's.
+// (float16, [rows, kv_heads, head_dim]) at recent_start[row]. paged_decode's partitions and
+// order, the keys scored on their codes (fold_keys), the values dequantized a row at a time.
 Cache packed_cache(const at::Tensor& codes, const at::Tensor& params, int64_t bits, int64_t group,
                    bool per_channel) {
   Cache c;
