@@ -25,15 +25,33 @@ def register(sub) -> None:
                    help="seconds to let in-flight requests finish after SIGTERM")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    add_server_options(p)
     add_engine_args(p)
     p.set_defaults(func=run_serve)
+
+
+def add_server_options(p) -> None:
+    """One flag per ServerOptions field (server/context.py), where each is declared."""
+    import typing
+    from dataclasses import fields
+
+    from kvslim.server.context import ServerOptions
+    hints = typing.get_type_hints(ServerOptions)
+    for f in fields(ServerOptions):
+        kind = hints[f.name]
+        p.add_argument("--" + f.name.replace("_", "-"), default=f.default,
+                       type=kind if kind in (int, float) else None,
+                       choices=f.metadata["choices"], help=f.metadata["help"])
 
 
 def run_serve(args) -> int:
     import uvicorn
 
     from kvslim.formats.registry import DEFAULT_MODEL_NAME
+    from dataclasses import fields
+
     from kvslim.server.app import build_app
+    from kvslim.server.context import ServerOptions
 
     llm = llm_from_args(args)                    # bad model or flags: one-line error, exit 2
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
@@ -45,7 +63,9 @@ def run_serve(args) -> int:
         crashed.append(True)
         server.should_exit = True
 
-    app = build_app(llm.engine, name, args.api_key, on_engine_crash=engine_crashed)
+    options = ServerOptions(**{f.name: getattr(args, f.name) for f in fields(ServerOptions)})
+    app = build_app(llm.engine, name, args.api_key, on_engine_crash=engine_crashed,
+                    options=options)
     stats = llm.engine.kv_cache_stats()
     print(f"kvslim serve: {name} on http://{args.host}:{args.port} "
           f"({stats.num_blocks} KV blocks of {stats.block_size} tokens, "

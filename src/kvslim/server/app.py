@@ -14,7 +14,7 @@ from kvslim.errors import InvalidRequestError
 from kvslim.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvslim.server.chat import create_chat_completion, render_prompt
 from kvslim.server.completions import create_completion
-from kvslim.server.context import ServerContext
+from kvslim.server.context import ServerContext, ServerOptions
 from kvslim.server.errors import (OpenAIError, engine_dead, install_error_handlers,
                                   request_failed)
 from kvslim.server.metrics import HTTPMetricsMiddleware, ServerMetrics
@@ -26,13 +26,15 @@ from kvslim.server.streaming import cancel_on_disconnect
 
 
 def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
-              on_engine_crash: Callable[[], None] | None = None) -> FastAPI:
+              on_engine_crash: Callable[[], None] | None = None,
+              options: ServerOptions | None = None) -> FastAPI:
     """An app serving `engine` under `model_name`. The engine thread starts with the app's
     lifespan and stops after the HTTP server has drained in-flight requests. If the engine
     thread dies of an error, every open request fails at once and `on_engine_crash` runs."""
     metrics = ServerMetrics(model_name)
     ctx = ServerContext(AsyncEngine(engine, metrics, on_engine_crash), engine.tokenizer,
-                        model_name, engine.max_model_len, metrics, api_key)
+                        model_name, engine.max_model_len, metrics, api_key,
+                        options or ServerOptions())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,12 +1,35 @@
 """`ServerContext`: what every route needs, built once per app (no module globals)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvslim.tokenizer.tokenizer import Tokenizer
 from kvslim.server.async_engine import AsyncEngine
 from kvslim.server.errors import model_not_found
 from kvslim.server.metrics import ServerMetrics
+
+
+def _option(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class ServerOptions:
+    """How the server reads and shapes what the model writes: one field per `kvslim serve`
+    flag (cli/serve_cmds.py generates the flags from these fields)."""
+    tool_call_parser: str = _option(
+        "auto", "how tool calls are read from the model's text (auto: the chat template's own "
+        "format where it is unambiguous, else hermes)",
+        ("auto", "hermes", "llama3_json", "mistral", "qwen3"))
+    reasoning_parser: str | None = _option(
+        None, "return <think>...</think> as reasoning_content, apart from content",
+        ("deepseek_r1", "qwen3"))
+    pooling: str = _option(
+        "last", "/v1/embeddings: the final normed hidden state of the last token, or its mean "
+        "over the input; L2-normalised", ("last", "mean"))
+    responses_store_size: int = _option(
+        256, "/v1/responses kept in memory for previous_response_id (the oldest dropped "
+        "first; 0 keeps none)")
 
 
 @dataclass
@@ -17,6 +40,7 @@ class ServerContext:
     max_model_len: int
     metrics: ServerMetrics
     api_key: str | None = None
+    options: ServerOptions = field(default_factory=ServerOptions)
 
     def check_model(self, name: str | None) -> None:
         """A request may omit `model`; if it names one, it must be the one we serve."""
