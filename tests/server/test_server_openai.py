@@ -223,3 +223,27 @@ def test_sampling_extras_reach_the_engine(client, reference):
                                          temperature=0, frequency_penalty=2.0,
                                          extra_body={"repetition_penalty": 1.5})
     assert response.choices[0].text == penalised
+
+
+def test_usage_reports_prompt_tokens_served_by_the_prefix_cache(client, reference):
+    """The second request with the same long prompt reads its full blocks from the prefix
+    cache: usage.prompt_tokens_details.cached_tokens counts them, in plain, streamed and chat
+    answers; the first counts none."""
+    prompt = " ".join(f"cached-prefix {i}" for i in range(20))
+    n = len(reference.tokenizer.encode(prompt))
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == n
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    block = 16                                   # the engine's default block size
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // block * block
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    usage = list(stream)[-1].usage
+    assert usage.prompt_tokens_details.cached_tokens == (n - 1) // block * block
+    messages = [{"role": "user", "content": prompt}]
+    chat = [client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                           temperature=0) for _ in range(2)]
+    assert chat[0].usage.prompt_tokens_details.cached_tokens < chat[0].usage.prompt_tokens
+    assert chat[1].usage.prompt_tokens_details.cached_tokens == \
+        (chat[1].usage.prompt_tokens - 1) // block * block > 0

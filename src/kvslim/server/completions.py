@@ -16,7 +16,8 @@ from kvslim.server.context import ServerContext
 from kvslim.server.errors import engine_dead, request_failed
 from kvslim.server.logprobs import completion_logprobs, echo_logprobs, join_logprobs
 from kvslim.server.protocol import CompletionRequest
-from kvslim.server.responses import CompletionChoice, CompletionResponse, Usage, random_id
+from kvslim.server.responses import (CompletionChoice, CompletionResponse, PromptTokensDetails,
+                                     Usage, random_id)
 from kvslim.server.streaming import DONE, sse
 
 
@@ -99,8 +100,10 @@ def _response(job: _Job, outputs: list[RequestOutput]) -> CompletionResponse:
 def usage_of(outputs: list[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.metrics.num_cached_tokens for o in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                 total_tokens=prompt + completion)
+                 total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:

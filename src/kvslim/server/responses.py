@@ -15,10 +15,15 @@ class _Response(BaseModel):
     pass
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0      # prompt tokens read from the prefix cache instead of computed
+
+
 class Usage(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class CompletionLogprobs(_Response):
