@@ -1,7 +1,9 @@
 """What schemathesis is told of kvslim's API beyond its schema: the rules JSON Schema cannot
 state, written in the schema's descriptions instead (server/openapi.py) —
 
-  * the prompt, as the server renders it, plus max_tokens must fit in max_model_len;
+  * the prompt, as the server renders it, plus max_tokens must fit in max_model_len (a
+    Responses request: its input as the chat messages it becomes, plus max_output_tokens);
+  * previous_response_id must name a stored response (none is, for generated cases);
   * min_tokens must not exceed max_tokens;
   * tools name their functions once each, and a named tool_choice names one of them;
   * an output constraint (a JSON schema, JSON text of one, a regex, a grammar; the tools'
@@ -29,9 +31,15 @@ def filter_case(ctx, case) -> bool:
         return True
     if case.operation.path == "/tokenize":
         return _tools_agree(body.get("tools"), body.get("tool_choice"))
-    if case.operation.path not in GENERATING:
+    if case.operation.path == "/v1/responses":
+        if body.get("previous_response_id") is not None:
+            return False                     # no generated id names a stored response
+        body = _as_chat(body)
+        if body is None:                     # the server's 400 (its model refuses it)
+            return True
+    elif case.operation.path not in GENERATING:
         return True
-    chat = case.operation.path.endswith("chat/completions")
+    chat = case.operation.path != "/v1/completions"
     max_tokens = (body.get("max_completion_tokens") or body.get("max_tokens")) if chat \
         else body.get("max_tokens", 16)
     if max_tokens is not None and body.get("min_tokens", 0) > max_tokens:
@@ -47,6 +55,18 @@ def filter_case(ctx, case) -> bool:
         if n >= limit or n + budget > limit or body.get("min_tokens", 0) > budget:
             return False
     return True
+
+
+def _as_chat(body: dict) -> dict | None:
+    """A Responses request as the chat request the server runs for it."""
+    import pydantic
+    from kvslim.errors import InvalidRequestError
+    from kvslim.server.responses_api.protocol import ResponsesRequest
+    try:
+        return ResponsesRequest.model_validate(body).chat_request([]).model_dump(
+            mode="json", by_alias=True, exclude_none=True)
+    except (pydantic.ValidationError, InvalidRequestError):
+        return None
 
 
 def _tools_agree(tools, choice) -> bool:

@@ -22,6 +22,7 @@ from kvslim.server.openapi import truthful_openapi
 from kvslim.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, TokenizeRequest)
 from kvslim.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from kvslim.server.responses_api.route import responses_router
 from kvslim.server.streaming import cancel_on_disconnect
 
 
@@ -53,10 +54,11 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     async def _failed(request: Request, e: RequestFailedError):
         return request_failed(str(e)).response()
 
-    open_routes, api_routes = _open_routes(ctx), _api_routes(ctx)
+    open_routes, api_routes = _open_routes(ctx), [_api_routes(ctx), responses_router(ctx)]
     app.include_router(open_routes)
-    app.include_router(api_routes, dependencies=[Depends(_key_checker(api_key))])
-    endpoints = {route.path for router in (open_routes, api_routes) for route in router.routes}
+    for routes in api_routes:
+        app.include_router(routes, dependencies=[Depends(_key_checker(api_key))])
+    endpoints = {route.path for router in (open_routes, *api_routes) for route in router.routes}
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, endpoints=endpoints)
     vocab = {"model": engine.model_config.vocab_size, "tokenizer": engine.tokenizer.vocab_size}
     app.openapi = lambda: truthful_openapi(app, vocab, engine.max_model_len,

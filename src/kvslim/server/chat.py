@@ -69,7 +69,7 @@ def render_prompt(ctx: ServerContext, request: ChatCompletionRequest,
         raise InvalidRequestError(str(e), "messages") from None
 
 
-def _sampling_params(request: ChatCompletionRequest, tools: ToolRequest):
+def sampling_params_of(request: ChatCompletionRequest, tools: ToolRequest):
     params = request.to_sampling_params()
     forcing = tools.forcing()
     if forcing is not None:
@@ -88,7 +88,7 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
         raise InvalidRequestError(f"max_tokens ({request.max_tokens}) must be below "
                                   f"max_model_len ({ctx.max_model_len})", "max_tokens")
     tools = request.tool_request()
-    params = _sampling_params(request, tools)
+    params = sampling_params_of(request, tools)
     prompt = render_prompt(ctx, request, tools)
     job = _Job(ctx, request, random_id("chatcmpl"), tools)
     try:

@@ -18,13 +18,19 @@ ERROR_SCHEMA = {
 # What each status means here; every API route may answer each one.
 STATUSES = {"400": "invalid request (OpenAI-style error body)",
             "401": "missing or wrong API key (when the server has one)",
-            "404": "unknown model", "500": "the request failed inside the engine",
+            "404": "unknown model (or stored response)", "500": "the request failed inside the engine",
             "503": "the engine is not running"}
 OPEN_ROUTES = {"/health", "/metrics"}
-STREAMING = {"/v1/completions", "/v1/chat/completions"}
 # With stream=true: each server-sent event (OpenAPI 3.1: `schema` describes one event).
 SSE = {"schema": {"type": "object", "required": ["data"], "properties": {"data": {
     "type": "string", "description": "a JSON chunk of the answer; the last event is [DONE]"}}}}
+RESPONSES_SSE = {"schema": {"type": "object", "required": ["event", "data"], "properties": {
+    "event": {"type": "string", "description": "the event's type: response.created, "
+              "response.output_text.delta, ..., response.completed or response.incomplete"},
+    "data": {"type": "string", "description": "the event as JSON, with its type and "
+             "sequence_number"}}}}
+STREAMING = {"/v1/completions": SSE, "/v1/chat/completions": SSE,
+             "/v1/responses": RESPONSES_SSE}
 # The rules between fields that JSON Schema cannot state: said in words, answered with a 400.
 RELATIONS = {"max_tokens": "The prompt's tokens, as the server renders it, plus max_tokens must "
                            "not exceed max_model_len ({max_model_len}); a 400 otherwise.",
@@ -59,7 +65,8 @@ def truthful_openapi(app: FastAPI, vocab_size: dict[str, int], max_model_len: in
             else:
                 responses.update({status: _error(text) for status, text in STATUSES.items()})
             if path in STREAMING:
-                responses["200"].setdefault("content", {})["text/event-stream"] = SSE
+                responses["200"].setdefault("content", {})["text/event-stream"] = \
+                    STREAMING[path]
     schema["components"]["schemas"].pop("HTTPValidationError", None)
     schema["components"]["schemas"].pop("ValidationError", None)
     app.openapi_schema = schema
@@ -97,7 +104,7 @@ def _set_limits(node, limits: dict, key: str = "") -> None:
         node["pattern"] = decimal_below(limits["vocab"][vocab])
     if node.pop("x-max-num-seqs", False):
         node["maximum"] = limits["max_num_seqs"]
-    if key in ("max_tokens", "max_completion_tokens"):
+    if key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         for branch in node.get("anyOf", [node]):
             if branch.get("type") == "integer":
                 branch["maximum"] = limits["max_model_len"] - 1

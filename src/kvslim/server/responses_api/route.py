@@ -1,0 +1,165 @@
+"""POST /v1/responses (and GET/DELETE of a stored one): the request runs as the chat request
+of the same messages; its answer becomes output items, sent whole or as the Responses event
+stream (response.created, response.output_text.delta, ..., response.completed)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from kvslim.engine.outputs import RequestOutput
+from kvslim.errors import InvalidRequestError
+from kvslim.server.async_engine import RequestStream
+from kvslim.server.chat import render_prompt, sampling_params_of
+from kvslim.server.context import ServerContext
+from kvslim.server.errors import OpenAIError, validation_error
+from kvslim.server.protocol import ChatCompletionRequest
+from kvslim.server.responses_api.events import stream_events
+from kvslim.server.responses_api.objects import (IncompleteDetails, ResponseObject,
+                                                 ResponseUsage, new_id, output_items)
+from kvslim.server.responses_api.protocol import ResponsesRequest, input_messages
+from kvslim.server.responses_api.store import ResponseStore
+from kvslim.server.streaming import cancel_on_disconnect
+from kvslim.tools.chat import ToolRequest
+
+# Chat's names for the fields a Responses request calls otherwise (in error messages' param).
+RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens",
+                   "response_format": "text", "stream_options": "stream"}
+
+
+@dataclass
+class ResponseJob:
+    """One /v1/responses request on its way through the engine."""
+    ctx: ServerContext
+    store: ResponseStore
+    request: ResponsesRequest
+    chat: ChatCompletionRequest
+    conversation: list[dict]                     # the messages it answers, without instructions
+    tools: ToolRequest
+    id: str = field(default_factory=lambda: new_id("resp"))
+    finished: bool = False
+
+    def snapshot(self, **fields) -> ResponseObject:
+        """The response object, echoing the request's settings."""
+        r = self.request
+        fmt = r.text.format if r.text is not None and r.text.format is not None else None
+        return ResponseObject(
+            id=self.id, model=self.ctx.model_name, instructions=r.instructions,
+            max_output_tokens=r.max_output_tokens, temperature=r.temperature, top_p=r.top_p,
+            previous_response_id=r.previous_response_id,
+            parallel_tool_calls=self.tools.parallel,
+            tool_choice=r.tool_choice.model_dump() if hasattr(r.tool_choice, "model_dump")
+            else r.tool_choice or "auto",
+            tools=[t.model_dump(exclude_none=True) for t in r.tools or []],
+            text={"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
+                  else {"type": "text"}},
+            store=r.store, metadata=r.metadata or {}, **fields)
+
+    def finish(self, output: RequestOutput, items) -> ResponseObject:
+        """The final response (stored when asked): completed, or incomplete when the budget
+        ended the answer."""
+        cut = output.outputs[0].finish_reason == "length"
+        response = self.snapshot(
+            status="incomplete" if cut else "completed", output=items,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if cut else None,
+            usage=ResponseUsage.of(output))
+        if self.request.store:
+            self.store.put(response, self.conversation)
+        self.finished = True
+        return response
+
+    def abort_unfinished(self) -> None:
+        if not self.finished:
+            self.ctx.engine.abort([self.id])
+
+
+def responses_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter()
+    store = ResponseStore(ctx.options.responses_store_size)
+
+    @router.post("/v1/responses")
+    async def create(body: ResponsesRequest, request: Request):
+        return await cancel_on_disconnect(request, create_response(ctx, store, body))
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str):
+        return JSONResponse(_stored(store, response_id).response.model_dump(mode="json"))
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str):
+        _stored(store, response_id)
+        store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    return router
+
+
+def _stored(store: ResponseStore, response_id: str):
+    stored = store.get(response_id)
+    if stored is None:
+        raise OpenAIError(404, f"no stored response with id {response_id!r} (kept: the last "
+                               f"{store.capacity} stored)", "response_id", "not_found")
+    return stored
+
+
+async def create_response(ctx: ServerContext, store: ResponseStore,
+                          request: ResponsesRequest) -> Response:
+    ctx.check_model(request.model)
+    job = _job(ctx, store, request)
+    try:
+        params = sampling_params_of(job.chat, job.tools)
+        prompt = render_prompt(ctx, job.chat, job.tools)
+    except InvalidRequestError as e:
+        e.param = RESPONSES_NAMES.get(e.param, e.param)
+        raise
+    try:
+        stream = await ctx.engine.add([job.id], [prompt], params)
+    except asyncio.CancelledError:
+        ctx.engine.abort([job.id])
+        raise
+    if request.stream:
+        return StreamingResponse(stream_events(job, stream), media_type="text/event-stream")
+    return JSONResponse((await _whole(job, stream)).model_dump(mode="json"))
+
+
+def _job(ctx: ServerContext, store: ResponseStore, request: ResponsesRequest) -> ResponseJob:
+    history = []
+    if request.previous_response_id is not None:
+        stored = store.get(request.previous_response_id)
+        if stored is None:
+            raise InvalidRequestError(f"previous response {request.previous_response_id!r} is "
+                                      f"not stored (kept: the last {store.capacity} stored "
+                                      f"with store=true)", "previous_response_id")
+        history = stored.messages
+    if request.max_output_tokens is not None and request.max_output_tokens >= ctx.max_model_len:
+        raise InvalidRequestError(f"max_output_tokens ({request.max_output_tokens}) must be "
+                                  f"below max_model_len ({ctx.max_model_len})",
+                                  "max_output_tokens")
+    try:
+        chat = request.chat_request(history)
+    except ValidationError as e:
+        error = validation_error(e.errors())
+        error.param = RESPONSES_NAMES.get(error.param, error.param)
+        raise error from None
+    conversation = history + input_messages(request.input)
+    try:
+        tools = chat.tool_request()
+    except InvalidRequestError as e:
+        e.param = RESPONSES_NAMES.get(e.param, e.param)
+        raise
+    return ResponseJob(ctx, store, request, chat, conversation, tools)
+
+
+async def _whole(job: ResponseJob, stream: RequestStream) -> ResponseObject:
+    final = None
+    try:
+        async for _, output in stream:
+            final = output
+        text, calls = job.tools.parse(final.outputs[0].text)
+        status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
+        return job.finish(final, output_items(job.id, text, calls, status))
+    finally:
+        job.abort_unfinished()
