@@ -45,12 +45,14 @@ ALLOWED = {
     # rendering, parsing and forcing grammar, for the server and LLM.chat.
     "structured": BASE | {"tokenizer"},
     "tools": BASE | {"tokenizer", "structured"},
+    # Reasoning (<think>...</think>) apart from the answer, for the server and LLM.chat.
+    "reasoning": BASE,
     "engine": KERNELS | {"models", "formats", "parallel", "kv_cache", "structured", "tools",
-                         "drafters"},
+                         "reasoning", "drafters"},
     # Tensor parallelism shards models (and prices a rank's share with the planner's formulas);
     # the engine runs its workers.
     "parallel": KERNELS | {"quantization", "models", "formats", "plan", "kv_cache"},
-    "server": KERNELS | {"models", "formats", "engine", "structured", "tools"},
+    "server": KERNELS | {"models", "formats", "engine", "structured", "tools", "reasoning"},
     # Corpus streams (tokenized windows) live in train/: calibration and perplexity read them.
     "surgery": KERNELS | {"quantization", "models", "formats", "train"},
     # Learned drafters (Medusa heads): modules and their files, on the model's hidden states.
