@@ -1,5 +1,5 @@
 """The offline API: which import of a model it runs, generate (order, per-prompt params), chat,
-stream, stats, bad input."""
+stream, embed, stats, bad input."""
 import pytest
 from gguf import GGMLQuantizationType as Q
 
@@ -57,6 +57,17 @@ def test_a_bad_prompt_adds_nothing(llm):
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         llm.generate(["a", "b", "c"], [SamplingParams()] * 2, use_tqdm=False)
 
+
+def test_embed_takes_one_prompt_or_several_and_runs_what_the_engine_runs(llm):
+    prompts = ["In the beginning", [5, 6, 7, 8]]
+    vectors = llm.embed(prompts)
+    assert vectors == [o.embedding for o in llm.engine.embed(prompts, "last")]
+    for one in prompts:                  # a single prompt, text or ids, is one input
+        assert llm.embed(one) == [llm.engine.embed([one])[0].embedding]
+    assert llm.embed(prompts, pooling="mean") == [o.embedding
+                                                  for o in llm.engine.embed(prompts, "mean")]
+    assert [len(v) for v in vectors] == [64, 64] and vectors[0] != vectors[1]
+    assert llm.kv_cache_stats().num_used_blocks == 0
 
 @pytest.fixture
 def tiny_q4_1(tmp_path, monkeypatch):

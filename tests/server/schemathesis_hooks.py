@@ -4,6 +4,7 @@ state, written in the schema's descriptions instead (server/openapi.py) —
   * the prompt, as the server renders it, plus max_tokens must fit in max_model_len (a
     Responses request: its input as the chat messages it becomes, plus max_output_tokens);
   * previous_response_id must name a stored response (none is, for generated cases);
+  * each input to embed, as the server tokenizes it, must fit in max_model_len;
   * min_tokens must not exceed max_tokens;
   * tools name their functions once each, and a named tool_choice names one of them;
   * an output constraint (a JSON schema, JSON text of one, a regex, a grammar; the tools'
@@ -31,6 +32,9 @@ def filter_case(ctx, case) -> bool:
         return True
     if case.operation.path == "/tokenize":
         return _tools_agree(body.get("tools"), body.get("tool_choice"))
+    if case.operation.path == "/v1/embeddings":
+        counts, limit = _prompt_counts({"prompt": body.get("input")}, chat=False)
+        return counts is None or all(n <= limit for n in counts)   # nothing is generated
     if case.operation.path == "/v1/responses":
         if body.get("previous_response_id") is not None:
             return False                     # no generated id names a stored response

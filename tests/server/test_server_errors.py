@@ -59,7 +59,7 @@ CASES = {
     "body_not_an_object": (COMPLETIONS, b'[1, 2]', 400, None),
     "unknown_model": (COMPLETIONS, {"model": "gpt-4", "prompt": "a"}, 404, "model"),
     "unknown_model_chat": (CHAT, {"model": "gpt-4", "messages": OK_MESSAGES}, 404, "model"),
-    "unknown_route": ("/v1/embeddings", {"input": "a"}, 404, None),
+    "unknown_route": ("/v1/images/generations", {"prompt": "a"}, 404, None),
     # structured outputs
     "invalid_json_schema": (CHAT, {"messages": OK_MESSAGES, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {

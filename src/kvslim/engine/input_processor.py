@@ -34,7 +34,17 @@ class InputProcessor:
         self._check_token_ids(params)
         return text, ids, params
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def embedding_input(self, prompt: str | list[int], param: str = "input") -> list[int]:
+        """An input to embed: its ids, checked as a prompt's are; it may fill max_model_len,
+        since nothing is generated after it."""
+        ids = self._tokenize(prompt, param)[1]
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(f"{param} has {len(ids)} tokens, but max_model_len is "
+                                      f"{self.max_model_len}", param)
+        return ids
+
+    def _tokenize(self, prompt: str | list[int], param: str = "prompt"
+                  ) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
             text = prompt
@@ -42,13 +52,14 @@ class InputProcessor:
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids, text = list(prompt), None
         else:
-            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+            raise InvalidRequestError(f"{param} must be a string or a list of token ids",
+                                      param)
         if not ids:
-            raise InvalidRequestError("prompt must not be empty", "prompt")
+            raise InvalidRequestError(f"{param} must not be empty", param)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
-                                      f"(0..{self.vocab_size - 1})", "prompt")
+                                      f"(0..{self.vocab_size - 1})", param)
         return text, ids
 
     def _check_lengths(self, ids: list[int], params: SamplingParams) -> SamplingParams:

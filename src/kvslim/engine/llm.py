@@ -1,5 +1,6 @@
 """`LLM`: the offline API. `generate` runs a list of prompts as one continuous batch; `chat`
-applies the model's chat template; `stream` yields one request's text as it is generated."""
+applies the model's chat template; `stream` yields one request's text as it is generated;
+`embed` returns the prompts' embeddings."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence as Seq
@@ -39,9 +40,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A prompt is text or a list of token ids; `params`
         is one SamplingParams for all or one per prompt."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params_list = _per_prompt(params, len(prompts))
         ids = []
         try:
@@ -57,15 +56,19 @@ class LLM:
              params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, tools: list[dict] | None = None,
              tool_choice: str | dict | None = None,
-             parallel_tool_calls: bool = True) -> list[RequestOutput]:
+             parallel_tool_calls: bool = True,
+             tool_call_parser: str = "auto") -> list[RequestOutput]:
         """`tools` (OpenAI's format) are laid out as the server lays them out
-        (tools/chat.py); tool_choice "required" or a named function forces calls; each
+        (tools/chat.py), in the format `tool_call_parser` names (as `kvslim serve
+        --tool-call-parser`); tool_choice "required" or a named function forces calls; each
         completion's `tool_calls` holds the calls parsed from its text."""
         from dataclasses import replace
         from kvslim.tools.chat import ToolRequest, encode_chat_with_tools
+        from kvslim.tools.registry import tool_format
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        request = ToolRequest.of(tools, tool_choice, parallel_tool_calls)
+        request = ToolRequest.of(tools, tool_choice, parallel_tool_calls,
+                                 tool_format(tool_call_parser, self.tokenizer.chat_template))
         prompts = [encode_chat_with_tools(self.tokenizer, c, request) for c in conversations]
         forcing = request.forcing()
         if forcing is not None:
@@ -89,6 +92,12 @@ class LLM:
                                 length_penalty=length_penalty, early_stopping=early_stopping,
                                 ignore_eos=ignore_eos)
         return self.generate(prompts, params, use_tqdm)
+
+    def embed(self, prompts: Prompt | Seq[Prompt], pooling: str = "last") -> list[list[float]]:
+        """One L2-normalised embedding per prompt, in order: the final normed hidden state of
+        its last token ("last") or their mean ("mean"), what `kvslim serve`'s /v1/embeddings
+        returns (engine/embedding.py)."""
+        return [out.embedding for out in self.engine.embed(_prompt_list(prompts), pooling)]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas of one request as they are produced (other requests may run alongside)."""
@@ -136,6 +145,14 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    """One prompt (text, or a list of token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                    and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _per_prompt(params, n: int) -> list[SamplingParams]:

@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING
 from kvslim.engine.beam_search import BeamSearch
 from kvslim.engine.block_manager import BlockManager
 from kvslim.engine.config import EngineConfig
+from kvslim.engine.embedding import embed_token_lists
 from kvslim.engine.input_processor import InputProcessor
 from kvslim.engine.long_rope import LongRopeSwitch
 from kvslim.engine.model_runner import ModelRunner, RunnerFeatures, kv_cache_plan_of
 from kvslim.engine.output_processor import OutputProcessor, RequestState
-from kvslim.engine.outputs import KVCacheStats, RankKVStats, RequestOutput
+from kvslim.engine.outputs import EmbeddingOutput, KVCacheStats, RankKVStats, RequestOutput
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.engine.scheduler import Scheduler
 from kvslim.engine.sequence import Sequence
@@ -169,6 +170,17 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def embed(self, prompts: list[str | list[int]], pooling: str = "last"
+              ) -> list[EmbeddingOutput]:
+        """Each prompt's embedding (engine/embedding.py), computed now, in dense passes that
+        leave the KV cache alone: call it between steps, from the thread that steps. Every
+        prompt is checked before any runs."""
+        if self.parallel is not None:
+            raise KvslimError("embeddings run on one rank, not with tensor_parallel_size > 1")
+        ids = [self.input_processor.embedding_input(p) for p in prompts]
+        vectors = embed_token_lists(self.model, ids, pooling, self.config.max_num_batched_tokens)
+        return [EmbeddingOutput(v, t) for v, t in zip(vectors, ids)]
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

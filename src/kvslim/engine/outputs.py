@@ -71,6 +71,13 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    """One input's embedding (engine/embedding.py) and the token ids it was computed from."""
+    embedding: list[float]
+    prompt_token_ids: list[int]
+
+
+@dataclass
 class KVCacheStats:
     num_blocks: int
     block_size: int

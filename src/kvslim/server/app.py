@@ -1,5 +1,5 @@
 """The FastAPI app: routes, API-key check, lifespan of the engine thread. Request handling
-lives in completions.py and chat.py; this file only wires."""
+lives in completions.py, chat.py and embeddings.py; this file only wires."""
 from __future__ import annotations
 
 import hmac
@@ -15,6 +15,7 @@ from kvslim.server.async_engine import AsyncEngine, EngineDeadError, RequestFail
 from kvslim.server.chat import create_chat_completion, render_prompt
 from kvslim.server.completions import create_completion
 from kvslim.server.context import ServerContext, ServerOptions
+from kvslim.server.embeddings import EmbeddingRequest, EmbeddingResponse, create_embeddings
 from kvslim.server.errors import (OpenAIError, engine_dead, install_error_handlers,
                                   request_failed)
 from kvslim.server.metrics import HTTPMetricsMiddleware, ServerMetrics
@@ -62,7 +63,8 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, endpoints=endpoints)
     vocab = {"model": engine.model_config.vocab_size, "tokenizer": engine.tokenizer.vocab_size}
     app.openapi = lambda: truthful_openapi(app, vocab, engine.max_model_len,
-                                           engine.config.max_num_seqs)
+                                           engine.config.max_num_seqs,
+                                           engine.model_config.hidden_size)
     return app
 
 
@@ -123,6 +125,10 @@ def _api_routes(ctx: ServerContext) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await cancel_on_disconnect(request, create_chat_completion(ctx, body))
+
+    @router.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def embeddings(body: EmbeddingRequest):
+        return await create_embeddings(ctx, body)
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

@@ -7,8 +7,10 @@ joins the running batch at the next step. Outputs go back to each HTTP request's
 (an asyncio.Queue) through `loop.call_soon_threadsafe`, one hop per step.
 
 Validation errors of add_request travel back through a future, so the route can answer 400
-before it starts streaming. If `step` ever raises, the engine state cannot be trusted: the thread
-fails every open stream and exits, and `/health` turns 503."""
+before it starts streaming. Work that is not a request (embeddings) is a `call`, run on the
+same thread between steps, its result or error sent back through a future. If `step` ever
+raises, the engine state cannot be trusted: the thread fails every open stream and exits, and
+`/health` turns 503."""
 from __future__ import annotations
 
 import asyncio
@@ -18,10 +20,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvslim.engine.llm_engine import LLMEngine
 from kvslim.engine.outputs import RequestOutput
 from kvslim.engine.sampling_params import SamplingParams
+from kvslim.errors import KvslimError
 from kvslim.server.metrics import ServerMetrics
 
 logger = logging.getLogger("kvslim.server")
@@ -70,6 +74,12 @@ class _Submit:
     stream: RequestStream
     done: asyncio.Future
     submitted: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future
 
 
 @dataclass
@@ -126,6 +136,14 @@ class AsyncEngine:
         await done
         return stream
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """`fn(engine)`'s result, run on the engine thread between two steps (no step runs
+        meanwhile). Its KvslimError (bad input) is raised here as is; any other error of it
+        as RequestFailedError, since the engine goes on serving."""
+        done = asyncio.get_running_loop().create_future()
+        self._send(_Call(fn, done))
+        return await done
+
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests and free their blocks (unknown or finished ids are ignored)."""
         if self.is_alive:
@@ -181,6 +199,8 @@ class AsyncEngine:
                 return False
             if isinstance(command, _Submit):
                 self._submit(command)
+            elif isinstance(command, _Call):
+                self._run_call(command)
             else:
                 for request_id in command.request_ids:
                     if self.engine.abort_request(request_id):
@@ -207,6 +227,18 @@ class AsyncEngine:
         for index, request_id in enumerate(added):
             self._tracked[request_id] = _Tracked(command.stream, index, command.submitted)
         self._call_in_loop(_resolve, command.done, None)
+
+    def _run_call(self, command: _Call) -> None:
+        try:
+            result = command.fn(self.engine)
+        except KvslimError as e:
+            self._call_in_loop(_resolve, command.done, e)
+        except Exception as e:                           # noqa: BLE001 - that call's alone
+            logger.exception("engine call failed")
+            self._call_in_loop(_resolve, command.done,
+                               RequestFailedError(f"{type(e).__name__}: {e}"))
+        else:
+            self._call_in_loop(_resolve, command.done, None, result)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -260,7 +292,7 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Submit):
+            if isinstance(command, (_Submit, _Call)):
                 self._call_in_loop(_resolve, command.done, error)
         for request_id in request_ids:
             try:
@@ -273,11 +305,11 @@ class AsyncEngine:
             pass
 
 
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+def _resolve(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
     if future.done():                                    # the route was cancelled meanwhile
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvslim.engine.embedding import POOLING_METHODS
 from kvslim.tokenizer.tokenizer import Tokenizer
 from kvslim.server.async_engine import AsyncEngine
 from kvslim.server.errors import model_not_found
@@ -26,7 +27,7 @@ class ServerOptions:
         ("deepseek_r1", "qwen3"))
     pooling: str = _option(
         "last", "/v1/embeddings: the final normed hidden state of the last token, or its mean "
-        "over the input; L2-normalised", ("last", "mean"))
+        "over the input; L2-normalised", POOLING_METHODS)
     responses_store_size: int = _option(
         256, "/v1/responses kept in memory for previous_response_id (the oldest dropped "
         "first; 0 keeps none)")

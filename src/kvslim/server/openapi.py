@@ -40,16 +40,16 @@ RELATIONS = {"max_tokens": "The prompt's tokens, as the server renders it, plus 
 
 
 def truthful_openapi(app: FastAPI, vocab_size: dict[str, int], max_model_len: int,
-                     max_num_seqs: int) -> dict[str, Any]:
+                     max_num_seqs: int, hidden_size: int) -> dict[str, Any]:
     """Also the served model's limits: token ids below its vocabulary size (`vocab_size`:
     the model's, "model", and the tokenizer's, "tokenizer"), max_tokens below max_model_len
     (that the prompt and max_tokens together fit is for the server to check), n and best_of
-    up to max_num_seqs."""
+    up to max_num_seqs, an embedding's dimensions its hidden size."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     _set_limits(schema, dict(vocab=vocab_size, max_model_len=max_model_len,
-                             max_num_seqs=max_num_seqs))
+                             max_num_seqs=max_num_seqs, hidden_size=hidden_size))
     schema.setdefault("components", {}).setdefault("schemas", {})["ErrorResponse"] = \
         ERROR_SCHEMA
     for path, item in schema["paths"].items():
@@ -104,6 +104,8 @@ def _set_limits(node, limits: dict, key: str = "") -> None:
         node["pattern"] = decimal_below(limits["vocab"][vocab])
     if node.pop("x-max-num-seqs", False):
         node["maximum"] = limits["max_num_seqs"]
+    if node.pop("x-hidden-size", False):
+        node["minimum"] = node["maximum"] = limits["hidden_size"]
     if key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         for branch in node.get("anyOf", [node]):
             if branch.get("type") == "integer":
