@@ -173,6 +173,7 @@ def test_function_call_items_equal_chat_tool_history(smol):
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice"),
     ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
+    ({"input": "x", "previous_response_id": ""}, "previous_response_id"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "bad name!",
                                         "schema": {}}}}, "text"),
 ])
@@ -182,3 +183,9 @@ def test_bad_requests_are_400_naming_the_field(server, body, param):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_a_stored_response_route_allows_get_and_delete(server):
+    r = httpx.put(f"{server.url}/v1/responses/resp_x",
+                  headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "DELETE"}

@@ -7,22 +7,20 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from itertools import count
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvslim.server.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from kvslim.server.errors import OpenAIError, engine_dead, request_failed
+from kvslim.server.responses_api.job import ResponseJob
 from kvslim.server.responses_api.objects import (FunctionCallOutput, MessageOutput, OutputText,
                                                  call_item_id, message_id)
 from kvslim.tools.spec import ToolCall
-
-if TYPE_CHECKING:
-    from kvslim.server.responses_api.route import ResponseJob
 
 
 class _Events:
     """Numbers the events and keeps the items streamed so far."""
 
-    def __init__(self, job: "ResponseJob"):
+    def __init__(self, job: ResponseJob):
         self.job = job
         self.numbers = count()
         self.items: list[MessageOutput | FunctionCallOutput] = []
@@ -85,7 +83,7 @@ class _Events:
         return {"item_id": self.message.id, "output_index": self._index(), "content_index": 0}
 
 
-async def stream_events(job: "ResponseJob", stream: RequestStream) -> AsyncIterator[str]:
+async def stream_events(job: ResponseJob, stream: RequestStream) -> AsyncIterator[str]:
     events = _Events(job)
     parser = job.tools.stream_parser()
     yield events.event("response.created", response=job.snapshot())

@@ -103,7 +103,7 @@ class ResponsesRequest(_Request):
     tools: Optional[list[FunctionTool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedFunction, None] = None
     parallel_tool_calls: Optional[bool] = None
-    previous_response_id: Optional[str] = None
+    previous_response_id: Optional[NonEmpty] = None
     store: bool = True
     metadata: Optional[dict[str, str]] = None
 

@@ -4,76 +4,26 @@ stream (response.created, response.output_text.delta, ..., response.completed)."
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from kvslim.engine.outputs import RequestOutput
 from kvslim.errors import InvalidRequestError
 from kvslim.server.async_engine import RequestStream
 from kvslim.server.chat import render_prompt, sampling_params_of
 from kvslim.server.context import ServerContext
 from kvslim.server.errors import OpenAIError, validation_error
-from kvslim.server.protocol import ChatCompletionRequest
 from kvslim.server.responses_api.events import stream_events
-from kvslim.server.responses_api.objects import (IncompleteDetails, ResponseObject,
-                                                 ResponseUsage, new_id, output_items)
+from kvslim.server.responses_api.job import ResponseJob
+from kvslim.server.responses_api.objects import ResponseObject, output_items
 from kvslim.server.responses_api.protocol import ResponsesRequest, input_messages
 from kvslim.server.responses_api.store import ResponseStore
 from kvslim.server.streaming import cancel_on_disconnect
-from kvslim.tools.chat import ToolRequest
 
 # Chat's names for the fields a Responses request calls otherwise (in error messages' param).
 RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens",
                    "response_format": "text", "stream_options": "stream"}
-
-
-@dataclass
-class ResponseJob:
-    """One /v1/responses request on its way through the engine."""
-    ctx: ServerContext
-    store: ResponseStore
-    request: ResponsesRequest
-    chat: ChatCompletionRequest
-    conversation: list[dict]                     # the messages it answers, without instructions
-    tools: ToolRequest
-    id: str = field(default_factory=lambda: new_id("resp"))
-    finished: bool = False
-
-    def snapshot(self, **fields) -> ResponseObject:
-        """The response object, echoing the request's settings."""
-        r = self.request
-        fmt = r.text.format if r.text is not None and r.text.format is not None else None
-        return ResponseObject(
-            id=self.id, model=self.ctx.model_name, instructions=r.instructions,
-            max_output_tokens=r.max_output_tokens, temperature=r.temperature, top_p=r.top_p,
-            previous_response_id=r.previous_response_id,
-            parallel_tool_calls=self.tools.parallel,
-            tool_choice=r.tool_choice.model_dump() if hasattr(r.tool_choice, "model_dump")
-            else r.tool_choice or "auto",
-            tools=[t.model_dump(exclude_none=True) for t in r.tools or []],
-            text={"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
-                  else {"type": "text"}},
-            store=r.store, metadata=r.metadata or {}, **fields)
-
-    def finish(self, output: RequestOutput, items) -> ResponseObject:
-        """The final response (stored when asked): completed, or incomplete when the budget
-        ended the answer."""
-        cut = output.outputs[0].finish_reason == "length"
-        response = self.snapshot(
-            status="incomplete" if cut else "completed", output=items,
-            incomplete_details=IncompleteDetails(reason="max_output_tokens") if cut else None,
-            usage=ResponseUsage.of(output))
-        if self.request.store:
-            self.store.put(response, self.conversation)
-        self.finished = True
-        return response
-
-    def abort_unfinished(self) -> None:
-        if not self.finished:
-            self.ctx.engine.abort([self.id])
 
 
 def responses_router(ctx: ServerContext) -> APIRouter:
@@ -84,13 +34,12 @@ def responses_router(ctx: ServerContext) -> APIRouter:
     async def create(body: ResponsesRequest, request: Request):
         return await cancel_on_disconnect(request, create_response(ctx, store, body))
 
-    @router.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str):
-        return JSONResponse(_stored(store, response_id).response.model_dump(mode="json"))
-
-    @router.delete("/v1/responses/{response_id}")
-    async def delete(response_id: str):
-        _stored(store, response_id)
+    # One route for both methods, so that its 405's Allow header names both.
+    @router.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored(response_id: str, request: Request):
+        response = _stored(store, response_id).response
+        if request.method == "GET":
+            return JSONResponse(response.model_dump(mode="json"))
         store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
