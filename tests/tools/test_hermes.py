@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvslim.tools import hermes
 from kvslim.tools.spec import ToolSpec
+from tool_checks import accepts as _accepts
 
 WEATHER = ToolSpec("get_weather", "weather", {"type": "object", "properties": {
     "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]})
@@ -51,29 +52,6 @@ def test_streamed_parsing_equals_whole_parsing(cuts):
     assert calls == [(c.name, c.arguments) for c in whole]
 
 
-def _accepts(grammar: str, text: str) -> bool:
-    tok = llguidance.LLTokenizer(_byte_tokenizer_json())
-    m = llguidance.LLMatcher(tok, grammar, log_level=0)
-    ok = m.consume_tokens(list(text.encode())) if not m.is_error() else False
-    return ok and m.is_accepting()
-
-
-def _byte_tokenizer_json() -> str:
-    """A tokenizer whose tokens are the 256 bytes: any text is a token path."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {c: i for i, c in enumerate(sorted(alphabet, key=lambda c: _byte_of(c)))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok.to_str()
-
-
-def _byte_of(char: str) -> int:
-    from kvslim.formats.gguf.tokenizer import byte_alphabet
-    return {v: k for k, v in byte_alphabet().items()}[char]
-
-
 @pytest.mark.parametrize("parallel", [False, True])
 def test_the_forcing_grammar_admits_only_valid_calls(parallel):
     grammar = llguidance.LLMatcher.grammar_from_lark(hermes.forcing_grammar(TOOLS, parallel))
@@ -87,14 +65,3 @@ def test_the_forcing_grammar_admits_only_valid_calls(parallel):
                 one.replace('"unit": "c"', '"unit": "c", "extra": 1'),  # closed objects
                 "Sure! " + one]:
         assert not _accepts(grammar, bad), bad
-
-
-def test_closed_adds_additional_properties_only_where_unsaid():
-    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}},
-                                               "b": {"type": "object",
-                                                     "additionalProperties": True}}}
-    out = hermes.closed(schema)
-    assert out["additionalProperties"] is False
-    assert out["properties"]["a"]["additionalProperties"] is False
-    assert out["properties"]["b"]["additionalProperties"] is True
-    assert "additionalProperties" not in schema                  # the input is not changed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -23,7 +23,7 @@ from kvslim.server.responses import (AssistantMessage, ChatChoice, ChatCompletio
                                      DeltaToolCall, ToolCallOut, random_id)
 from kvslim.server.streaming import DONE, sse
 from kvslim.tools.chat import ToolRequest, encode_chat_with_tools
-from kvslim.tools.hermes import StreamParser
+from kvslim.tools.format import StreamParser
 from kvslim.tools.spec import ToolCall
 
 
@@ -58,10 +58,15 @@ class _Job:
             self.ctx.engine.abort(self.request_ids)
 
 
+def tool_request_of(ctx: ServerContext, request: ChatCompletionRequest) -> ToolRequest:
+    """The request's tools and choice, in the server's tool-call format (--tool-call-parser)."""
+    return replace(request.tool_request(), format=ctx.tool_format)
+
+
 def render_prompt(ctx: ServerContext, request: ChatCompletionRequest,
                   tools: ToolRequest | None = None) -> list[int]:
     messages = [m.to_template_dict() for m in request.messages]
-    tools = tools or request.tool_request()
+    tools = tools or tool_request_of(ctx, request)
     try:
         return encode_chat_with_tools(ctx.tokenizer, messages, tools,
                                       request.add_generation_prompt)
@@ -87,7 +92,7 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
         # Checked even when max_completion_tokens wins: the schema promises the limit.
         raise InvalidRequestError(f"max_tokens ({request.max_tokens}) must be below "
                                   f"max_model_len ({ctx.max_model_len})", "max_tokens")
-    tools = request.tool_request()
+    tools = tool_request_of(ctx, request)
     params = sampling_params_of(request, tools)
     prompt = render_prompt(ctx, request, tools)
     job = _Job(ctx, request, random_id("chatcmpl"), tools)

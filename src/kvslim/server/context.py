@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from kvslim.engine.embedding import POOLING_METHODS
 from kvslim.tokenizer.tokenizer import Tokenizer
 from kvslim.server.async_engine import AsyncEngine
 from kvslim.server.errors import model_not_found
 from kvslim.server.metrics import ServerMetrics
+from kvslim.tools.format import ToolFormat
+from kvslim.tools.registry import PARSER_CHOICES, tool_format
 
 
 def _option(default, help: str, choices: tuple | None = None):
@@ -21,7 +24,7 @@ class ServerOptions:
     tool_call_parser: str = _option(
         "auto", "how tool calls are read from the model's text (auto: the chat template's own "
         "format where it is unambiguous, else hermes)",
-        ("auto", "hermes", "llama3_json", "mistral", "qwen3"))
+        PARSER_CHOICES)
     reasoning_parser: str | None = _option(
         None, "return <think>...</think> as reasoning_content, apart from content",
         ("deepseek_r1", "qwen3"))
@@ -47,3 +50,8 @@ class ServerContext:
         """A request may omit `model`; if it names one, it must be the one we serve."""
         if name is not None and name != self.model_name:
             raise model_not_found(name)
+
+    @cached_property
+    def tool_format(self) -> ToolFormat:
+        """--tool-call-parser, "auto" read from the chat template once."""
+        return tool_format(self.options.tool_call_parser, self.tokenizer.chat_template)

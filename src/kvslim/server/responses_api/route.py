@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from kvslim.errors import InvalidRequestError
 from kvslim.server.async_engine import RequestStream
-from kvslim.server.chat import render_prompt, sampling_params_of
+from kvslim.server.chat import render_prompt, sampling_params_of, tool_request_of
 from kvslim.server.context import ServerContext
 from kvslim.server.errors import OpenAIError, validation_error
 from kvslim.server.responses_api.events import stream_events
@@ -95,7 +95,7 @@ def _job(ctx: ServerContext, store: ResponseStore, request: ResponsesRequest) ->
         raise error from None
     conversation = history + input_messages(request.input)
     try:
-        tools = chat.tool_request()
+        tools = tool_request_of(ctx, chat)
     except InvalidRequestError as e:
         e.param = RESPONSES_NAMES.get(e.param, e.param)
         raise
