@@ -44,9 +44,10 @@ ALLOWED = {
     # Structured outputs: grammars over the tokenizer, masks for the sampler; tools: their
     # rendering, parsing and forcing grammar, for the server and LLM.chat.
     "structured": BASE | {"tokenizer"},
-    "tools": BASE | {"tokenizer", "structured"},
-    # Reasoning (<think>...</think>) apart from the answer, for the server and LLM.chat.
+    # Reasoning (<think>...</think>) apart from the answer, for the server and LLM.chat; the
+    # tools' registry names its conventions beside the tool-call formats.
     "reasoning": BASE,
+    "tools": BASE | {"tokenizer", "structured", "reasoning"},
     "engine": KERNELS | {"models", "formats", "parallel", "kv_cache", "structured", "tools",
                          "reasoning", "drafters"},
     # Tensor parallelism shards models (and prices a rank's share with the planner's formulas);

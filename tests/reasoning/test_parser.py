@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvslim.errors import InvalidRequestError
-from kvslim.reasoning.parser import ReasoningStream, reasoning_format
+from kvslim.errors import ConfigError
+from kvslim.reasoning.parser import ReasoningStream
+from kvslim.tools.registry import reasoning_format
 
 CASES = {
     # text: (deepseek_r1, qwen3)
@@ -49,6 +50,6 @@ def test_any_cuts_give_the_whole_split(name, text):
 
 
 def test_unknown_parser_is_refused():
-    with pytest.raises(InvalidRequestError, match="unknown reasoning parser 'r2'"):
+    with pytest.raises(ConfigError, match="unknown reasoning parser 'r2'"):
         reasoning_format("r2")
     assert reasoning_format(None) is None

@@ -29,6 +29,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # cache (kv_cache/window.py) may run past max_position_embeddings. LongRoPE's long factors were
 # fitted for contexts up to the model's.
 ROPE_TYPES_PAST_CONTEXT = tuple(t for t in SUPPORTED_ROPE_TYPES if t != "longrope")
+# Those that scale frequencies only: no attention factor (yarn's) and no switch with the length
+# (LongRoPE's), so a converted model's RoPE is the source's frequencies (surgery/mla).
+FREQUENCY_ONLY_ROPE_TYPES = tuple(t for t in SUPPORTED_ROPE_TYPES if t not in ("yarn", "longrope"))
 # The fields each scaling cannot do without.
 _REQUIRED = {"yarn": ("factor", "original_max_position_embeddings"),
              "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}

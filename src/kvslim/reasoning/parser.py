@@ -2,28 +2,26 @@
 answer (DeepSeek-R1 and its distills, Qwen3) get their thinking returned as
 `reasoning_content`, the rest as `content` (vLLM's and SGLang's --reasoning-parser).
 
-Two conventions, by who opens the block:
-  * deepseek_r1: the chat template opens `<think>` in the prompt, so the answer starts inside
-    the thinking: everything up to `</think>` is reasoning (a leading `<think>` the model
-    writes itself is dropped); without `</think>` (the budget ran out) all of it is.
-  * qwen3: the model opens the block itself: reasoning only when the answer starts with
-    `<think>` (after blanks), up to `</think>` or the end; any other answer is all content
-    (thinking switched off).
+Two conventions, by who opens the block (`--reasoning-parser` names them after the families
+that use them, in tools/registry.py):
+  * PROMPT_OPENS (DeepSeek-R1): the chat template opens `<think>` in the prompt, so the answer
+    starts inside the thinking: everything up to `</think>` is reasoning (a leading `<think>`
+    the model writes itself is dropped); without `</think>` (the budget ran out) all of it is.
+  * MODEL_OPENS (Qwen3): the model opens the block itself: reasoning only when the answer
+    starts with `<think>` (after blanks), up to `</think>` or the end; any other answer is all
+    content (thinking switched off).
 `split` reads a whole answer; `ReasoningStream` the same answer in pieces, with the same
 result however the text is cut."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvslim.errors import InvalidRequestError
-
 START, END = "<think>", "</think>"
 
 
 @dataclass(frozen=True)
 class ReasoningFormat:
-    name: str
-    opened_by_prompt: bool           # deepseek_r1: the answer starts inside <think>
+    opened_by_prompt: bool           # the answer starts inside <think>
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content); None for an empty part."""
@@ -34,17 +32,8 @@ class ReasoningFormat:
         return reasoning or None, content or None
 
 
-FORMATS = {f.name: f for f in (ReasoningFormat("deepseek_r1", opened_by_prompt=True),
-                               ReasoningFormat("qwen3", opened_by_prompt=False))}
-
-
-def reasoning_format(name: str | None) -> ReasoningFormat | None:
-    if name is None:
-        return None
-    if name not in FORMATS:
-        raise InvalidRequestError(f"unknown reasoning parser {name!r}; choose one of "
-                                  f"{', '.join(FORMATS)}", "reasoning_parser")
-    return FORMATS[name]
+PROMPT_OPENS = ReasoningFormat(opened_by_prompt=True)
+MODEL_OPENS = ReasoningFormat(opened_by_prompt=False)
 
 
 class ReasoningStream:

@@ -10,7 +10,7 @@ from kvslim.server.async_engine import AsyncEngine
 from kvslim.server.errors import model_not_found
 from kvslim.server.metrics import ServerMetrics
 from kvslim.tools.format import ToolFormat
-from kvslim.tools.registry import PARSER_CHOICES, tool_format
+from kvslim.tools.registry import PARSER_CHOICES, REASONING_FORMATS, tool_format
 
 
 def _option(default, help: str, choices: tuple | None = None):
@@ -27,7 +27,7 @@ class ServerOptions:
         PARSER_CHOICES)
     reasoning_parser: str | None = _option(
         None, "return <think>...</think> as reasoning_content, apart from content",
-        ("deepseek_r1", "qwen3"))
+        tuple(REASONING_FORMATS))
     pooling: str = _option(
         "last", "/v1/embeddings: the final normed hidden state of the last token, or its mean "
         "over the input; L2-normalised", POOLING_METHODS)

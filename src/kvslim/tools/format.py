@@ -1,6 +1,6 @@
 """What every tool-call format provides, and the pieces they share.
 
-A format (hermes.py, llama3_json.py, mistral.py) is the text a model family writes to call a
+A format (hermes.py, plain_json.py, tool_calls_list.py) is the text a model family writes to call a
 function. It knows how to tell its calls apart from the answer's text (whole, or streamed one
 delta at a time), how to force calls with a grammar (tool_choice "required" or a named
 function), how to describe the tools to a model whose chat template does not, and which strings

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvslim.errors import KvslimError
+from kvslim.layers.rope import FREQUENCY_ONLY_ROPE_TYPES
 from kvslim.models.config import ModelConfig
 from kvslim.models.families import MLA_FAMILY, MLA_SOURCES
 
 METHODS = ("mha2mla", "transmla")
 LATENT_NORMS = ("calibrated", "exact")
-# RoPE scalings that are frequencies only (no attention factor, no switch with the length)
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = FREQUENCY_ONLY_ROPE_TYPES
 
 
 @dataclass(frozen=True)

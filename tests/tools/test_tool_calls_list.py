@@ -10,7 +10,7 @@ import re
 import pytest
 
 from kvslim.tools.chat import ToolRequest, encode_chat_with_tools
-from kvslim.tools.mistral import FORMAT, TOOL_CALLS
+from kvslim.tools.tool_calls_list import FORMAT, TOOL_CALLS
 from kvslim.tools.spec import ToolSpec
 from tool_checks import accepts, assistant_turn, cuts, family_tokenizer, lark, openai_calls, \
     stream

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvslim.tools.chat import fallback_messages
-from kvslim.tools.llama3_json import FORMAT, PYTHON_TAG
+from kvslim.tools.plain_json import FORMAT, PYTHON_TAG
 from kvslim.tools.spec import ToolSpec
 from tool_checks import accepts, assistant_turn, cuts, family_tokenizer, lark, openai_calls, \
     stream

@@ -151,5 +151,5 @@ def forcing_grammar(tools: list[ToolSpec], parallel: bool) -> str:
             f"call: %json {json.dumps(call_schema(tools, 'arguments'))}\n")
 
 
-FORMAT = ToolFormat("mistral", (TOOL_CALLS,), StreamParser, forcing_grammar, system_prompt,
+FORMAT = ToolFormat("tool_calls_list", (TOOL_CALLS,), StreamParser, forcing_grammar, system_prompt,
                     history_text)

@@ -111,5 +111,5 @@ def forcing_grammar(tools: list[ToolSpec], parallel: bool) -> str:
             f"call: %json {json.dumps(call_schema(tools, 'parameters'))}\n")
 
 
-FORMAT = ToolFormat("llama3_json", TEMPLATE_MARKERS, StreamParser, forcing_grammar,
+FORMAT = ToolFormat("plain_json", TEMPLATE_MARKERS, StreamParser, forcing_grammar,
                     system_prompt, history_text)
