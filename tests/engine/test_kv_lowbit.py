@@ -20,10 +20,12 @@ BLOCK = 4
 
 
 class LowBitReference:
-    """Dense attention over a [1, T] pass that sees K/V as the packed cache stores them."""
-    def __init__(self, bits: int, rotate: bool):
+    """Dense attention over a [1, T] pass that sees K/V as the packed cache stores them; a
+    layer with a sliding window (`windows`, per layer) sees the keys inside it."""
+    def __init__(self, bits: int, rotate: bool, windows=None):
         self.bits, self.rotate = bits, rotate
         self.residual = RESIDUAL_BLOCKS[bits]
+        self.windows = windows
 
     def caches_latent(self, layer_idx):
         return False
@@ -49,7 +51,11 @@ class LowBitReference:
         values = torch.where(own, v16.repeat_interleave(g, 1)[None],
                              vq.repeat_interleave(g, 1)[None])
         scores = torch.einsum("qhd,qkhd->qhk", q, keys) * scale
-        scores = scores.masked_fill(pos[None, None, :] > pos[:, None, None], float("-inf"))
+        hidden = pos[None, None, :] > pos[:, None, None]
+        window = self.windows[layer_idx] if self.windows else None
+        if window:
+            hidden |= pos[None, None, :] <= pos[:, None, None] - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out = torch.einsum("qhk,qkhd->qhd", scores.softmax(-1), values) @ rot.T
         return out[None].float()
 
@@ -58,12 +64,13 @@ def reference_logprobs(path, prompt, bits, rotate=False):
     model = load_model(path, dtype=torch.float32)
     x = torch.tensor([prompt])
     with torch.no_grad():
-        hidden = model(x, torch.arange(len(prompt))[None], attn=LowBitReference(bits, rotate))
+        attn = LowBitReference(bits, rotate, model.config.layer_sliding_windows)
+        hidden = model(x, torch.arange(len(prompt))[None], attn=attn)
         logp = model.compute_logits(hidden)[0].log_softmax(-1)
     return torch.tensor([logp[i, prompt[i + 1]] for i in range(len(prompt) - 1)])
 
 
-@pytest.mark.parametrize("variant", ["gqa", "mqa"])
+@pytest.mark.parametrize("variant", ["gqa", "mqa", "gemma3"])
 @pytest.mark.parametrize("bits,rotate", [(4, False), (2, False), (4, True)])
 def test_prompt_logprobs_equal_the_reference_of_the_same_arithmetic(hf_checkpoints, variant,
                                                                     bits, rotate):

@@ -119,6 +119,14 @@ class LowBitKVCacheLayer:
                                dtype=RECENT_DTYPE, device=device),
                    bits, hadamard(head_dim, device) if rotate else None)
 
+    def with_own_recent(self) -> "LowBitKVCacheLayer":
+        """A layer on the same pool with recent rows of its own: the layers at one position of
+        every KV-cache group share a pool (a block belongs to one group), but recent rows are
+        kept by sequence row and position, which every group's layer has."""
+        recent = (torch.zeros_like(self.recent_k), torch.zeros_like(self.recent_v))
+        return LowBitKVCacheLayer((self.k_codes, self.v_codes), self.key_params,
+                                  self.value_params, recent, self.bits, self.rotation)
+
     @property
     def block_size(self) -> int:
         return self.k_codes.shape[1]

@@ -121,9 +121,14 @@ class ModelRunner:
                 self.packed_bits,
                 self.config.kv_hadamard, self.device)
                 for layer in layers]
-            self.kv_cache, self.kv_scales = [t for s in storage for t in s.tensors()], None
-            self.kv_storage = storage
-            self.kv_caches = [storage[j] for j in self.kv_groups.position_of_layer()]
+            self.kv_storage, self.kv_caches, used = storage, [], set()
+            for j in self.kv_groups.position_of_layer():
+                self.kv_caches.append(storage[j] if j not in used else storage[j].with_own_recent())
+                used.add(j)
+            own = [c for c in self.kv_caches if c not in storage]
+            self.kv_cache = [t for s in storage for t in s.tensors()] + [
+                t for c in own for t in (c.recent_k, c.recent_v)]
+            self.kv_scales = None
             return
         shapes = ([(1, blocks, self.block_size, 1)] * len(layers) if mc.mla else
                   [(2, blocks, self.block_size, mc.kv_heads_of(layer)) for layer in layers])
