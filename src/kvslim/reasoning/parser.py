@@ -68,6 +68,14 @@ class ReasoningStream:
                 self.held = ""
                 return reasoning, content
 
+    def step(self, delta: str, finished: bool) -> tuple[str, str]:
+        """feed(delta), and finish() too when the answer ended with it."""
+        reasoning, content = self.feed(delta)
+        if finished:
+            rest = self.finish()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+        return reasoning, content
+
     def finish(self) -> tuple[str, str]:
         """What is held back, once the answer has ended."""
         held, self.held = self.held, ""

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvslim.engine.outputs import CompletionOutput, RequestOutput
 from kvslim.errors import InvalidRequestError, KvslimError
+from kvslim.reasoning.parser import ReasoningStream
 from kvslim.server.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from kvslim.server.completions import usage_of
 from kvslim.server.context import ServerContext
@@ -36,6 +37,7 @@ class _Job:
     created: int = field(default_factory=lambda: int(time.time()))
     finished: bool = False
     parsers: dict[int, StreamParser] = field(default_factory=dict)    # streaming, per choice
+    reasoners: dict[int, ReasoningStream] = field(default_factory=dict)
     calls: dict[int, int] = field(default_factory=dict)               # calls sent, per choice
 
     @property
@@ -116,8 +118,9 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
 def _response(job: _Job, output: RequestOutput) -> ChatCompletionResponse:
     choices = []
     for c in output.outputs:
-        content, calls = job.tools.parse(c.text)
-        message = AssistantMessage(content=content,
+        reasoning, answer = split_reasoning(job.ctx, c.text)
+        content, calls = job.tools.parse(answer) if answer is not None else (None, [])
+        message = AssistantMessage(content=content, reasoning_content=reasoning,
                                    tool_calls=[ToolCallOut(**call.openai()) for call in calls])
         choices.append(ChatChoice(index=c.index, message=message, logprobs=job.logprobs(c),
                                   finish_reason=_finish_reason(c, bool(calls)),
@@ -160,8 +163,9 @@ def _chunk_choice(job: _Job, c: CompletionOutput, done: set[int]) -> ChatStreamC
         return None
     new_tokens = len(c.delta_token_ids)
     logprobs = job.logprobs(c, delta=True) if new_tokens else None
-    text, calls = _split_delta(job, c)
-    if not text and not calls and not c.finished and logprobs is None:
+    reasoning, answer = _reason(job, c)
+    text, calls = _split_delta(job, c, answer)
+    if not (text or reasoning or calls or c.finished or logprobs is not None):
         return None
     if c.finished:
         done.add(c.index)
@@ -171,18 +175,32 @@ def _chunk_choice(job: _Job, c: CompletionOutput, done: set[int]) -> ChatStreamC
                             function={"name": call.name, "arguments": call.arguments})
               for i, call in enumerate(calls)]
     finish = _finish_reason(c, job.calls[c.index] > 0) if c.finished else None
-    return ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text or None,
-                                                              tool_calls=deltas or None),
+    delta = DeltaMessage(content=text or None, reasoning_content=reasoning or None,
+                         tool_calls=deltas or None)
+    return ChatStreamChoice(index=c.index, delta=delta,
                             logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason)
 
 
-def _split_delta(job: _Job, c: CompletionOutput) -> tuple[str, list[ToolCall]]:
-    """This step's text to show and the tool calls it completed (text that may open a call is
-    held back until it is known)."""
+def split_reasoning(ctx: ServerContext, text: str) -> tuple[str | None, str | None]:
+    """A whole answer's (reasoning, the rest) by --reasoning-parser; without one, all answer."""
+    return ctx.reasoning.split(text) if ctx.reasoning is not None else (None, text)
+
+
+def _reason(job: _Job, c: CompletionOutput) -> tuple[str, str]:
+    """This step's new (reasoning, answer) text (all answer without a reasoning parser)."""
+    if job.ctx.reasoning is None:
+        return "", c.delta_text or ""
+    stream = job.reasoners.setdefault(c.index, ReasoningStream(job.ctx.reasoning))
+    return stream.step(c.delta_text or "", c.finished)
+
+
+def _split_delta(job: _Job, c: CompletionOutput, text: str) -> tuple[str, list[ToolCall]]:
+    """This step's answer text to show and the tool calls it completed (text that may open a
+    call is held back until it is known)."""
     if not job.tools.parses_calls:
-        return c.delta_text or "", []
+        return text, []
     parser = job.parsers.setdefault(c.index, job.tools.stream_parser())
-    events = parser.feed(c.delta_text or "")
+    events = parser.feed(text)
     if c.finished:
         events += parser.finish()
     calls = [e for e in events if isinstance(e, ToolCall)]

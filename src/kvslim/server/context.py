@@ -10,7 +10,9 @@ from kvslim.server.async_engine import AsyncEngine
 from kvslim.server.errors import model_not_found
 from kvslim.server.metrics import ServerMetrics
 from kvslim.tools.format import ToolFormat
-from kvslim.tools.registry import PARSER_CHOICES, REASONING_FORMATS, tool_format
+from kvslim.reasoning.parser import ReasoningFormat
+from kvslim.tools.registry import (PARSER_CHOICES, REASONING_FORMATS, reasoning_format,
+                                   tool_format)
 
 
 def _option(default, help: str, choices: tuple | None = None):
@@ -55,3 +57,8 @@ class ServerContext:
     def tool_format(self) -> ToolFormat:
         """--tool-call-parser, "auto" read from the chat template once."""
         return tool_format(self.options.tool_call_parser, self.tokenizer.chat_template)
+
+    @cached_property
+    def reasoning(self) -> ReasoningFormat | None:
+        """--reasoning-parser's convention, or None."""
+        return reasoning_format(self.options.reasoning_parser)

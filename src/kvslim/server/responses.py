@@ -73,6 +73,7 @@ class ToolCallOut(_Response):
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None            # with --reasoning-parser
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
@@ -103,6 +104,7 @@ class DeltaToolCall(_Response):
 class DeltaMessage(_Response):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 

@@ -40,7 +40,21 @@ class FunctionCallOutput(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-OutputItem = Union[MessageOutput, FunctionCallOutput]
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningOutput(BaseModel):
+    """The thinking before the answer (--reasoning-parser)."""
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+
+
+OutputItem = Union[ReasoningOutput, MessageOutput, FunctionCallOutput]
 
 
 class InputTokensDetails(BaseModel):
@@ -96,11 +110,14 @@ class ResponseObject(BaseModel):
 
 
 def output_items(response_id: str, text: str | None, calls: list[ToolCall],
-                 status: str = "completed") -> list[OutputItem]:
-    """The answer's items: its text as one message (none when the answer is only calls), then
-    one function_call item per call. Ids derive from the response's, so that the items a stream
-    announced are the ones the final response lists."""
+                 status: str = "completed", reasoning: str | None = None) -> list[OutputItem]:
+    """The answer's items: its reasoning, if any, its text as one message (none when the answer
+    is only calls), then one function_call item per call. Ids derive from the response's, so
+    that the items a stream announced are the ones the final response lists."""
     items: list[OutputItem] = []
+    if reasoning:
+        items.append(ReasoningOutput(id=reasoning_id(response_id), status=status,
+                                     content=[ReasoningText(text=reasoning)]))
     if text or not calls:
         items.append(MessageOutput(id=message_id(response_id), status=status,
                                    content=[OutputText(text=text or "")]))
@@ -108,6 +125,10 @@ def output_items(response_id: str, text: str | None, calls: list[ToolCall],
                                  name=call.name, arguments=call.arguments)
               for i, call in enumerate(calls)]
     return items
+
+
+def reasoning_id(response_id: str) -> str:
+    return "rs_" + response_id.removeprefix("resp_")
 
 
 def message_id(response_id: str) -> str:

@@ -11,7 +11,8 @@ from pydantic import ValidationError
 
 from kvslim.errors import InvalidRequestError
 from kvslim.server.async_engine import RequestStream
-from kvslim.server.chat import render_prompt, sampling_params_of, tool_request_of
+from kvslim.server.chat import (render_prompt, sampling_params_of, split_reasoning,
+                                tool_request_of)
 from kvslim.server.context import ServerContext
 from kvslim.server.errors import OpenAIError, validation_error
 from kvslim.server.responses_api.events import stream_events
@@ -107,8 +108,9 @@ async def _whole(job: ResponseJob, stream: RequestStream) -> ResponseObject:
     try:
         async for _, output in stream:
             final = output
-        text, calls = job.tools.parse(final.outputs[0].text)
+        reasoning, answer = split_reasoning(job.ctx, final.outputs[0].text)
+        text, calls = job.tools.parse(answer) if answer is not None else (None, [])
         status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
-        return job.finish(final, output_items(job.id, text, calls, status))
+        return job.finish(final, output_items(job.id, text, calls, status, reasoning))
     finally:
         job.abort_unfinished()
