@@ -38,7 +38,7 @@ def test_schemathesis_all_checks_finds_no_failure(small_server, tmp_path):
                            "--no-color"], capture_output=True, text=True, timeout=600,
                           cwd=tmp_path, env=env)
     out = done.stdout
-    assert "API Operations" in out and "Tested: 8" in out, out[-3000:]
+    assert "API Operations" in out and "Tested: 12" in out, out[-3000:]
     failures = out[out.find("FAILURES"):]
     assert done.returncode == 0 and "Failures:" not in out, failures[:3000]
 

@@ -166,6 +166,7 @@ def test_function_call_items_equal_chat_tool_history(smol):
 @pytest.mark.parametrize("body, param", [
     ({}, "input"),
     ({"input": ""}, "input"),
+    ({"input": []}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "max_output_tokens": 10 ** 6}, "max_output_tokens"),

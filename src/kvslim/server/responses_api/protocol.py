@@ -3,7 +3,7 @@ messages, `instructions` to the system message, `text.format` to response_format
 function tools to chat's nested ones."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field
 
@@ -93,7 +93,7 @@ class ResponsesRequest(_Request):
             "anyOf": [{"const": "required"}, {"type": "object"}]}}},
         "then": {"required": ["tools"], "properties": {"tools": {"minItems": 1}}}})
     model: Optional[str] = None
-    input: Union[NonEmpty, list[InputItem]]
+    input: Union[NonEmpty, Annotated[list[InputItem], Field(min_length=1)]]
     instructions: Optional[str] = None
     max_output_tokens: Optional[_int(ge=1)] = None
     temperature: Optional[float] = Field(None, ge=0, le=2)
