@@ -6,6 +6,7 @@ state, written in the schema's descriptions instead (server/openapi.py) —
   * previous_response_id must name a stored response (none is, for generated cases);
   * each input to embed, as the server tokenizes it, must fit in max_model_len;
   * min_tokens must not exceed max_tokens;
+  * a JSON constraint's shortest document must fit in max_tokens;
   * tools name their functions once each, and a named tool_choice names one of them;
   * an output constraint (a JSON schema, JSON text of one, a regex, a grammar; the tools'
     parameter schemas when calls are forced) is one the grammar library compiles.
@@ -16,6 +17,7 @@ the server's own /tokenize, chat prompts with their tools, so the rule is the se
 token. Loaded with SCHEMATHESIS_HOOKS=<this file>; KVSLIM_SERVER_URL names the live server."""
 from __future__ import annotations
 
+import json
 import os
 
 import httpx
@@ -49,7 +51,7 @@ def filter_case(ctx, case) -> bool:
     if max_tokens is not None and body.get("min_tokens", 0) > max_tokens:
         return False
     if not _tools_agree(body.get("tools"), body.get("tool_choice")) \
-            or not _constraints_compile(body):
+            or not _constraints_compile(body) or not _shortest_json_fits(body, max_tokens):
         return False
     counts, limit = _prompt_counts(body, chat)
     if counts is None:                       # /tokenize refused it: the real request will too
@@ -115,6 +117,37 @@ def _constraints_compile(body: dict) -> bool:
             if llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)[0]:
                 return False
         except InvalidRequestError:
+            return False
+    return True
+
+
+def _shortest_json_fits(body: dict, max_tokens: int | None) -> bool:
+    """The server refuses a JSON constraint whose shortest document takes more tokens than
+    max_tokens; a token holds at least one byte, so one of at most max_tokens bytes fits (a
+    longer one may not: dropped, not guessed)."""
+    from kvslim.structured.schema_shape import SchemaShape, Unsupported
+    if max_tokens is None:
+        return True
+    rf = body.get("response_format") or {}
+    fields = body.get("structured_outputs") or {}
+    if rf.get("type") == "json_object" or fields.get("json_object"):
+        return max_tokens >= 2
+    schemas = [fields.get("json"), body.get("guided_json")]
+    if rf.get("type") == "json_schema" and isinstance(rf.get("json_schema"), dict):
+        schemas.append(rf["json_schema"].get("schema") or {})
+    for schema in schemas:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                continue
+        if not isinstance(schema, (dict, bool)):
+            continue
+        try:
+            shortest = SchemaShape(schema).root.min
+        except (Unsupported, RecursionError, TypeError, ValueError):
+            continue                     # closed by syntax alone: not refused for its length
+        if len(shortest) > max_tokens:
             return False
     return True
 

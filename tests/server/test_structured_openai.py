@@ -1,7 +1,8 @@
 """Structured outputs through the official openai client: on the shared tiny server, each
 constraint field in completions and chat, streamed or not; on SmolLM2, the fifty schemas of
 lab/kvslim_lab/bench/schema_suite.py, every answer parsed and validated with jsonschema, streamed and not,
-and json_object answers that parse whenever they end."""
+json_object answers that parse whenever they end, and json_schema answers that parse and
+validate at every max_tokens from the least their schema needs (one less is a 400)."""
 from __future__ import annotations
 
 import asyncio
@@ -116,3 +117,85 @@ def test_json_object_answers_that_end_parse(smol_server):
         assert isinstance(json.loads(text), dict), text
     for text, finish in answers:
         assert finish in ("stop", "length") and text.lstrip().startswith("{")
+
+
+# ---- SmolLM2: a json_schema answer parses whatever max_tokens ends it ----------------------
+ITEM = {"type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"]}
+CLOSED = {
+    # The report: greedy SmolLM2 runs a digit string inside "sku" until the budget is gone.
+    "skus": {"type": "object", "properties": {"items": {"type": "array", "items": ITEM}},
+             "required": ["items"]},
+    # Each item's string is followed by required fields: the string's own closing quote is
+    # not a closing the schema accepts.
+    "order": {"type": "object", "properties": {"items": {"type": "array", "minItems": 1,
+              "items": {"type": "object", "properties": {
+                  "sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1},
+                  "size": {"enum": ["small", "large"]}},
+                  "required": ["sku", "qty", "size"], "additionalProperties": False}}},
+              "required": ["items"], "additionalProperties": False},
+    "grid": {"type": "object", "properties": {
+        "name": {"type": "string", "minLength": 2},
+        "rows": {"type": "array", "minItems": 1, "items": {
+            "type": "array", "minItems": 2, "items": {"type": "number", "minimum": 0.5,
+                                                      "maximum": 9}}},
+        "unit": {"enum": ["cm", "inch"]}}, "required": ["name", "rows", "unit"]},
+}
+
+
+@pytest.fixture(scope="module")
+def smol_compiler(smollm2_dir):
+    """The server's tokenization of a closing: what the least max_tokens of a schema is."""
+    from kvslim.models.config import ModelConfig
+    from kvslim.structured.grammar import GrammarCompiler
+    from kvslim.tokenizer.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    return GrammarCompiler(tokenizer, ModelConfig.from_dir(smollm2_dir).vocab_size,
+                           tokenizer.eos_token_ids)
+
+
+async def _order(client, schema, max_tokens: int, stream: bool) -> tuple[str, str]:
+    common = dict(model="tiny", messages=[{"role": "user", "content": "Make a small shopping "
+                                           "order."}], max_tokens=max_tokens, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {
+                      "name": "order", "schema": schema, "strict": True}})
+    if not stream:
+        r = await client.chat.completions.create(**common)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    text, finish = [], None
+    async for chunk in await client.chat.completions.create(stream=True, **common):
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    return "".join(text), finish
+
+
+async def _orders(url: str, jobs):
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
+                                  timeout=600) as client:
+        return await asyncio.gather(*[_order(client, *job) for job in jobs],
+                                    return_exceptions=True)
+
+
+def test_json_schema_answers_parse_whatever_max_tokens_ends_them(smol_server, smol_compiler):
+    from kvslim.structured.schema_shape import SchemaShape
+    shortest = {name: SchemaShape(schema).root.min for name, schema in CLOSED.items()}
+    least = {name: len(smol_compiler.closing_tokens(text)) for name, text in shortest.items()}
+    jobs = [(name, m, stream) for name in CLOSED for stream in (False, True)
+            for m in range(least[name] - 1, 61)]
+    answers = asyncio.run(_orders(smol_server.url, [(CLOSED[n], m, s) for n, m, s in jobs]))
+    texts = {}
+    for (name, max_tokens, stream), answer in zip(jobs, answers):
+        if max_tokens < least[name]:                      # refused before it runs
+            assert isinstance(answer, openai.BadRequestError), answer
+            assert answer.body["param"] == "max_tokens"
+            assert answer.body["message"] == (
+                f"max_tokens ({max_tokens}) is too small for the JSON schema: its shortest "
+                f"JSON, {shortest[name].decode()}, takes {least[name]} tokens")
+            continue
+        text, finish = answer
+        jsonschema.validate(json.loads(text), CLOSED[name])
+        assert finish in ("stop", "length"), finish
+        texts.setdefault((name, max_tokens), []).append(text)
+    assert sum(map(len, texts.values())) == 2 * sum(61 - n for n in least.values())
+    assert all(whole == streamed for whole, streamed in texts.values())   # greedy: the same
+    assert json.loads(texts["skus", 60][0])["items"][0]["sku"]   # the model's digits, closed

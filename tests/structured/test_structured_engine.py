@@ -2,7 +2,8 @@
 noise, so whatever matches did so because of the mask): regex, choice and JSON outputs match;
 greedy output is the same alone and batched, under preemption, with prefix-cache hits and with
 speculative drafts; nothing is left behind after the end or an abort. A JSON answer that would
-run into max_tokens is closed instead: it parses, and only its end differs."""
+run into max_tokens is closed instead: it parses, and only its end differs; a schema's answer
+validates at every max_tokens from the least its schema takes (one less is refused)."""
 import json
 import re
 
@@ -12,6 +13,7 @@ import pytest
 from engine.engine_helpers import engine, run
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.errors import InvalidRequestError
+from structured.schema_instances import SCHEMAS
 
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 4, list(range(40, 60)), [3, 1, 4, 1, 5, 9],
            [100 + (i % 7) for i in range(30)]]
@@ -185,3 +187,80 @@ def test_the_compiled_step_gives_the_same_constrained_output(hf_checkpoints, mon
     assert texts(run(compiled, PROMPTS, params)) == texts(run(eager, PROMPTS, params))
     assert compiled.runner.decode_graphs.compilations > 0
     assert_clean(compiled)
+
+
+# ---- a schema's answers close as the schema asks --------------------------------------------
+# A string, then a required number: the random model never closes the string by itself, and the
+# syntax alone ('"}') is not what the schema accepts there.
+NOTE = {"type": "object", "properties": {"note": {"type": "string"},
+                                         "pages": {"type": "integer", "minimum": 10}},
+        "required": ["note", "pages"], "additionalProperties": False}
+CLOSED_SCHEMAS = {"note": NOTE, **SCHEMAS}
+
+
+def shortest(eng, schema) -> int:
+    """The tokens of the shortest JSON the schema allows: the least max_tokens it takes."""
+    from kvslim.structured.schema_shape import SchemaShape
+    return len(eng.grammar_compiler.closing_tokens(SchemaShape(schema).root.min))
+
+
+@pytest.mark.parametrize("name", list(CLOSED_SCHEMAS))
+def test_schema_answers_validate_whatever_max_tokens_is(hf_checkpoints, name):
+    schema = CLOSED_SCHEMAS[name]
+    eng = engine(hf_checkpoints["gqa"], block_size=4)
+    budgets = range(shortest(eng, schema), 61)
+    outs = run(eng, [PROMPTS[i % 4] for i in range(len(budgets))],
+               [constrained(max_tokens=m, constraint={"json": schema}, temperature=1.0, seed=m)
+                for m in budgets])
+    for max_tokens, out in zip(budgets, outs):
+        c = out.outputs[0]
+        jsonschema.validate(json.loads(c.text), schema)
+        assert len(c.token_ids) <= max_tokens
+    assert sum(o.outputs[0].finish_reason == "length" for o in outs) > len(budgets) // 2
+    assert_clean(eng)
+    assert not eng.structured.closers and not eng.structured.forced
+
+
+def test_a_budget_below_the_shortest_json_is_refused_before_queueing(hf_checkpoints):
+    eng = engine(hf_checkpoints["gqa"], block_size=4)
+    need = shortest(eng, NOTE)
+    with pytest.raises(InvalidRequestError, match=rf"max_tokens \({need - 1}\) is too small") as e:
+        eng.add_request(PROMPTS[0], constrained(max_tokens=need - 1, constraint={"json": NOTE}))
+    assert e.value.param == "max_tokens"
+    assert not eng.has_unfinished_requests() and not eng.structured.grammars
+    assert texts(run(eng, PROMPTS[:1], constrained(max_tokens=need, constraint={"json": NOTE}))
+                 ) == ['{"note":"","pages":10}']
+
+
+def test_schema_closing_changes_only_the_end_of_an_answer(hf_checkpoints):
+    from kvslim.structured.schema_closer import SchemaCloser
+    from kvslim.structured.schema_shape import SchemaShape
+    eng = engine(hf_checkpoints["gqa"], block_size=4)
+    params = dict(constraint={"json": NOTE}, temperature=1.0, seed=7)
+    long = run(eng, PROMPTS, constrained(max_tokens=200, **params))
+    short = run(eng, PROMPTS, constrained(max_tokens=30, **params))
+    as_bytes = eng.grammar_compiler.token_bytes
+    for whole, cut in zip(long, short):
+        a, b = whole.outputs[0].token_ids, cut.outputs[0].token_ids
+        if b[-1] in eng.eos_token_ids:                    # the grammar's end, then EOS
+            b = b[:-1]
+        k = next(i for i in range(len(b) + 1) if i == len(b) or b[i] != a[i])
+        closer = SchemaCloser(SchemaShape(NOTE))
+        closer.feed(as_bytes(a[:k]))
+        assert as_bytes(b) == as_bytes(a[:k]) + closer.closing()
+        assert cut.outputs[0].finish_reason == "length"
+
+
+def test_speculative_drafts_change_no_schema_closed_answer(hf_checkpoints):
+    plain = engine(hf_checkpoints["gqa"], block_size=4)
+    params = constrained(max_tokens=shortest(plain, SCHEMAS["order"]) + 6,
+                         constraint={"json": SCHEMAS["order"]})
+    expected = texts(run(plain, PROMPTS, params))
+    spec = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
+                prompt_lookup_max=3, disable_by_batch_size=None)
+    fast = engine(hf_checkpoints["gqa"], block_size=4, speculative=spec)
+    assert texts(run(fast, PROMPTS, params)) == expected
+    for text in expected:
+        jsonschema.validate(json.loads(text), SCHEMAS["order"])
+    assert fast.spec_decode_stats().num_draft_tokens > 0
+    assert_clean(fast)

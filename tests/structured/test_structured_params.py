@@ -61,3 +61,23 @@ def test_a_gbnf_grammar_is_accepted(compiler):
     grammar = compiler.compile(StructuredOutputsParams(grammar='root ::= "yes" | "no"'))
     matcher = compiler.matcher(grammar)
     assert not matcher.is_error()
+
+
+def test_a_budget_below_the_shortest_json_is_refused(compiler):
+    order = StructuredOutputsParams(json={"type": "object", "properties": {"items": {
+        "type": "array", "items": {"type": "object", "properties": {"sku": {"type": "string"}},
+                                   "required": ["sku"]}}}, "required": ["items"]},
+        param="response_format")
+    need = len(compiler.closing_tokens(b'{"items":[]}'))
+    assert compiler.compile(order, max_tokens=need)
+    with pytest.raises(InvalidRequestError, match=rf"max_tokens \({need - 1}\) is too small for "
+                       rf"the JSON schema: its shortest JSON, {{\"items\":\[\]}}, takes {need} "
+                       "tokens") as e:
+        compiler.compile(order, max_tokens=need - 1)
+    assert e.value.param == "max_tokens"
+    any_object = StructuredOutputsParams(json_object=True)
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        compiler.compile(any_object, max_tokens=len(compiler.closing_tokens(b"{}")) - 1)
+    # What closing cannot follow is not refused: its shortest JSON is not known.
+    assert compiler.compile(StructuredOutputsParams(json={"type": "string", "pattern": "a+"}),
+                            max_tokens=1)

@@ -140,7 +140,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, ids, params = self.input_processor.process(prompt, params)
-        grammar = (self.grammar_compiler.compile(params.structured_outputs)
+        grammar = (self.grammar_compiler.compile(params.structured_outputs, params.max_tokens)
                    if params.structured_outputs is not None else None)
         seq = Sequence(request_id=request_id, token_ids=list(ids), params=params,
                        block_size=self.config.block_size,

@@ -33,7 +33,9 @@ STREAMING = {"/v1/completions": SSE, "/v1/chat/completions": SSE,
              "/v1/responses": RESPONSES_SSE}
 # The rules between fields that JSON Schema cannot state: said in words, answered with a 400.
 RELATIONS = {"max_tokens": "The prompt's tokens, as the server renders it, plus max_tokens must "
-                           "not exceed max_model_len ({max_model_len}); a 400 otherwise.",
+                           "not exceed max_model_len ({max_model_len}); with a JSON output "
+                           "constraint, max_tokens must hold its shortest document; a 400 "
+                           "otherwise.",
              "min_tokens": "Must not exceed max_tokens; a 400 otherwise.",
              "tools": "Each function named once; a named tool_choice names one of them.",
              "tool_choice": "A named function must be one of tools' (a 400 otherwise)."}

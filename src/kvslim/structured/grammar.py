@@ -13,8 +13,10 @@ import threading
 from collections import OrderedDict
 
 from kvslim.errors import InvalidRequestError
-from kvslim.structured.json_closer import max_growth
+from kvslim.structured.json_closer import JsonCloser, max_growth
 from kvslim.structured.params import StructuredOutputsParams
+from kvslim.structured.schema_closer import SchemaCloser, probes_of
+from kvslim.structured.schema_shape import SchemaShape, Unsupported
 from kvslim.tokenizer.tokenizer import Tokenizer
 
 CACHE_SIZE = 256
@@ -42,6 +44,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._ll_tokenizer = None
         self._cache: OrderedDict[str, str] = OrderedDict()
+        self._shapes: dict[str, SchemaShape | None] = {}  # grammar -> what closing needs of it
 
     @property
     def ll_tokenizer(self):
@@ -58,20 +61,56 @@ class GrammarCompiler:
     def token_bytes(self, token_ids: list[int]) -> bytes:
         return self.ll_tokenizer.decode_bytes(list(token_ids))
 
+    def vocab_bytes(self) -> list[bytes]:
+        tok = self.ll_tokenizer
+        return [tok.decode_bytes([i]) for i in range(tok.vocab_size)]
+
     @functools.cached_property
     def json_growth(self) -> int:
         """The most one token can lengthen a JSON closing text (JsonCloser), over this
         vocabulary: computed once (50 ms for 49k tokens)."""
-        tok = self.ll_tokenizer
-        return max_growth([tok.decode_bytes([i]) for i in range(tok.vocab_size)])
+        return max_growth(self.vocab_bytes())
+
+    @functools.cached_property
+    def closing_probes(self) -> list[bytes]:
+        """The tokens a SchemaCloser feeds to measure what one token can add to its closing
+        (595 of SmolLM2's 49,152)."""
+        return probes_of(self.vocab_bytes())
+
+    @functools.cached_property
+    def closing_depth(self) -> int:
+        """How many open containers one token can reach: those it closes, and one more."""
+        return 1 + max([d.count(b"}") + d.count(b"]") for d in self.closing_probes] + [0])
+
+    def shape(self, grammar: str) -> SchemaShape | None:
+        """What closing needs of a JSON schema's grammar; None where the syntax alone closes
+        its answers (json_object, and schemas SchemaShape cannot follow)."""
+        return self._shapes.get(grammar)
+
+    def closer(self, shape: SchemaShape | None) -> JsonCloser:
+        return SchemaCloser(shape, self.closing_depth) if shape is not None else JsonCloser()
 
     @functools.lru_cache(maxsize=1024)
     def closing_tokens(self, closing: bytes) -> tuple[int, ...]:
         return tuple(self.ll_tokenizer.tokenize_bytes(closing))
 
-    def compile(self, params: StructuredOutputsParams) -> str:
+    def compile(self, params: StructuredOutputsParams, max_tokens: int | None = None) -> str:
         """The grammar for `params`; an InvalidRequestError naming `params.param` when the
-        library cannot build it (an invalid schema, a grammar feature it lacks)."""
+        library cannot build it (an invalid schema, a grammar feature it lacks), or naming
+        max_tokens when the shortest JSON the schema allows needs more tokens than that."""
+        grammar = self._compiled(params)
+        shape = self._shapes.get(grammar)
+        if max_tokens is not None and params.kind in ("json", "json_object"):
+            shortest = shape.root.min if shape is not None else b"{}" \
+                if params.kind == "json_object" else None
+            if shortest is not None and len(self.closing_tokens(shortest)) > max_tokens:
+                raise InvalidRequestError(
+                    f"max_tokens ({max_tokens}) is too small for {_what(params)}: its shortest "
+                    f"JSON, {shortest.decode()}, takes {len(self.closing_tokens(shortest))} "
+                    f"tokens", "max_tokens")
+        return grammar
+
+    def _compiled(self, params: StructuredOutputsParams) -> str:
         key = params.key
         with self._lock:
             if key in self._cache:
@@ -84,10 +123,12 @@ class GrammarCompiler:
         if is_error:
             raise InvalidRequestError(f"{_what(params)} cannot be compiled: "
                                       f"{_one_line(messages[0])}", params.param)
+        shape = _shape(params)
         with self._lock:
             self._cache[key] = grammar
+            self._shapes[grammar] = shape
             while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+                self._shapes.pop(self._cache.popitem(last=False)[1], None)
         return grammar
 
     def _grammar_text(self, params: StructuredOutputsParams) -> str:
@@ -114,6 +155,15 @@ class GrammarCompiler:
             raise InvalidRequestError(f"the grammar cannot be used: "
                                       f"{_one_line(matcher.get_error())}")
         return matcher
+
+
+def _shape(params: StructuredOutputsParams) -> SchemaShape | None:
+    if params.kind != "json":
+        return None
+    try:
+        return SchemaShape(params.json)
+    except (Unsupported, RecursionError, TypeError, ValueError):
+        return None                             # closed by syntax alone
 
 
 def _what(params: StructuredOutputsParams) -> str:

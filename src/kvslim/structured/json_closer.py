@@ -11,6 +11,7 @@ the open containers, and whether the text stands in a string, a number, a litera
 tokens (expecting a key, a colon, a value, or a comma)."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 # Modes between tokens, and inside one.
@@ -36,10 +37,12 @@ class JsonCloser:
     literal: bytes = b""        # what the open literal still needs
     broken: bool = False        # bytes no JSON grammar allows: closing is not attempted
     forcing: bool = False       # the manager has begun writing the closing (set by it)
+    plan: tuple[int, ...] | None = None  # the closing's tokens left to write (set by it)
 
     def copy(self) -> "JsonCloser":
-        return JsonCloser(list(self.stack), self.mode, self.first, self.is_key, self.escape,
-                          self.utf8_tail, self.number, self.literal, self.broken, self.forcing)
+        twin = copy.copy(self)
+        twin.stack = list(self.stack)
+        return twin
 
     def feed(self, data: bytes) -> None:
         for byte in data:
@@ -56,15 +59,16 @@ class JsonCloser:
         return self._finish_token() + b"".join(b"}" if c == ord("{") else b"]"
                                                for c in reversed(self.stack))
 
+    def cost(self, tokens_of) -> int:
+        """What writing the closing takes: at most one token a byte."""
+        return len(self.closing())
+
+    def closing_tokens(self, tokens_of) -> tuple[int, ...]:
+        return tuple(tokens_of(self.closing()))
+
     def _finish_token(self) -> bytes:
         if self.mode == STRING:
-            if self.escape == 0:
-                tail = b"n"
-            elif self.escape > 0:
-                tail = b"0" * (5 - self.escape)
-            else:
-                tail = self.utf8_tail
-            return tail + (b'":null' if self.is_key else b'"')
+            return self._pending() + (b'":null' if self.is_key else b'"')
         if self.mode == NUMBER:
             return b"0" if self.number in (b"-", b"+", b".", b"e", b"E") else b""
         if self.mode == LITERAL:
@@ -77,17 +81,22 @@ class JsonCloser:
             return b":null"
         return b""                                         # AFTER
 
+    def _pending(self) -> bytes:
+        """What completes the character the open string stands in (an escape, or UTF-8 bytes
+        a token split)."""
+        if self.escape == 0:
+            return b"n"
+        if self.escape > 0:
+            return b"0" * (5 - self.escape)
+        return self.utf8_tail
+
     # ---- the scanner ---------------------------------------------------------------------
     def _byte(self, b: int) -> None:
         mode = self.mode
         if mode == STRING:
             self._string_byte(b)
         elif mode == NUMBER:
-            if b in NUMBER_BYTES:
-                self.number = bytes([b])
-            else:
-                self.mode = AFTER
-                self._byte(b)
+            self._number_byte(b)
         elif mode == LITERAL:
             if self.literal[:1] == bytes([b]):
                 self.literal = self.literal[1:]
@@ -102,6 +111,7 @@ class JsonCloser:
         elif mode == KEY:
             if b == ord('"'):
                 self.mode, self.is_key, self.escape, self.first = STRING, True, -1, False
+                self._key_starts()
             elif b == ord("}") and self.first:
                 self._close()
             else:
@@ -116,6 +126,7 @@ class JsonCloser:
             self._close()
             return
         self.first = False
+        self._value_starts(b)
         if b in (ord("{"), ord("[")):
             self.stack.append(b)
             self.mode, self.first = (KEY if b == ord("{") else VALUE), True
@@ -127,6 +138,13 @@ class JsonCloser:
             self.mode, self.literal = LITERAL, LITERALS[b]
         else:
             self.broken = True
+
+    def _number_byte(self, b: int) -> None:
+        if b in NUMBER_BYTES:
+            self.number = bytes([b])
+        else:
+            self.mode = AFTER
+            self._byte(b)
 
     def _string_byte(self, b: int) -> None:
         if self.escape == 0:
@@ -163,6 +181,13 @@ class JsonCloser:
     def _close(self) -> None:
         self.stack.pop()
         self.mode, self.first = AFTER, False
+
+    # What a closer that follows a schema hears of (schema_closer.py): nothing here.
+    def _value_starts(self, b: int) -> None:
+        pass
+
+    def _key_starts(self) -> None:
+        pass
 
 
 def utf8_tail(lead: int) -> bytes:

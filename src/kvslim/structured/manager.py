@@ -7,9 +7,10 @@ sampler waits for them after the forward pass. A row of a speculative step score
 tokens before it: its mask is the grammar's state after those drafts, then the matcher is rolled
 back, so a draft the grammar forbids is rejected by the ordinary verification rule.
 
-A JSON answer (a schema, or any object) also keeps a `JsonCloser`: when what is left of
-`max_tokens` would no longer hold the closing text after one more free token, the rows allow
-only the closing's next token, so the answer ends as JSON that parses instead of being cut."""
+A JSON answer (a schema, or any object) also keeps a closer (a `SchemaCloser` where the schema
+allows, else a `JsonCloser`): when what is left of `max_tokens` would no longer hold the closing
+text after one more free token, the rows allow only the closing's next token, so the answer ends
+as JSON that parses (and matches its schema) instead of being cut."""
 from __future__ import annotations
 
 import time
@@ -21,6 +22,8 @@ import torch
 
 from kvslim.structured.grammar import GrammarCompiler, _llguidance
 from kvslim.structured.json_closer import JsonCloser
+from kvslim.structured.schema_closer import SchemaCloser
+from kvslim.structured.schema_shape import SchemaShape
 
 
 class Sequence(Protocol):
@@ -54,7 +57,8 @@ class StructuredOutputManager:
         self._pending: Future | None = None
         self._ready: dict[int, torch.Tensor] = {}
         self.errors: dict[str, str] = {}                 # request_id -> why its grammar failed
-        self.json_requests: set[str] = set()             # closed before max_tokens cuts them
+        # Closed before max_tokens cuts them: request_id -> what closing needs of its schema.
+        self.json_requests: dict[str, SchemaShape | None] = {}
         self.closers: dict[Key, JsonCloser] = {}
         self.forced: dict[Key, dict[int, int]] = {}      # row -> the closing token it allowed
         self.times = MaskTimes()
@@ -63,7 +67,7 @@ class StructuredOutputManager:
     def add_request(self, request_id: str, grammar: str, is_json: bool = False) -> None:
         self.grammars[request_id] = grammar
         if is_json:
-            self.json_requests.add(request_id)
+            self.json_requests[request_id] = self.compiler.shape(grammar)
 
     def is_constrained(self, seq: Sequence) -> bool:
         return seq.request_id in self.grammars
@@ -75,7 +79,7 @@ class StructuredOutputManager:
 
     def forget_request(self, request_id: str) -> None:
         self.grammars.pop(request_id, None)
-        self.json_requests.discard(request_id)
+        self.json_requests.pop(request_id, None)
         for table in (self.matchers, self.closers, self.forced):
             for key in [k for k in table if k[0] == request_id]:
                 del table[key]
@@ -98,7 +102,8 @@ class StructuredOutputManager:
                 self.errors.setdefault(seq.request_id, "the grammar rejected the output so far")
             self.matchers[key] = matcher
             if seq.request_id in self.json_requests and key not in self.closers:
-                self.closers[key] = closer = JsonCloser()
+                self.closers[key] = closer = self.compiler.closer(
+                    self.json_requests[seq.request_id])
                 closer.feed(self.compiler.token_bytes(seq.output_token_ids))
         return matcher
 
@@ -169,7 +174,7 @@ class StructuredOutputManager:
                 break
             consumed += 1
             if closer is not None:
-                closer.feed(self.compiler.token_bytes([drafts[i]]))
+                self._advance(closer, drafts[i], self.forced.get(_key(seq), {}).get(i))
         if consumed:
             matcher.rollback(consumed)
         return rows
@@ -177,23 +182,42 @@ class StructuredOutputManager:
     def _close_if_due(self, seq: Sequence, row: torch.Tensor, ahead: int,
                       closer: JsonCloser | None) -> None:
         """Row `ahead` of `seq`'s step allows only the next closing token once closing is due:
-        closing started already, or the closing text (at most one token a byte) plus the most
-        one free token could add (JsonCloser's max_growth) no longer fits in the budget left.
-        The invariant kept: after any free token, the closing still fits."""
+        closing started already, or what writing the closing takes (its `cost`: at most one
+        token a byte, or a SchemaCloser's count) plus the most one free token could add to it
+        (`_growth`) no longer fits in the budget left. The invariant kept: after any free
+        token, the closing still fits; once begun, it is written as the tokens it was cut into
+        then (`plan`, no more than its cost), so it never grows."""
         if ahead == 0:
             self.forced.pop(_key(seq), None)
         closing = closer.closing() if closer is not None else None
         if not closing:                            # not JSON, unknown, or already complete
             return
         budget = seq.params.max_tokens - len(seq.output_token_ids) - ahead
-        if not closer.forcing and len(closing) + self.compiler.json_growth < budget:
+        tokens_of = self.compiler.closing_tokens
+        if not closer.forcing and closer.cost(tokens_of) + self._growth(closer) < budget:
             return
-        token = self.compiler.closing_tokens(closing)[0]
-        if not allows(row, token):                 # the schema wants more than plain closing
+        token = closer.plan[0] if closer.plan else closer.closing_tokens(tokens_of)[0]
+        if not allows(row, token):                 # the grammar wants more than this closing
             return
         row.zero_()
         row[token // 32] = _bit(token % 32)
         self.forced.setdefault(_key(seq), {})[ahead] = token
+
+    def _growth(self, closer: JsonCloser) -> int:
+        if isinstance(closer, SchemaCloser) and not closer.lost:
+            return closer.growth_bound(self.compiler.closing_probes,
+                                       self.compiler.closing_tokens)
+        return self.compiler.json_growth
+
+    def _advance(self, closer: JsonCloser, token: int, forced: int | None) -> None:
+        """Feed a drawn token; the closing's first forced token begins it (its plan: the
+        closing's tokens), each later one is the plan's next."""
+        if closer.forcing:
+            closer.plan = closer.plan[1:] if closer.plan and closer.plan[0] == token else None
+        elif forced == token:
+            closer.forcing = True
+            closer.plan = closer.closing_tokens(self.compiler.closing_tokens)[1:]
+        closer.feed(self.compiler.token_bytes([token]))
 
     # ---- tokens --------------------------------------------------------------------------
     def accept(self, seq: Sequence, tokens: list[int], num_samples: int = 1) -> None:
@@ -229,9 +253,7 @@ class StructuredOutputManager:
             return
         forced = self.forced.pop(key, {})
         for i, token in enumerate(tokens):
-            if forced.get(i) == token:               # closing has begun: it goes on to the end
-                closer.forcing = True
-            closer.feed(self.compiler.token_bytes([token]))
+            self._advance(closer, token, forced.get(i))
 
     def take_errors(self) -> dict[str, str]:
         errors, self.errors = self.errors, {}

@@ -67,6 +67,9 @@ async def create_response(ctx: ServerContext, store: ResponseStore,
         raise
     try:
         stream = await ctx.engine.add([job.id], [prompt], params)
+    except InvalidRequestError as e:             # e.g. a JSON format that max_tokens cannot hold
+        e.param = RESPONSES_NAMES.get(e.param, e.param)
+        raise
     except asyncio.CancelledError:
         ctx.engine.abort([job.id])
         raise
