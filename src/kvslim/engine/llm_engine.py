@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 from kvslim.engine.beam_search import BeamSearch
 from kvslim.engine.block_manager import BlockManager
 from kvslim.engine.config import EngineConfig
-from kvslim.engine.embedding import embed_token_lists
 from kvslim.engine.input_processor import InputProcessor
 from kvslim.engine.long_rope import LongRopeSwitch
 from kvslim.engine.model_runner import ModelRunner, RunnerFeatures, kv_cache_plan_of
@@ -179,6 +178,7 @@ class LLMEngine:
         if self.parallel is not None:
             raise KvslimError("embeddings run on one rank, not with tensor_parallel_size > 1")
         ids = [self.input_processor.embedding_input(p) for p in prompts]
+        from kvslim.engine.embedding import embed_token_lists      # not with `import kvslim`
         vectors = embed_token_lists(self.model, ids, pooling, self.config.max_num_batched_tokens)
         return [EmbeddingOutput(v, t) for v, t in zip(vectors, ids)]
 

@@ -11,13 +11,15 @@ import functools
 import json
 import threading
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from kvslim.errors import InvalidRequestError
 from kvslim.structured.json_closer import JsonCloser, max_growth
 from kvslim.structured.params import StructuredOutputsParams
-from kvslim.structured.schema_closer import SchemaCloser, probes_of
-from kvslim.structured.schema_shape import SchemaShape, Unsupported
 from kvslim.tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvslim.structured.schema_shape import SchemaShape
 
 CACHE_SIZE = 256
 # JSON's whitespace between tokens: at most one line break, then up to 24 blanks (compact JSON,
@@ -75,6 +77,7 @@ class GrammarCompiler:
     def closing_probes(self) -> list[bytes]:
         """The tokens a SchemaCloser feeds to measure what one token can add to its closing
         (595 of SmolLM2's 49,152)."""
+        from kvslim.structured.schema_closer import probes_of   # schema answers only
         return probes_of(self.vocab_bytes())
 
     @functools.cached_property
@@ -88,7 +91,10 @@ class GrammarCompiler:
         return self._shapes.get(grammar)
 
     def closer(self, shape: SchemaShape | None) -> JsonCloser:
-        return SchemaCloser(shape, self.closing_depth) if shape is not None else JsonCloser()
+        if shape is None:
+            return JsonCloser()
+        from kvslim.structured.schema_closer import SchemaCloser      # schema answers only
+        return SchemaCloser(shape, self.closing_depth)
 
     @functools.lru_cache(maxsize=1024)
     def closing_tokens(self, closing: bytes) -> tuple[int, ...]:
@@ -160,6 +166,8 @@ class GrammarCompiler:
 def _shape(params: StructuredOutputsParams) -> SchemaShape | None:
     if params.kind != "json":
         return None
+    # Loaded with the first schema, not with `import kvslim` (tests/test_lab_boundary.py).
+    from kvslim.structured.schema_shape import SchemaShape, Unsupported
     try:
         return SchemaShape(params.json)
     except (Unsupported, RecursionError, TypeError, ValueError):

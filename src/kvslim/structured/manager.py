@@ -16,14 +16,15 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvslim.structured.grammar import GrammarCompiler, _llguidance
 from kvslim.structured.json_closer import JsonCloser
-from kvslim.structured.schema_closer import SchemaCloser
-from kvslim.structured.schema_shape import SchemaShape
+
+if TYPE_CHECKING:
+    from kvslim.structured.schema_shape import SchemaShape
 
 
 class Sequence(Protocol):
@@ -204,6 +205,7 @@ class StructuredOutputManager:
         self.forced.setdefault(_key(seq), {})[ahead] = token
 
     def _growth(self, closer: JsonCloser) -> int:
+        from kvslim.structured.schema_closer import SchemaCloser   # loaded by the closer's maker
         if isinstance(closer, SchemaCloser) and not closer.lost:
             return closer.growth_bound(self.compiler.closing_probes,
                                        self.compiler.closing_tokens)
