@@ -7,14 +7,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvslim.tools import hermes
-from kvslim.tools.spec import ToolSpec
+from tool_checks import TIME, TOOLS, WEATHER
 from tool_checks import accepts as _accepts
 
-WEATHER = ToolSpec("get_weather", "weather", {"type": "object", "properties": {
-    "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]})
-TIME = ToolSpec("get_time", "time", {"type": "object", "properties": {"tz": {"type": "string"}},
-                                     "required": ["tz"]})
-TOOLS = [WEATHER, TIME]
 
 ANSWER = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}'

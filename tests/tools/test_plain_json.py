@@ -8,16 +8,9 @@ import pytest
 
 from kvslim.tools.chat import fallback_messages
 from kvslim.tools.plain_json import FORMAT, PYTHON_TAG
-from kvslim.tools.spec import ToolSpec
-from tool_checks import accepts, assistant_turn, cuts, family_tokenizer, lark, openai_calls, \
-    stream
+from tool_checks import (TIME, TOOLS, USER, WEATHER, accepts, assistant_turn, cuts,
+                         family_tokenizer, lark, openai_calls, stream)
 
-WEATHER = ToolSpec("get_weather", "weather", {"type": "object", "properties": {
-    "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]})
-TIME = ToolSpec("get_time", "time", {"type": "object", "properties": {"tz": {"type": "string"}},
-                                     "required": ["tz"]})
-TOOLS = [WEATHER, TIME]
-USER = [{"role": "user", "content": "Weather in Paris, and the time there?"}]
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,10 @@ import pytest
 
 from kvslim.tools.chat import ToolRequest, encode_chat_with_tools
 from kvslim.tools.tool_calls_list import FORMAT, TOOL_CALLS
-from kvslim.tools.spec import ToolSpec
-from tool_checks import accepts, assistant_turn, cuts, family_tokenizer, lark, openai_calls, \
-    stream
+from tool_checks import (TIME, TOOLS, USER, WEATHER, accepts, assistant_turn, cuts,
+                         family_tokenizer, lark, openai_calls, stream)
 
-WEATHER = ToolSpec("get_weather", "weather", {"type": "object", "properties": {
-    "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]})
-TIME = ToolSpec("get_time", "time", {"type": "object", "properties": {"tz": {"type": "string"}},
-                                     "required": ["tz"]})
-TOOLS = [WEATHER, TIME]
 OPENAI_TOOLS = [t.openai() for t in TOOLS]
-USER = [{"role": "user", "content": "Weather in Paris, and the time there?"}]
 CALLS = [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"tz": "Europe/Paris"})]
 SPECIALS = {"bos_token": "<s>", "eos_token": "</s>"}
 

@@ -14,6 +14,13 @@ from kvslim.tools.format import ToolFormat
 from kvslim.tools.spec import ToolSpec
 
 TEMPLATES = Path(__file__).parent / "templates"
+# The tools every format's tests call.
+WEATHER = ToolSpec("get_weather", "weather", {"type": "object", "properties": {
+    "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]})
+TIME = ToolSpec("get_time", "time", {"type": "object", "properties": {"tz": {"type": "string"}},
+                                     "required": ["tz"]})
+TOOLS = [WEATHER, TIME]
+USER = [{"role": "user", "content": "Weather in Paris, and the time there?"}]
 
 
 def accepts(grammar: str, text: str) -> bool:

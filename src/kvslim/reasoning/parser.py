@@ -56,7 +56,7 @@ class ReasoningStream:
             elif self.state == "reasoning":
                 at = self.held.find(END)
                 if at < 0:
-                    keep = _tag_prefix(self.held, END)
+                    keep = partial_suffix(self.held, END)
                     reasoning += self.held[:len(self.held) - keep]
                     self.held = self.held[len(self.held) - keep:]
                     return reasoning, content
@@ -96,8 +96,9 @@ class ReasoningStream:
         return True
 
 
-def _tag_prefix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
+def partial_suffix(text: str, tag: str) -> int:
+    """How many trailing characters of `text` could begin `tag` (held back by a stream parser
+    until the next piece decides; tools/format.py's parsers too)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
             return n

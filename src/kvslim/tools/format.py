@@ -89,14 +89,6 @@ def decode_json(text: str, start: int) -> tuple[Any, int] | None:
         return None
 
 
-def partial_suffix(text: str, tag: str) -> int:
-    """How many trailing characters of `text` could begin `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 def arguments_of(arguments: Any) -> Any:
     """An earlier call's arguments as a mapping where they are JSON text of one (OpenAI sends
     text, templates and the formats' own text want the object)."""

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvslim.reasoning.parser import partial_suffix
 from kvslim.tools.format import (Event, ToolFormat, arguments_of, call_of, call_schema,
-                                 parse_whole, partial_suffix)
+                                 parse_whole)
 from kvslim.tools.spec import ToolCall, ToolSpec
 
 START, END = "<tool_call>", "</tool_call>"

@@ -17,8 +17,9 @@ import random
 import string
 from typing import Any
 
+from kvslim.reasoning.parser import partial_suffix
 from kvslim.tools.format import (Event, ToolFormat, arguments_of, call_of, call_schema,
-                                 decode_json, partial_suffix)
+                                 decode_json)
 from kvslim.tools.spec import ToolCall, ToolSpec
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
