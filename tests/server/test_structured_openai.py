@@ -62,10 +62,8 @@ def test_json_object_on_the_tiny_model_parses(client):
 
 
 # ---- SmolLM2: the fifty schemas ----------------------------------------------------------
-async def _answer(client, case, stream: bool, response_format) -> tuple[str, str]:
-    messages = [{"role": "user", "content": case.prompt}]
-    common = dict(model="tiny", messages=messages, max_tokens=300, temperature=0,
-                  response_format=response_format)
+async def _create(client, stream: bool, **common) -> tuple[str, str]:
+    """A chat answer's text and finish_reason, whole or put together from its stream."""
     if not stream:
         r = await client.chat.completions.create(**common)
         return r.choices[0].message.content, r.choices[0].finish_reason
@@ -75,6 +73,13 @@ async def _answer(client, case, stream: bool, response_format) -> tuple[str, str
             text.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish
     return "".join(text), finish
+
+
+async def _answer(client, case, stream: bool, response_format) -> tuple[str, str]:
+    messages = [{"role": "user", "content": case.prompt}]
+    common = dict(model="tiny", messages=messages, max_tokens=300, temperature=0,
+                  response_format=response_format)
+    return await _create(client, stream, **common)
 
 
 def _json_schema(case):
@@ -158,15 +163,7 @@ async def _order(client, schema, max_tokens: int, stream: bool) -> tuple[str, st
                                            "order."}], max_tokens=max_tokens, temperature=0,
                   response_format={"type": "json_schema", "json_schema": {
                       "name": "order", "schema": schema, "strict": True}})
-    if not stream:
-        r = await client.chat.completions.create(**common)
-        return r.choices[0].message.content, r.choices[0].finish_reason
-    text, finish = [], None
-    async for chunk in await client.chat.completions.create(stream=True, **common):
-        if chunk.choices:
-            text.append(chunk.choices[0].delta.content or "")
-            finish = chunk.choices[0].finish_reason or finish
-    return "".join(text), finish
+    return await _create(client, stream, **common)
 
 
 async def _orders(url: str, jobs):

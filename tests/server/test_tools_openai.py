@@ -55,6 +55,18 @@ def _assert_valid(calls, names, id_pattern="call_[0-9a-f]{24}"):
         assert re.fullmatch(id_pattern, call.id) and call.type == "function"
 
 
+def _assert_streamed_as_whole(client, whole, **kwargs) -> None:
+    """The same request streamed (the client's helper reassembles the deltas) makes the same
+    calls as `whole`, and finishes with "tool_calls"."""
+    with client.chat.completions.stream(**kwargs) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
 @pytest.mark.parametrize("question", QUESTIONS)
 def test_required_always_yields_valid_calls(smol, question):
     r = smol.chat.completions.create(model="tiny", messages=[{"role": "user", "content": question}],
@@ -74,15 +86,9 @@ def test_a_named_function_streamed_and_not(smol):
                                          max_tokens=100, temperature=0).choices[0]
     _assert_valid(whole.message.tool_calls, {"get_time"})
     assert len(whole.message.tool_calls) == 1
-    with smol.chat.completions.stream(model="tiny", messages=messages, tools=TOOLS,
-                                      tool_choice=named, parallel_tool_calls=False,
-                                      max_tokens=100, temperature=0) as stream:
-        for _ in stream:
-            pass
-        streamed = stream.get_final_completion().choices[0]
-    assert streamed.finish_reason == "tool_calls"
-    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
-        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    _assert_streamed_as_whole(smol, whole, model="tiny", messages=messages, tools=TOOLS,
+                              tool_choice=named, parallel_tool_calls=False, max_tokens=100,
+                              temperature=0)
 
 
 def test_auto_parses_the_models_own_call_and_a_result_continues(smol):
@@ -179,13 +185,7 @@ def test_family_required_and_named_calls(family):
     whole = client.chat.completions.create(**kwargs).choices[0]
     _assert_valid(whole.message.tool_calls, {"get_time"}, CALL_IDS[name])
     assert len(whole.message.tool_calls) == 1
-    with client.chat.completions.stream(**kwargs) as stream:
-        for _ in stream:
-            pass
-        streamed = stream.get_final_completion().choices[0]
-    assert streamed.finish_reason == "tool_calls"
-    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
-        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    _assert_streamed_as_whole(client, whole, **kwargs)
 
 
 def test_family_auto_reads_its_own_call_and_the_template_renders_the_result(family):
