@@ -43,7 +43,7 @@ ALLOWED = {
     "kv_cache": BASE | {"attention", "models"},
     # Structured outputs: grammars over the tokenizer, masks for the sampler; tools: their
     # rendering, parsing and forcing grammar, for the server and LLM.chat.
-    "structured": BASE | {"tokenizer"},
+    "structured": BASE | {"tokenizer", "reasoning"},
     # Reasoning (<think>...</think>) apart from the answer, for the server and LLM.chat; the
     # tools' registry names its conventions beside the tool-call formats.
     "reasoning": BASE,

@@ -1,12 +1,12 @@
-"""The offline API: which import of a model it runs, generate (order, per-prompt params), chat,
-stream, embed, stats, bad input."""
+"""The offline API: which import of a model it runs, generate (order, per-prompt params), chat
+(and its reasoning parser), stream, embed, stats, bad input."""
 import pytest
 from gguf import GGMLQuantizationType as Q
 
 from engine_helpers import GREEDY
 from gguf_files import write_tiny_gguf
 from kvslim import LLM, SamplingParams
-from kvslim.errors import InvalidRequestError
+from kvslim.errors import ConfigError, InvalidRequestError
 from kvslim.formats import registry
 from kvslim.models.config import ModelConfig
 
@@ -48,6 +48,22 @@ def test_chat_applies_the_template(llm):
     expected = llm.tokenizer.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
                                     add_special_tokens=False)
     assert out.prompt_token_ids == expected
+
+
+def test_chat_with_a_reasoning_parser_binds_the_answer_after_the_thinking(llm):
+    import json
+    from kvslim.reasoning.parser import PROMPT_OPENS
+    from kvslim.structured.params import StructuredOutputsParams
+    params = SamplingParams(max_tokens=40, temperature=0.0,
+                            structured_outputs=StructuredOutputsParams(json_object=True))
+    conv = [{"role": "user", "content": "hello"}]
+    bound = llm.chat(conv, params, use_tqdm=False)[0].outputs[0].text
+    after = llm.chat(conv, params, use_tqdm=False, reasoning_parser="deepseek_r1")[0]
+    reasoning, answer = PROMPT_OPENS.split(after.outputs[0].text)
+    assert isinstance(json.loads(bound), dict) and isinstance(json.loads(answer), dict)
+    assert reasoning
+    with pytest.raises(ConfigError, match="unknown reasoning parser 'nope'"):
+        llm.chat(conv, params, use_tqdm=False, reasoning_parser="nope")
 
 
 def test_a_bad_prompt_adds_nothing(llm):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 
@@ -115,3 +116,48 @@ def test_responses_list_a_reasoning_item_before_the_message(engine, monkeypatch)
     types = [e.type for e in events]
     assert types.index("response.reasoning_text.done") < types.index(
         "response.output_text.delta")
+
+
+NUMBER = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+NUMBER_FORMAT = {"type": "json_schema", "json_schema": {"name": "number", "schema": NUMBER}}
+
+
+def serve_engine(engine, parser: str):
+    return serve_in_thread(build_app(engine, "tiny", options=ServerOptions(
+        reasoning_parser=parser)))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_binds_the_answer_after_the_thinking(engine, stream):
+    """The tiny random model thinks its own text until the budget asks for the answer: the
+    thinking is returned apart, the content validates."""
+    with serve_engine(engine, "deepseek_r1") as url:
+        answer = chat(url, stream=stream, max_tokens=60, temperature=0,
+                      response_format=NUMBER_FORMAT)
+        if not stream:
+            message = answer.choices[0].message
+            reasoning, content = message.reasoning_content, message.content
+        else:
+            deltas = [c.choices[0].delta for c in answer if c.choices]
+            reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+            content = "".join(d.content or "" for d in deltas)
+    assert reasoning and "</think>" not in reasoning
+    jsonschema.validate(json.loads(content), NUMBER)
+
+
+def test_responses_bind_the_output_text_after_the_reasoning_item(engine):
+    with serve_engine(engine, "deepseek_r1") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        whole = client.responses.create(model="tiny", input="2 + 2?", max_output_tokens=60,
+                                        temperature=0, text={"format": {
+                                            "type": "json_schema", "name": "number",
+                                            "schema": NUMBER}})
+    assert [i.type for i in whole.output] == ["reasoning", "message"]
+    jsonschema.validate(json.loads(whole.output_text), NUMBER)
+
+
+def test_a_budget_that_cannot_end_the_thinking_is_a_400(engine):
+    with serve_engine(engine, "deepseek_r1") as url:
+        with pytest.raises(openai.BadRequestError, match="end the thinking") as e:
+            chat(url, max_tokens=8, response_format=NUMBER_FORMAT)
+    assert e.value.body["param"] == "max_tokens"

@@ -57,23 +57,31 @@ class LLM:
              use_tqdm: bool = True, tools: list[dict] | None = None,
              tool_choice: str | dict | None = None,
              parallel_tool_calls: bool = True,
-             tool_call_parser: str = "auto") -> list[RequestOutput]:
+             tool_call_parser: str = "auto",
+             reasoning_parser: str | None = None) -> list[RequestOutput]:
         """`tools` (OpenAI's format) are laid out as the server lays them out
         (tools/chat.py), in the format `tool_call_parser` names (as `kvslim serve
         --tool-call-parser`); tool_choice "required" or a named function forces calls; each
-        completion's `tool_calls` holds the calls parsed from its text."""
+        completion's `tool_calls` holds the calls parsed from its text. `reasoning_parser` (as
+        `kvslim serve --reasoning-parser`): an output constraint binds the answer after the
+        thinking; the text keeps both."""
         from dataclasses import replace
         from kvslim.tools.chat import ToolRequest, encode_chat_with_tools
-        from kvslim.tools.registry import tool_format
+        from kvslim.tools.registry import reasoning_format, tool_format
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         request = ToolRequest.of(tools, tool_choice, parallel_tool_calls,
                                  tool_format(tool_call_parser, self.tokenizer.chat_template))
         prompts = [encode_chat_with_tools(self.tokenizer, c, request) for c in conversations]
+        params = _per_prompt(params, len(prompts))
         forcing = request.forcing()
         if forcing is not None:
-            params = [replace(p, structured_outputs=forcing)
-                      for p in _per_prompt(params, len(prompts))]
+            params = [replace(p, structured_outputs=forcing) for p in params]
+        reasoning = reasoning_format(reasoning_parser)
+        if reasoning is not None:
+            params = [replace(p, structured_outputs=replace(p.structured_outputs,
+                                                            reasoning=reasoning))
+                      if p.structured_outputs is not None else p for p in params]
         outputs = self.generate(prompts, params, use_tqdm)
         if request.parses_calls:
             for out in outputs:

@@ -147,8 +147,9 @@ class LLMEngine:
         self.requests[request_id] = self.output_processor.new_request(request_id, text, ids,
                                                                       params, seq)
         if grammar is not None:
-            self.structured.add_request(request_id, grammar,
-                                        params.structured_outputs.kind in ("json", "json_object"))
+            so = params.structured_outputs
+            self.structured.add_request(request_id, grammar, so.kind in ("json", "json_object"),
+                                        so.reasoning)
         if params.use_beam_search:
             self.beams.add(self.requests[request_id])
         self.scheduler.add(seq)

@@ -76,7 +76,9 @@ def render_prompt(ctx: ServerContext, request: ChatCompletionRequest,
         raise InvalidRequestError(str(e), "messages") from None
 
 
-def sampling_params_of(request: ChatCompletionRequest, tools: ToolRequest):
+def sampling_params_of(ctx: ServerContext, request: ChatCompletionRequest, tools: ToolRequest):
+    """The request's sampling; its output constraint (a format, or forced tool calls) binds
+    the answer after the thinking under --reasoning-parser."""
     params = request.to_sampling_params()
     forcing = tools.forcing()
     if forcing is not None:
@@ -85,6 +87,8 @@ def sampling_params_of(request: ChatCompletionRequest, tools: ToolRequest):
                                       f"which leaves no room for {params.structured_outputs.param}",
                                       "tool_choice")
         params.structured_outputs = forcing
+    if params.structured_outputs is not None and ctx.reasoning is not None:
+        params.structured_outputs = replace(params.structured_outputs, reasoning=ctx.reasoning)
     return params
 
 
@@ -95,7 +99,7 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
         raise InvalidRequestError(f"max_tokens ({request.max_tokens}) must be below "
                                   f"max_model_len ({ctx.max_model_len})", "max_tokens")
     tools = tool_request_of(ctx, request)
-    params = sampling_params_of(request, tools)
+    params = sampling_params_of(ctx, request, tools)
     prompt = render_prompt(ctx, request, tools)
     job = _Job(ctx, request, random_id("chatcmpl"), tools)
     try:

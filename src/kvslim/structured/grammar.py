@@ -109,12 +109,17 @@ class GrammarCompiler:
         if max_tokens is not None and params.kind in ("json", "json_object"):
             shortest = shape.root.min if shape is not None else b"{}" \
                 if params.kind == "json_object" else None
-            if shortest is not None and len(self.closing_tokens(shortest)) > max_tokens:
+            if shortest is not None and self._shortest_cost(params, shortest) > max_tokens:
                 raise InvalidRequestError(
                     f"max_tokens ({max_tokens}) is too small for {_what(params)}: its shortest "
                     f"JSON, {shortest.decode()}, takes {len(self.closing_tokens(shortest))} "
-                    f"tokens", "max_tokens")
+                    f"tokens{_after_thinking(params, self.closing_tokens)}", "max_tokens")
         return grammar
+
+    def _shortest_cost(self, params: StructuredOutputsParams, shortest: bytes) -> int:
+        """The tokens of the shortest answer, and of the `</think>` before it where the prompt
+        opens the thinking."""
+        return len(self.closing_tokens(shortest)) + _thinking_end(params, self.closing_tokens)
 
     def _compiled(self, params: StructuredOutputsParams) -> str:
         key = params.key
@@ -123,6 +128,10 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         grammar = self._grammar_text(params)
+        if params.reasoning is not None:
+            from kvslim.structured.after_reasoning import wrap_after_reasoning
+            grammar = wrap_after_reasoning(grammar, params.reasoning,
+                                           params.kind in ("json", "json_object"))
         llg = _llguidance()
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar,
                                                                            self.ll_tokenizer)
@@ -177,6 +186,20 @@ def _shape(params: StructuredOutputsParams) -> SchemaShape | None:
 def _what(params: StructuredOutputsParams) -> str:
     return {"json": "the JSON schema", "json_object": "the JSON grammar", "regex": "the regex",
             "choice": "the choice list", "grammar": "the grammar"}[params.kind]
+
+
+def _thinking_end(params: StructuredOutputsParams, tokens_of) -> int:
+    """The tokens of the `</think>` an answer needs first: where the prompt opens the thinking
+    (a model that opens it itself may answer without it)."""
+    if params.reasoning is None or not params.reasoning.opened_by_prompt:
+        return 0
+    from kvslim.reasoning.parser import END
+    return len(tokens_of(END.encode()))
+
+
+def _after_thinking(params: StructuredOutputsParams, tokens_of) -> str:
+    n = _thinking_end(params, tokens_of)
+    return f", after the {n} tokens that end the thinking" if n else ""
 
 
 def _one_line(message: str) -> str:

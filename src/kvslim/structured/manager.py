@@ -10,7 +10,9 @@ back, so a draft the grammar forbids is rejected by the ordinary verification ru
 A JSON answer (a schema, or any object) also keeps a closer (a `SchemaCloser` where the schema
 allows, else a `JsonCloser`): when what is left of `max_tokens` would no longer hold the closing
 text after one more free token, the rows allow only the closing's next token, so the answer ends
-as JSON that parses (and matches its schema) instead of being cut."""
+as JSON that parses (and matches its schema) instead of being cut. Behind a reasoning parser's
+thinking, the closer is a `ThinkingCloser`: a closing due while the model thinks writes
+`</think>` first."""
 from __future__ import annotations
 
 import time
@@ -24,6 +26,7 @@ from kvslim.structured.grammar import GrammarCompiler, _llguidance
 from kvslim.structured.json_closer import JsonCloser
 
 if TYPE_CHECKING:
+    from kvslim.reasoning.parser import ReasoningFormat
     from kvslim.structured.schema_shape import SchemaShape
 
 
@@ -61,14 +64,20 @@ class StructuredOutputManager:
         # Closed before max_tokens cuts them: request_id -> what closing needs of its schema.
         self.json_requests: dict[str, SchemaShape | None] = {}
         self.closers: dict[Key, JsonCloser] = {}
+        self.reasoning: dict[str, ReasoningFormat] = {}    # request_id -> its thinking's tags
         self.forced: dict[Key, dict[int, int]] = {}      # row -> the closing token it allowed
         self.times = MaskTimes()
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, request_id: str, grammar: str, is_json: bool = False) -> None:
+    def add_request(self, request_id: str, grammar: str, is_json: bool = False,
+                    reasoning: ReasoningFormat | None = None) -> None:
+        """`reasoning`: the grammar binds the answer after the thinking (compiled so); a JSON
+        answer's closing then ends the thinking first."""
         self.grammars[request_id] = grammar
         if is_json:
             self.json_requests[request_id] = self.compiler.shape(grammar)
+        if reasoning is not None:
+            self.reasoning[request_id] = reasoning
 
     def is_constrained(self, seq: Sequence) -> bool:
         return seq.request_id in self.grammars
@@ -81,6 +90,7 @@ class StructuredOutputManager:
     def forget_request(self, request_id: str) -> None:
         self.grammars.pop(request_id, None)
         self.json_requests.pop(request_id, None)
+        self.reasoning.pop(request_id, None)
         for table in (self.matchers, self.closers, self.forced):
             for key in [k for k in table if k[0] == request_id]:
                 del table[key]
@@ -103,10 +113,16 @@ class StructuredOutputManager:
                 self.errors.setdefault(seq.request_id, "the grammar rejected the output so far")
             self.matchers[key] = matcher
             if seq.request_id in self.json_requests and key not in self.closers:
-                self.closers[key] = closer = self.compiler.closer(
-                    self.json_requests[seq.request_id])
+                self.closers[key] = closer = self._closer(seq.request_id)
                 closer.feed(self.compiler.token_bytes(seq.output_token_ids))
         return matcher
+
+    def _closer(self, request_id: str):
+        closer = self.compiler.closer(self.json_requests[request_id])
+        if request_id not in self.reasoning:
+            return closer
+        from kvslim.structured.after_reasoning import ThinkingCloser
+        return ThinkingCloser(closer, self.reasoning[request_id])
 
     # ---- masks ---------------------------------------------------------------------------
     def start_masks(self, items: list[tuple[Sequence, list[int]]]) -> None:
@@ -206,6 +222,8 @@ class StructuredOutputManager:
 
     def _growth(self, closer: JsonCloser) -> int:
         from kvslim.structured.schema_closer import SchemaCloser   # loaded by the closer's maker
+        if hasattr(closer, "inner"):                       # a ThinkingCloser
+            return max(closer.growth(self.compiler.closing_tokens), self._growth(closer.inner))
         if isinstance(closer, SchemaCloser) and not closer.lost:
             return closer.growth_bound(self.compiler.closing_probes,
                                        self.compiler.closing_tokens)

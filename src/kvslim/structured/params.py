@@ -4,14 +4,18 @@ vLLM's names (`SamplingParams(structured_outputs=StructuredOutputsParams(json=..
 
 `param` is the request field the constraint came from ("response_format", "tool_choice",
 "structured_outputs", ...), so that a schema the grammar library refuses is a 400 naming the
-field the user wrote."""
+field the user wrote. `reasoning` (a reasoning parser's convention) moves the constraint past the
+thinking: it binds the answer after `</think>` (structured/after_reasoning.py)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvslim.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvslim.reasoning.parser import ReasoningFormat
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -24,6 +28,8 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None                    # Lark, or GBNF (llama.cpp's grammars)
     param: str = field(default="structured_outputs", compare=False)
+    # Set by a reasoning parser: the constraint binds the answer after the thinking.
+    reasoning: ReasoningFormat | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -67,4 +73,5 @@ class StructuredOutputsParams:
     def key(self) -> str:
         """The constraint as text: what the compiled-grammar cache is keyed by."""
         value = getattr(self, self.kind)
-        return f"{self.kind}:{json.dumps(value, sort_keys=True)}"
+        after = "" if self.reasoning is None else f" after {self.reasoning}"
+        return f"{self.kind}:{json.dumps(value, sort_keys=True)}{after}"

@@ -60,7 +60,7 @@ async def create_response(ctx: ServerContext, store: ResponseStore,
     ctx.check_model(request.model)
     job = _job(ctx, store, request)
     try:
-        params = sampling_params_of(job.chat, job.tools)
+        params = sampling_params_of(ctx, job.chat, job.tools)
         prompt = render_prompt(ctx, job.chat, job.tools)
     except InvalidRequestError as e:
         e.param = RESPONSES_NAMES.get(e.param, e.param)
