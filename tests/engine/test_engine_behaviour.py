@@ -136,6 +136,25 @@ def test_stop_strings_and_tokens_end_generation(hf_checkpoints):
     assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
 
 
+def test_the_stop_token_stays_out_of_the_text_unless_asked_for(hf_checkpoints):
+    """As vLLM: the EOS or stop token that ended an answer is not part of its text (even with
+    skip_special_tokens off, where EOS would decode to its marker)."""
+    eng = engine(hf_checkpoints["gqa"])
+    free = run(eng, [PROMPT], SamplingParams(max_tokens=20, **GREEDY))[0].outputs[0]
+    stop_token = free.token_ids[5]
+    first = free.token_ids.index(stop_token)
+    for keep in (False, True):
+        out = run(eng, [PROMPT], SamplingParams(max_tokens=20, stop_token_ids=[stop_token],
+                                               include_stop_str_in_output=keep, **GREEDY))
+        c = out[0].outputs[0]
+        cut = run(eng, [PROMPT], SamplingParams(max_tokens=first + keep, **GREEDY))[0].outputs[0]
+        assert c.token_ids == cut.token_ids[:first] + [stop_token] and c.text == cut.text
+    eos = eng.eos_token_ids[0]
+    out = run(eng, [PROMPT], SamplingParams(max_tokens=5, temperature=0.0, logit_bias={eos: 100.0},
+                                           skip_special_tokens=False))[0].outputs[0]
+    assert out.token_ids == [eos] and out.text == "" and out.finish_reason == "stop"
+
+
 def test_streamed_deltas_add_up_to_the_text(hf_checkpoints):
     eng = engine(hf_checkpoints["gqa"])
     eng.add_request(PROMPT, SamplingParams(max_tokens=12, logprobs=2, **GREEDY))

@@ -45,6 +45,12 @@ class IncrementalDetokenizer:
                 self._append(full[len(prefix):], check_stop)
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
 
+    def skip_token(self) -> None:
+        """Count a token without adding its text: the stop token (EOS, or one of
+        stop_token_ids) that ended the answer is not part of it (as in vLLM, unless
+        include_stop_str_in_output)."""
+        self.num_added += 1
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 

@@ -56,8 +56,12 @@ class OutputProcessor:
         detok = state.detokenizers[seq.index]
         before = detok.num_added
         stopped = False
-        for token in seq.output_token_ids[before:]:
+        new = seq.output_token_ids[before:]
+        for i, token in enumerate(new):
             if detok.stopped_by is not None:
+                break
+            if i == len(new) - 1 and _ended_by_stop_token(seq):
+                detok.skip_token()
                 break
             detok.add_tokens([token], detok.num_added + 1 >= seq.params.min_tokens)
             if detok.stopped_by is not None:
@@ -131,3 +135,10 @@ def _best(completions: list[CompletionOutput], n: int, finished: bool) -> list[C
     for i, c in enumerate(best):
         c.index = i
     return best
+
+
+def _ended_by_stop_token(seq: Sequence) -> bool:
+    """Whether the sequence's last token is the EOS or stop token that finished it, and so
+    stays out of the text (include_stop_str_in_output keeps it)."""
+    return (seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+            and not seq.params.include_stop_str_in_output)
