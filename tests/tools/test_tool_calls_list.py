@@ -120,3 +120,40 @@ def test_the_forcing_grammar_admits_only_calls_and_they_parse_back(parallel):
                 one.replace("arguments", "parameters")]:              # Llama's key
         assert not accepts(grammar, f"{TOOL_CALLS} [{bad}]"), bad
     assert not accepts(grammar, f"[{one}]") and not accepts(grammar, f"Sure {TOOL_CALLS} [{one}]")
+
+
+@pytest.fixture(scope="module")
+def marked_checkpoint(hf_checkpoints, tmp_path_factory):
+    """The test checkpoint with `[TOOL_CALLS]` and `[ARGS]` as special tokens (ids 300, 301),
+    as Mistral's tokenizers have them."""
+    source = hf_checkpoints["gqa"]
+    model = tmp_path_factory.mktemp("marked")
+    for f in source.iterdir():
+        if f.name != "tokenizer.json":
+            (model / f.name).symlink_to(f)
+    tokenizer = json.loads((source / "tokenizer.json").read_text())
+    tokenizer["added_tokens"] += [
+        {"id": 300 + i, "content": marker, "single_word": False, "lstrip": False,
+         "rstrip": False, "normalized": False, "special": True}
+        for i, marker in enumerate((TOOL_CALLS, "[ARGS]"))]
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return model
+
+
+def test_llm_chat_keeps_the_special_markers_and_reads_the_call(marked_checkpoint):
+    """The model writes the markers as special tokens (a grammar picks them by id): the
+    answer's text keeps them, so the call is read; without tools they are dropped as usual."""
+    from kvslim.engine.llm import LLM
+    from kvslim.engine.sampling_params import SamplingParams
+    from kvslim.structured.params import StructuredOutputsParams
+    llm = LLM(str(marked_checkpoint), dtype="float32", device="cpu", kv_cache_memory="4MiB")
+    writes = StructuredOutputsParams(grammar='start: <[300]> "get_time" <[301]> '
+                                             '"{\\"tz\\": \\"UTC\\"}"')
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=writes)
+    out = llm.chat(USER, params, use_tqdm=False, tools=[TIME.openai()],
+                   tool_call_parser="mistral")[0].outputs[0]
+    assert out.text == '[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"}'
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [
+        ("get_time", {"tz": "UTC"})]
+    plain = llm.chat(USER, params, use_tqdm=False)[0].outputs[0]
+    assert plain.text == 'get_time{"tz": "UTC"}' and plain.tool_calls is None

@@ -77,6 +77,8 @@ class LLM:
         forcing = request.forcing()
         if forcing is not None:
             params = [replace(p, structured_outputs=forcing) for p in params]
+        if request.keeps_special_tokens:
+            params = [replace(p, skip_special_tokens=False) for p in params]
         reasoning = reasoning_format(reasoning_parser)
         if reasoning is not None:
             params = [replace(p, structured_outputs=replace(p.structured_outputs,

@@ -78,7 +78,8 @@ def render_prompt(ctx: ServerContext, request: ChatCompletionRequest,
 
 def sampling_params_of(ctx: ServerContext, request: ChatCompletionRequest, tools: ToolRequest):
     """The request's sampling; its output constraint (a format, or forced tool calls) binds
-    the answer after the thinking under --reasoning-parser."""
+    the answer after the thinking under --reasoning-parser; special tokens stay in the text
+    where the tool-call format's markers are some."""
     params = request.to_sampling_params()
     forcing = tools.forcing()
     if forcing is not None:
@@ -87,6 +88,8 @@ def sampling_params_of(ctx: ServerContext, request: ChatCompletionRequest, tools
                                       f"which leaves no room for {params.structured_outputs.param}",
                                       "tool_choice")
         params.structured_outputs = forcing
+    if tools.keeps_special_tokens:
+        params.skip_special_tokens = False
     if params.structured_outputs is not None and ctx.reasoning is not None:
         params.structured_outputs = replace(params.structured_outputs, reasoning=ctx.reasoning)
     return params

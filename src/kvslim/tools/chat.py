@@ -55,6 +55,11 @@ class ToolRequest:
             calls = calls[:1]
         return content, calls
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the answer's text must keep special tokens: the format's markers are some."""
+        return self.parses_calls and self.format.markers_are_special
+
     def stream_parser(self) -> StreamParser | None:
         return self.format.stream_parser(self.tools) if self.parses_calls else None
 

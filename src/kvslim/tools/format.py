@@ -40,6 +40,9 @@ class ToolFormat:
     # turn's calls (OpenAI's tool_calls) as the assistant's text.
     system_prompt: Callable[[list[ToolSpec]], str]
     history_text: Callable[[list[dict[str, Any]]], str]
+    # The markers are special tokens of the family's tokenizers: an answer that may call tools
+    # keeps special tokens in its text, or the parser would never see them (as vLLM does).
+    markers_are_special: bool = False
 
     def parse(self, text: str, tools: list[ToolSpec]) -> tuple[str | None, list[ToolCall]]:
         return parse_whole(self.stream_parser(tools), text)

@@ -6,8 +6,9 @@
   sometimes with `[CALL_ID]id` before `[ARGS]`.
 
 `[TOOL_CALLS]`, `[ARGS]` and `[CALL_ID]` are special tokens of Mistral's tokenizers, which
-decoding drops: an answer that opens with a JSON list of calls is read as v0.3 calls whose
-marker was dropped. Text before `[TOOL_CALLS]` is content. Mistral's templates need every call
+decoding drops unless told otherwise: a request that may call tools keeps them
+(`markers_are_special`), and an answer that opens with a JSON list of calls is still read as v0.3
+calls whose marker was dropped. Text before `[TOOL_CALLS]` is content. Mistral's templates need every call
 id to be nine letters or digits, so calls parsed here get such ids: the next turn sends them
 back."""
 from __future__ import annotations
@@ -153,4 +154,4 @@ def forcing_grammar(tools: list[ToolSpec], parallel: bool) -> str:
 
 
 FORMAT = ToolFormat("tool_calls_list", (TOOL_CALLS,), StreamParser, forcing_grammar, system_prompt,
-                    history_text)
+                    history_text, markers_are_special=True)
