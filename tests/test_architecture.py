@@ -48,12 +48,15 @@ ALLOWED = {
     # tools' registry names its conventions beside the tool-call formats.
     "reasoning": BASE,
     "tools": BASE | {"tokenizer", "structured", "reasoning"},
+    # LoRA adapters: peft files read into slots beside the model's linears.
+    "lora": BASE | {"kernels", "layers"},
     "engine": KERNELS | {"models", "formats", "parallel", "kv_cache", "structured", "tools",
-                         "reasoning", "drafters"},
+                         "reasoning", "drafters", "lora"},
     # Tensor parallelism shards models (and prices a rank's share with the planner's formulas);
     # the engine runs its workers.
     "parallel": KERNELS | {"quantization", "models", "formats", "plan", "kv_cache"},
-    "server": KERNELS | {"models", "formats", "engine", "structured", "tools", "reasoning"},
+    "server": KERNELS | {"models", "formats", "engine", "structured", "tools", "reasoning",
+                         "lora"},
     # Corpus streams (tokenized windows) live in train/: calibration and perplexity read them.
     "surgery": KERNELS | {"quantization", "models", "formats", "train"},
     # Learned drafters (Medusa heads): modules and their files, on the model's hidden states.

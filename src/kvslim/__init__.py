@@ -1,8 +1,8 @@
 """kvslim: an LLM inference toolkit for when the KV cache, not the weights, is the wall."""
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LLMEngine", "EngineConfig",
-           "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "LLMEngine",
+           "EngineConfig", "__version__"]
 
 
 def __getattr__(name):
@@ -16,6 +16,9 @@ def __getattr__(name):
     if name == "StructuredOutputsParams":
         from kvslim.structured.params import StructuredOutputsParams
         return StructuredOutputsParams
+    if name == "LoRARequest":
+        from kvslim.lora.request import LoRARequest
+        return LoRARequest
     if name == "LLMEngine":
         from kvslim.engine.llm_engine import LLMEngine
         return LLMEngine

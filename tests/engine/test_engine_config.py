@@ -31,11 +31,14 @@ NON_DEFAULT = {
     "--speculative-config": '{"method": "ngram", "num_speculative_tokens": 2}',
     "--tensor-parallel-size": "1", "--tensor-parallel-oversubscribe": None,
     "--distributed-timeout": "5.5", "--kv-window": "64", "--kv-sink-tokens": "4", "--kv-hadamard": None,
+    "--max-loras": "3", "--max-lora-rank": "32", "--max-cpu-loras": "5",
 }
+# Flags that cannot join the others (LoRA adapters refuse speculative decoding): their own run.
+APART = {"--enable-lora": dict(enable_lora=True)}
 
 
 def test_every_generated_flag_round_trips_to_the_config():
-    assert set(NON_DEFAULT) == {flag_of(f) for f in flag_fields()}   # one per option with a flag
+    assert set(NON_DEFAULT) | set(APART) == {flag_of(f) for f in flag_fields()}  # one per option
     argv = [x for flag, value in NON_DEFAULT.items() for x in (flag, value) if x is not None]
     config = engine_config_from_args(build_parser().parse_args(["serve", "m", *argv]))
     expected = EngineConfig(
@@ -46,11 +49,14 @@ def test_every_generated_flag_round_trips_to_the_config():
         keep_out_of_window_blocks=True, cuda_sparse_24=True, speculative={"method": "ngram",
                                                      "num_speculative_tokens": 2},
         tensor_parallel_oversubscribe=True, distributed_timeout=5.5, kv_window=64,
-        kv_sink_tokens=4, kv_hadamard=True)
+        kv_sink_tokens=4, kv_hadamard=True, max_loras=3, max_lora_rank=32, max_cpu_loras=5)
     assert asdict(config) == asdict(expected)
     changed = {f.name for f in fields(EngineConfig)
                if getattr(config, f.name) != getattr(EngineConfig(), f.name)}
-    assert changed == {f.name for f in flag_fields()} - {"tensor_parallel_size"}
+    assert changed == {f.name for f in flag_fields()} - {"tensor_parallel_size", "enable_lora"}
+    for flag, options in APART.items():
+        alone = engine_config_from_args(build_parser().parse_args(["serve", "m", flag]))
+        assert alone == EngineConfig(**options)
 
 
 def test_flags_default_to_the_fields_or_the_commands_own():

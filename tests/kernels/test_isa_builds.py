@@ -17,7 +17,7 @@ from kvslim.kernels import extension
 
 HERE = Path(__file__).parent
 TESTS = ("test_tiled_gemm.py", "test_paged_attention.py", "test_store_slots.py",
-         "test_group_q8.py", "test_sparse24.py")
+         "test_group_q8.py", "test_sparse24.py", "test_lora_sgmv.py")
 
 pytestmark = pytest.mark.skipif(
     platform.machine().lower() not in ("x86_64", "amd64"),

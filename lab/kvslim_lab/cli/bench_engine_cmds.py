@@ -1,4 +1,4 @@
-"""`kvslim bench throughput | latency | profile | capacity | kernels | structured`."""
+"""`kvslim bench throughput | latency | profile | capacity | kernels | structured | lora`."""
 from __future__ import annotations
 
 import json
@@ -80,6 +80,7 @@ def register_engine_benchmarks(kinds) -> None:
 
     _register_kernels(kinds)
     _register_structured(kinds)
+    _register_lora(kinds)
 
 
 def _register_kernels(kinds) -> None:
@@ -117,6 +118,34 @@ def run_structured_cmd(args) -> int:
     result = run_structured_bench(args.model, args.batch, args.tokens, args.rounds,
                                   show_progress=not args.json)
     return _emit(args, result, format_structured)
+
+
+def _register_lora(kinds) -> None:
+    p = kinds.add_parser("lora", help="what serving LoRA adapters costs a decode step: 0, 1, 4 "
+                                      "and 8 distinct adapters in one batch vs the base alone")
+    p.add_argument("--model", default=None, help="model (default: the embedded model)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--rank", type=int, default=16, help="the adapters' rank")
+    p.add_argument("--counts", default="0,1,4,8", help="distinct adapters per run")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, the runs alternating")
+    add_engine_flags(p, "dtype", dtype=IMPORT_DTYPE)
+    _common(p)
+    p.set_defaults(func=run_lora_cmd)
+
+
+def run_lora_cmd(args) -> int:
+    from kvslim_lab.bench.lora import format_lora, run_lora_bench
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    counts = tuple(int(c) for c in args.counts.split(","))
+    if min(args.batch, args.tokens, args.rounds, args.rank) < 1 or min(counts) < 0 \
+            or max(counts) < 1:
+        raise KvslimError("--batch, --tokens, --rounds and --rank must be at least 1, --counts "
+                          "at least 0 (and one of them at least 1)")
+    result = run_lora_bench(args.model, args.batch, args.tokens, args.rank, args.rounds,
+                            counts, args.dtype, show_progress=not args.json)
+    return _emit(args, result, format_lora)
 
 
 def _setup(args):

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvslim.errors import KvslimError
+
 # recent_blocks is kv_cache/plan.py's way to the rule (it may not import kernels itself)
 from kvslim.kernels.lowbit_codes import (RESIDUAL_BLOCKS, hadamard, packed_width,  # noqa: F401
                                          quantize_key_blocks, quantize_value_blocks,
@@ -178,3 +180,21 @@ class LowBitKVCacheLayer:
         codes, params = quantize_value_blocks(values[recent.fill_rows], self.bits)
         self.v_codes.index_copy_(0, blocks, codes)
         self.value_params.index_copy_(0, blocks, params)
+
+
+def check_packed_cache(backend: str, config, model_config) -> None:
+    """What a 4-/2-bit cache runs with, or a one-line error: kvslim's
+    CPU decode kernel (a float32 model), chains of speculative tokens that fit in a block, a
+    power-of-two head_dim for the Hadamard rotation."""
+    name = config.kv_cache_dtype
+    if backend != "kernel":
+        raise KvslimError(f"kv_cache_dtype={name} runs on kvslim's CPU decode kernel: a float32 "
+                          f"model on the CPU with attention_backend auto or kernel")
+    spec = config.speculative
+    if spec is not None and (spec.tree is not None or
+                             spec.num_speculative_tokens + 1 > config.block_size):
+        raise KvslimError(f"kv_cache_dtype={name} verifies chains of drafts no longer than a "
+                          f"block less one token ({config.block_size - 1}), not trees")
+    d = model_config.head_dim
+    if config.kv_hadamard and d & (d - 1):
+        raise KvslimError(f"kv_hadamard needs a power-of-two head_dim, this model has {d}")

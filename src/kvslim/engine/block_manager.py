@@ -42,6 +42,15 @@ def block_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> 
 LONG_ROPE_ROOT = hashlib.sha256(b"kvslim: LongRoPE long factors").digest()
 
 
+def _root(seq: Sequence) -> bytes | None:
+    """What a sequence's first block hash chains from: K/V that LongRoPE's long factors or a
+    LoRA adapter computed never serve another sequence's prefix."""
+    root = LONG_ROPE_ROOT if seq.long_rope else None
+    if seq.lora_root is not None:
+        root = hashlib.sha256((root or b"") + seq.lora_root).digest()
+    return root
+
+
 @dataclass
 class Block:
     block_id: int
@@ -99,8 +108,7 @@ class BlockManager:
     def _update_hashes(self, seq: Sequence, num_blocks: int) -> None:
         """Extend seq.block_hashes to its first `num_blocks` full blocks (incremental)."""
         for i in range(len(seq.block_hashes), num_blocks):
-            root = LONG_ROPE_ROOT if seq.long_rope else None
-            parent = seq.block_hashes[i - 1] if i else root
+            parent = seq.block_hashes[i - 1] if i else _root(seq)
             seq.block_hashes.append(block_hash(parent, seq.block_tokens(i)))
 
     def _cached_block(self, seq: Sequence, group: int, i: int) -> int | None:

@@ -141,6 +141,15 @@ class EngineConfig:
         False, "on CUDA, run the linears of a 2:4-pruned float16/bfloat16 model as PyTorch "
                "semi-structured sparse tensors (sparse tensor cores, compute capability 8.0+)",
         flag="--cuda-sparse-24")
+    # LoRA adapters per request (lora/): slots beside every attention and MLP linear.
+    enable_lora: bool = option(
+        False, "serve peft LoRA adapters per request (LoRARequest; kvslim serve --lora-modules)")
+    max_loras: int = option(1, "adapters in one batch: the slots beside each linear (default "
+                               "%(default)s)")
+    max_lora_rank: int = option(16, "the largest adapter rank accepted (default %(default)s)")
+    max_cpu_loras: int | None = option(
+        None, "adapters kept loaded on the host, least recently used dropped first (default: "
+              "max_loras)")
     # Tensor parallelism (`engine/parallel_executor.py`): ranks that each hold a slice of the
     # model and its own share of the KV cache (kv_cache_memory is per rank).
     tensor_parallel_size: int = option(
@@ -188,6 +197,21 @@ class EngineConfig:
             raise KvslimError(f"max_model_len must be positive, got {self.max_model_len}")
         self.window = KVWindow.of(self.kv_window, self.kv_sink_tokens)
         self._check_parallel()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) <= 0:
+                raise KvslimError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise KvslimError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least "
+                              f"max_loras ({self.max_loras})")
+        if self.enable_lora and self.speculative is not None:
+            raise KvslimError("LoRA adapters with speculative decoding are not supported")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise KvslimError("LoRA adapters with tensor_parallel_size > 1 are not supported")
 
     def _check_parallel(self) -> None:
         from kvslim.parallel.sharding import check_world_size

@@ -37,15 +37,17 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A prompt is text or a list of token ids; `params`
-        is one SamplingParams for all or one per prompt."""
+        is one SamplingParams for all or one per prompt; `lora_request` (enable_lora) one
+        LoRARequest for all, or one per prompt (None: the base model)."""
         prompts = _prompt_list(prompts)
         params_list = _per_prompt(params, len(prompts))
+        loras = _per_prompt_lora(lora_request, len(prompts))
         ids = []
         try:
-            for prompt, p in zip(prompts, params_list):
-                ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, lora in zip(prompts, params_list, loras):
+                ids.append(self.engine.add_request(prompt, p, lora_request=lora))
         except Exception:
             for request_id in ids:                       # leave nothing half-added behind
                 self.engine.abort_request(request_id)
@@ -58,7 +60,7 @@ class LLM:
              tool_choice: str | dict | None = None,
              parallel_tool_calls: bool = True,
              tool_call_parser: str = "auto",
-             reasoning_parser: str | None = None) -> list[RequestOutput]:
+             reasoning_parser: str | None = None, lora_request=None) -> list[RequestOutput]:
         """`tools` (OpenAI's format) are laid out as the server lays them out
         (tools/chat.py), in the format `tool_call_parser` names (as `kvslim serve
         --tool-call-parser`); tool_choice "required" or a named function forces calls; each
@@ -84,7 +86,7 @@ class LLM:
             params = [replace(p, structured_outputs=replace(p.structured_outputs,
                                                             reasoning=reasoning))
                       if p.structured_outputs is not None else p for p in params]
-        outputs = self.generate(prompts, params, use_tqdm)
+        outputs = self.generate(prompts, params, use_tqdm, lora_request)
         if request.parses_calls:
             for out in outputs:
                 for c in out.outputs:
@@ -174,3 +176,11 @@ def _per_prompt(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params
+
+
+def _per_prompt_lora(lora_request, n: int) -> list:
+    if lora_request is None or not isinstance(lora_request, (list, tuple)):
+        return [lora_request] * n
+    if len(lora_request) != n:
+        raise ValueError(f"got {len(lora_request)} LoRA requests for {n} prompts")
+    return list(lora_request)

@@ -74,10 +74,11 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.grammar_compiler,
                                                   self.model_config.vocab_size)
         learned = self._learned_proposer()
+        self.lora = self._lora_manager()
         self.runner = ModelRunner(self.model, self.config, eos, self.kv_plan, RunnerFeatures(
             structured=self.structured, typical_acceptance=typical_acceptance_of(
                 self.config.speculative),
-            hidden_windows=learned.windows if learned is not None else None))
+            hidden_windows=learned.windows if learned is not None else None, lora=self.lora))
         # What runs each step: the runner, or the executor that runs it on every rank.
         self.executor = (self.runner if self.parallel is None
                          else self.parallel.attach(self.runner, self.max_model_len, eos))
@@ -90,7 +91,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, eos,
                                    self.config.enable_chunked_prefill,
-                                   LongRopeSwitch.of(self.model_config.rope_scaling), self.spec)
+                                   LongRopeSwitch.of(self.model_config.rope_scaling), self.spec,
+                                   self.config.max_loras if self.lora is not None else None)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.config, self.kv_plan)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -132,8 +134,17 @@ class LLMEngine:
         return SpeculativeDecoder(spec, draft, learned, self.structured.is_constrained)
 
     # ---- requests ------------------------------------------------------------------------
+    def _lora_manager(self):
+        if not self.config.enable_lora:
+            return None
+        from kvslim.lora.manager import LoRAManager
+        c = self.config
+        return LoRAManager(self.model, c.max_loras, c.max_lora_rank, c.max_cpu_loras)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, lora_request=None) -> str:
+        """`lora_request`: the LoRARequest whose adapter the request runs with (enable_lora),
+        read from its directory on first use."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -144,6 +155,8 @@ class LLMEngine:
         seq = Sequence(request_id=request_id, token_ids=list(ids), params=params,
                        block_size=self.config.block_size,
                        fork_pending=params.num_sequences > 1 and not params.use_beam_search)
+        if lora_request is not None:
+            self._acquire_lora(lora_request, seq)
         self.requests[request_id] = self.output_processor.new_request(request_id, text, ids,
                                                                       params, seq)
         if grammar is not None:
@@ -156,6 +169,14 @@ class LLMEngine:
         self.num_prompt_tokens += len(ids)
         return request_id
 
+    def _acquire_lora(self, lora_request, seq: Sequence) -> None:
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters need an engine started with "
+                                      "enable_lora=True (kvslim serve --enable-lora)",
+                                      "lora_request")
+        self.lora.acquire(lora_request)
+        seq.lora_id, seq.lora_root = lora_request.lora_int_id, lora_request.cache_root
+
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks are freed now. False if unknown."""
         state = self.requests.pop(request_id, None)
@@ -164,8 +185,7 @@ class LLMEngine:
         for seq in state.seqs:
             self.scheduler.finish(seq, "abort")
             self._release(seq)
-        self.structured.forget_request(request_id)
-        self.beams.forget(request_id)
+        self._forget(state)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -236,7 +256,19 @@ class LLMEngine:
             self._release(seq)
         self.num_generated_tokens += sum(len(h.token_ids)
                                          for h in self.beams.groups[request_id].hypotheses)
+        self._release_lora(state)
         return self.beams.output(request_id, self.tokenizer)
+
+    def _forget(self, state: RequestState) -> None:
+        """What the engine kept for a request that has ended (its blocks are freed apart)."""
+        self.structured.forget_request(state.request_id)
+        self.beams.forget(state.request_id)
+        self._release_lora(state)
+
+    def _release_lora(self, state: RequestState) -> None:
+        lora_id = state.seqs[0].lora_id if state.seqs else 0
+        if lora_id:
+            self.lora.release(lora_id)
 
     def _record_speculation(self, out, sampled) -> None:
         if self.spec is None:
@@ -271,8 +303,7 @@ class LLMEngine:
         for seq in state.seqs:
             self.scheduler.finish(seq, "abort")
             self._release(seq)
-        self.structured.forget_request(state.request_id)
-        self.beams.forget(state.request_id)
+        self._forget(state)
         return self.output_processor.failed(state, error)
 
     def _fail_unschedulable(self) -> RequestOutput:
@@ -299,7 +330,7 @@ class LLMEngine:
         out = self.output_processor.output(state)
         if out.finished:
             del self.requests[state.request_id]
-            self.structured.forget_request(state.request_id)
+            self._forget(state)
         return out
 
     # ---- introspection -------------------------------------------------------------------

@@ -4,6 +4,7 @@ runs the model and samples."""
 from __future__ import annotations
 
 import itertools
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,6 @@ from kvslim.dtypes import is_quantized_kv, packed_kv_bits
 from kvslim.engine.block_table import BlockTables
 from kvslim.engine.config import EngineConfig
 from kvslim.engine.outputs import RankKVStats
-from kvslim.errors import KvslimError
 from kvslim.engine.sampler import SampleRequest, SampleResult, Sampler
 from kvslim.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvslim.layers.rope import longrope_original_context
@@ -32,6 +32,7 @@ from kvslim.structured.manager import StructuredOutputManager
 if TYPE_CHECKING:
     from kvslim.engine.hidden_window import HiddenWindows
     from kvslim.engine.speculative.verify import TypicalAcceptance
+    from kvslim.lora.manager import LoRAManager
 
 
 def kv_cache_plan_of(model, config: EngineConfig, **given) -> KVCachePlan:
@@ -52,6 +53,7 @@ class RunnerFeatures:
     # Medusa and EAGLE guess from the hidden states that drew each sequence's latest tokens:
     # kept per sequence when a proposer reads them.
     hidden_windows: HiddenWindows | None = None
+    lora: LoRAManager | None = None                      # LoRA adapters' slots (enable_lora)
 
 
 class ModelRunner:
@@ -83,11 +85,12 @@ class ModelRunner:
         # The blocks at a sequence's end whose K/V a packed cache keeps in float16.
         self.residual_blocks = RESIDUAL_BLOCKS[self.packed_bits] if self.packed_bits else 0
         if self.packed_bits:
+            from kvslim.attention.lowbit_cache import check_packed_cache
             check_packed_cache(self.attention_backend, config, mc)
         # Not with tensor parallelism: the graphs would capture the ranks' collectives too; not
         # with a packed cache, whose recent rows are laid out per step on the host.
         single = (not config.enforce_eager and config.tensor_parallel_size == 1
-                  and not self.packed_bits)
+                  and not self.packed_bits and not config.enable_lora)
         use_graphs = self.device.type == "cuda" and single
         compiled = self.device.type == "cpu" and single and config.compile_decode
         self._allocate_cache(reserved_blocks=int(use_graphs or compiled))
@@ -100,6 +103,7 @@ class ModelRunner:
         self.decode_graphs = (self._decode_graphs(use_graphs, compiled)
                               if use_graphs or compiled else None)
         self.hidden_windows = features.hidden_windows
+        self.lora = features.lora
 
     def _allocate_cache(self, reserved_blocks: int) -> None:
         """One K/V tensor per position in a KV-cache group, [K/V, blocks, block_size, kv_heads,
@@ -295,7 +299,8 @@ class ModelRunner:
         if hidden is None:
             attn = build_paged_attention(self.attention_backend, self.kv_caches, layouts,
                                          self.layer_windows, self.layer_group, self.layer_sinks)
-            hidden = self.model(input_ids, positions, attn=attn, long_rope=long_rope)
+            with self.lora.step(entries) if self.lora is not None else nullcontext():
+                hidden = self.model(input_ids, positions, attn=attn, long_rope=long_rope)
         return hidden, entries, query_starts
 
     def _first_block(self, group: int, position: int) -> int:
@@ -376,21 +381,3 @@ def _attention_order(entries: list[ScheduledSequence]) -> list[ScheduledSequence
     choice of the attention backend; what each row means comes from the entry)."""
     return ([e for e in entries if e.num_tokens == 1]
             + [e for e in entries if e.num_tokens != 1])
-
-
-def check_packed_cache(backend: str, config: EngineConfig, model_config) -> None:
-    """What a 4-/2-bit cache (attention/lowbit_cache.py) runs with, or a one-line error: kvslim's
-    CPU decode kernel (a float32 model), chains of speculative tokens that fit in a block, a
-    power-of-two head_dim for the Hadamard rotation."""
-    name = config.kv_cache_dtype
-    if backend != "kernel":
-        raise KvslimError(f"kv_cache_dtype={name} runs on kvslim's CPU decode kernel: a float32 "
-                          f"model on the CPU with attention_backend auto or kernel")
-    spec = config.speculative
-    if spec is not None and (spec.tree is not None or
-                             spec.num_speculative_tokens + 1 > config.block_size):
-        raise KvslimError(f"kv_cache_dtype={name} verifies chains of drafts no longer than a "
-                          f"block less one token ({config.block_size - 1}), not trees")
-    d = model_config.head_dim
-    if config.kv_hadamard and d & (d - 1):
-        raise KvslimError(f"kv_hadamard needs a power-of-two head_dim, this model has {d}")

@@ -104,8 +104,10 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: list[int] | tuple[int, ...] = (),
                  enable_chunked_prefill: bool = True, length_switch: LengthSwitch | None = None,
-                 proposals: TokenProposals | None = None):
+                 proposals: TokenProposals | None = None, max_loras: int | None = None):
+        """max_loras: the most distinct LoRA adapters running at once (None: no adapters)."""
         self.bm = block_manager
+        self.max_loras = max_loras
         self.length_switch = length_switch
         self.proposals = proposals
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -242,7 +244,7 @@ class Scheduler:
                     and seq.num_tokens > budget:
                 break
             if not self.bm.can_allocate(seq, keep_watermark=bool(self.running),
-                                        num_new_tokens=budget):
+                                        num_new_tokens=budget) or self._lora_slots_full(seq):
                 break
             self.waiting.popleft()
             self.bm.allocate(seq, num_new_tokens=budget)
@@ -253,6 +255,13 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             out.scheduled.append(self._entry(seq, n, []))
             budget -= n
+
+    def _lora_slots_full(self, seq: Sequence) -> bool:
+        """Whether admitting `seq` would run more distinct adapters than there are slots."""
+        if not seq.lora_id:
+            return False
+        running = {s.lora_id for s in self.running} - {0}
+        return seq.lora_id not in running and len(running) >= self.max_loras
 
     @staticmethod
     def _num_seq_slots(seqs: list[Sequence]) -> int:

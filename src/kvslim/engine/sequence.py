@@ -67,6 +67,9 @@ class Sequence:
     # the flag is part of its prefix-cache key, and the scheduler recomputes the sequence when
     # it grows past the original context.
     long_rope: bool = False
+    # The LoRA adapter it runs with (0: the base model), and the root of its prefix-cache keys.
+    lora_id: int = 0
+    lora_root: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -152,6 +155,7 @@ class Sequence:
                          num_computed_tokens=self.num_computed_tokens,
                          num_cached_tokens=self.num_cached_tokens,
                          block_hashes=list(self.block_hashes), long_rope=self.long_rope,
+                         lora_id=self.lora_id, lora_root=self.lora_root,
                          prompt_logprobs=self.prompt_logprobs,      # complete by now; shared
                          registered_blocks=list(self.registered_blocks),
                          dirty_from=[0] * len(self.block_tables),

@@ -10,3 +10,4 @@
 #include "sparse24_gemm.cpp"
 #include "head_mm.cpp"
 #include "decoder_layer.cpp"
+#include "lora_sgmv.cpp"
