@@ -157,3 +157,27 @@ def test_engine_options_that_cannot_run_adapters_are_refused(options, match):
     from kvslim.engine.config import EngineConfig
     with pytest.raises(KvslimError, match=match):
         EngineConfig(enable_lora=True, **options)
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_adapters_on_a_4bit_base_add_in_float_beside_its_kernel(hf_checkpoints, tmp_path,
+                                                                 activations):
+    """AWQ 4-bit base layers: with float32 activations (the exact reference of the dequantized
+    weight) the tokens equal transformers + peft merged into the dequantized weights; with
+    int8 activations (llama.cpp's arithmetic, its own bound) an adapter's rows still do not
+    depend on the batch, and the base rows are the quantized model's."""
+    from quantized_checkpoints import write_awq
+    quantized, float_twin, _ = write_awq(hf_checkpoints["gqa"], tmp_path / "awq")
+    adapter = LoRARequest("q4", 1, str(write_adapter(float_twin, tmp_path / "a", r=8, seed=11)))
+    prompts = prompts_of([7, 11, 9], seed=12)
+    eng = lora_engine(quantized, linear_activations=activations)
+    mixed = tokens(run_lora(eng, prompts, [adapter, None, adapter]))
+    if activations == "float32":
+        assert [mixed[0], mixed[2]] == merged_greedy(float_twin, adapter.lora_path,
+                                                     [prompts[0], prompts[2]], 10)
+        assert [mixed[1]] == merged_greedy(float_twin, None, [prompts[1]], 10)
+    else:
+        alone = [tokens(run_lora(eng, [p], [adapter]))[0] for p in (prompts[0], prompts[2])]
+        assert [mixed[0], mixed[2]] == alone
+        base = engine(quantized, linear_activations=activations)
+        assert mixed[1] == tokens(run(base, [prompts[1]], GREEDY))[0]

@@ -71,12 +71,34 @@ class LoRALinear(nn.Module):
                 start += rows
 
 
+def compute_dtype(model: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """What the model's activations are in (its float parameters' dtype: a quantized model's
+    norms), and where: the adapters are kept so."""
+    param = next(p for p in model.parameters() if p.is_floating_point())
+    return param.dtype, param.device
+
+
+class NativePaths:
+    """The model's native one-call layers (kernels/decoder_layer.py), which know no adapters:
+    taken away for a step that runs adapters, given back for one that runs none (they read
+    the base layers' weights, so the base model's rows stay what they were)."""
+
+    def __init__(self, model: nn.Module):
+        owners = [*model.model.layers, model.model]
+        self.saved = [(m, m.native) for m in owners if getattr(m, "native", None) is not None]
+        self.on = True
+
+    def use(self, on: bool) -> None:
+        if on != self.on:
+            for owner, native in self.saved:
+                owner.native = native if on else None
+            self.on = on
+
+
 def wrap_linears(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int
                  ) -> dict[str, LoRALinear]:
-    """Every decoder layer's TARGETS wrapped (in place); kvslim module name -> its wrapper.
-    A wrapped layer runs its modules, never the native one-call layer, which knows no
-    adapters."""
-    embed = model.model.embed_tokens.weight
+    """Every decoder layer's TARGETS wrapped (in place); kvslim module name -> its wrapper."""
+    dtype, device = compute_dtype(model)
     wrapped = {}
     for i, layer in enumerate(model.model.layers):
         for target in TARGETS:
@@ -85,11 +107,7 @@ def wrap_linears(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: i
             base = getattr(parent, leaf, None)
             if base is None or not hasattr(base, "in_features"):
                 continue                        # e.g. a MoE layer's experts: no adapters
-            lora = LoRALinear(base, batch, max_loras, max_rank, embed.dtype, embed.device)
+            lora = LoRALinear(base, batch, max_loras, max_rank, dtype, device)
             setattr(parent, leaf, lora)
             wrapped[f"model.layers.{i}.{target}"] = lora
-        if hasattr(layer, "native"):
-            layer.native = None
-    if hasattr(model.model, "native"):
-        model.model.native = None
     return wrapped
