@@ -38,10 +38,17 @@ def add_server_options(p) -> None:
     from kvslim.server.context import ServerOptions
     hints = typing.get_type_hints(ServerOptions)
     for f in fields(ServerOptions):
-        kind = hints[f.name]
-        p.add_argument("--" + f.name.replace("_", "-"), default=f.default,
+        kind, flag = hints[f.name], "--" + f.name.replace("_", "-")
+        if kind is bool:                          # a switch, off by default
+            assert f.default is False, flag
+            p.add_argument(flag, action="store_true", help=f.metadata["help"])
+            continue
+        kinds = [t for t in typing.get_args(kind) if t is not type(None)]
+        listed = len(kinds) == 1 and typing.get_origin(kinds[0]) is list   # one or more values
+        p.add_argument(flag, default=f.default, nargs="+" if listed else None,
                        type=kind if kind in (int, float) else None,
-                       choices=f.metadata["choices"], help=f.metadata["help"])
+                       choices=f.metadata["choices"], metavar=f.metadata.get("metavar"),
+                       help=f.metadata["help"])
 
 
 def run_serve(args) -> int:
@@ -64,8 +71,12 @@ def run_serve(args) -> int:
         server.should_exit = True
 
     options = ServerOptions(**{f.name: getattr(args, f.name) for f in fields(ServerOptions)})
-    app = build_app(llm.engine, name, args.api_key, on_engine_crash=engine_crashed,
-                    options=options)
+    try:                                         # bad --lora-modules: one-line error
+        app = build_app(llm.engine, name, args.api_key, on_engine_crash=engine_crashed,
+                        options=options)
+    except BaseException:
+        llm.shutdown()
+        raise
     stats = llm.engine.kv_cache_stats()
     print(f"kvslim serve: {name} on http://{args.host}:{args.port} "
           f"({stats.num_blocks} KV blocks of {stats.block_size} tokens, "

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from kvslim.engine.llm_engine import LLMEngine
 from kvslim.errors import InvalidRequestError
+from kvslim.server.adapters import lora_router, model_cards, serve_lora_modules
 from kvslim.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvslim.server.chat import create_chat_completion, render_prompt
 from kvslim.server.completions import create_completion
@@ -22,7 +23,7 @@ from kvslim.server.metrics import HTTPMetricsMiddleware, ServerMetrics
 from kvslim.server.openapi import truthful_openapi
 from kvslim.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, TokenizeRequest)
-from kvslim.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from kvslim.server.responses import DetokenizeResponse, ModelList, TokenizeResponse
 from kvslim.server.responses_api.route import responses_router
 from kvslim.server.streaming import cancel_on_disconnect
 
@@ -32,11 +33,13 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
               options: ServerOptions | None = None) -> FastAPI:
     """An app serving `engine` under `model_name`. The engine thread starts with the app's
     lifespan and stops after the HTTP server has drained in-flight requests. If the engine
-    thread dies of an error, every open request fails at once and `on_engine_crash` runs."""
+    thread dies of an error, every open request fails at once and `on_engine_crash` runs.
+    The --lora-modules adapters are read here: a bad one is a KvslimError."""
     metrics = ServerMetrics(model_name)
     ctx = ServerContext(AsyncEngine(engine, metrics, on_engine_crash), engine.tokenizer,
                         model_name, engine.max_model_len, metrics, api_key,
                         options or ServerOptions())
+    serve_lora_modules(engine, ctx.options, ctx.loras, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -56,6 +59,8 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         return request_failed(str(e)).response()
 
     open_routes, api_routes = _open_routes(ctx), [_api_routes(ctx), responses_router(ctx)]
+    if ctx.options.allow_runtime_lora_updating:
+        api_routes.append(lora_router(ctx))
     app.include_router(open_routes)
     for routes in api_routes:
         app.include_router(routes, dependencies=[Depends(_key_checker(api_key))])
@@ -106,17 +111,15 @@ def _open_routes(ctx: ServerContext) -> APIRouter:
 def _api_routes(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
 
-    def card() -> ModelCard:
-        return ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)
-
     @router.get("/v1/models")
     async def list_models():
-        return JSONResponse(ModelList(data=[card()]).model_dump(mode="json"))
+        return JSONResponse(ModelList(data=model_cards(ctx)).model_dump(mode="json"))
 
     @router.get("/v1/models/{model:path}")
     async def get_model(model: str):
-        ctx.check_model(model)
-        return JSONResponse(card().model_dump(mode="json"))
+        ctx.lora_request_of(model)                       # unknown: 404
+        card = next(c for c in model_cards(ctx) if c.id == model)
+        return JSONResponse(card.model_dump(mode="json"))
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -132,7 +135,7 @@ def _api_routes(ctx: ServerContext) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        ctx.check_model(body.model)
+        ctx.lora_request_of(body.model)                  # adapters share the tokenizer
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=[m.model_dump() for m in body.messages],
                                          tools=body.tools, tool_choice=body.tool_choice,
@@ -145,7 +148,7 @@ def _api_routes(ctx: ServerContext) -> APIRouter:
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        ctx.check_model(body.model)
+        ctx.lora_request_of(body.model)
         vocab = ctx.tokenizer.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:

@@ -26,6 +26,7 @@ from kvslim.engine.llm_engine import LLMEngine
 from kvslim.engine.outputs import RequestOutput
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.errors import KvslimError
+from kvslim.lora.request import LoRARequest
 from kvslim.server.metrics import ServerMetrics
 
 logger = logging.getLogger("kvslim.server")
@@ -73,6 +74,7 @@ class _Submit:
     params: SamplingParams
     stream: RequestStream
     done: asyncio.Future
+    lora_request: LoRARequest | None = None
     submitted: float = field(default_factory=time.monotonic)
 
 
@@ -126,13 +128,14 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     async def add(self, request_ids: list[str], prompts: list[Prompt],
-                  params: SamplingParams) -> RequestStream:
-        """Queue one engine request per prompt (all or none); raises the engine's
-        InvalidRequestError for bad input. The caller owns `request_ids` and must `abort` them
-        if it stops listening."""
+                  params: SamplingParams, lora_request: LoRARequest | None = None
+                  ) -> RequestStream:
+        """Queue one engine request per prompt (all or none), each run with `lora_request`'s
+        adapter if given; raises the engine's InvalidRequestError for bad input. The caller
+        owns `request_ids` and must `abort` them if it stops listening."""
         stream = RequestStream(request_ids)
         done = asyncio.get_running_loop().create_future()
-        self._send(_Submit(prompts, params, stream, done))
+        self._send(_Submit(prompts, params, stream, done, lora_request))
         await done
         return stream
 
@@ -217,7 +220,8 @@ class AsyncEngine:
         added = []
         try:
             for request_id, prompt in zip(command.stream.request_ids, command.prompts):
-                self.engine.add_request(prompt, command.params, request_id)
+                self.engine.add_request(prompt, command.params, request_id,
+                                        lora_request=command.lora_request)
                 added.append(request_id)
         except Exception as e:                           # all or none: undo the ones added
             for request_id in added:

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvslim.engine.outputs import CompletionOutput, RequestOutput
 from kvslim.errors import InvalidRequestError, KvslimError
+from kvslim.lora.request import LoRARequest
 from kvslim.reasoning.parser import ReasoningStream
 from kvslim.server.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from kvslim.server.completions import usage_of
@@ -34,6 +35,7 @@ class _Job:
     request: ChatCompletionRequest
     id: str
     tools: ToolRequest
+    lora: LoRARequest | None = None                      # the adapter `model` named
     created: int = field(default_factory=lambda: int(time.time()))
     finished: bool = False
     parsers: dict[int, StreamParser] = field(default_factory=dict)    # streaming, per choice
@@ -44,9 +46,13 @@ class _Job:
     def request_ids(self) -> list[str]:
         return [self.id]
 
+    @property
+    def model(self) -> str:
+        return self.ctx.model_name_of(self.lora)
+
     def chunk(self, choices: list[ChatStreamChoice], usage=None) -> str:
         return sse(ChatCompletionChunk(id=self.id, created=self.created,
-                                       model=self.ctx.model_name, choices=choices, usage=usage))
+                                       model=self.model, choices=choices, usage=usage))
 
     def logprobs(self, completion: CompletionOutput, delta: bool = False):
         """The whole completion's logprobs, or (streaming) those of this step's new tokens."""
@@ -96,7 +102,7 @@ def sampling_params_of(ctx: ServerContext, request: ChatCompletionRequest, tools
 
 
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest) -> Response:
-    ctx.check_model(request.model)
+    lora = ctx.lora_request_of(request.model)
     if request.max_tokens is not None and request.max_tokens >= ctx.max_model_len:
         # Checked even when max_completion_tokens wins: the schema promises the limit.
         raise InvalidRequestError(f"max_tokens ({request.max_tokens}) must be below "
@@ -104,9 +110,9 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
     tools = tool_request_of(ctx, request)
     params = sampling_params_of(ctx, request, tools)
     prompt = render_prompt(ctx, request, tools)
-    job = _Job(ctx, request, random_id("chatcmpl"), tools)
+    job = _Job(ctx, request, random_id("chatcmpl"), tools, lora)
     try:
-        stream = await ctx.engine.add(job.request_ids, [prompt], params)
+        stream = await ctx.add(job.request_ids, [prompt], params, lora)
     except asyncio.CancelledError:
         ctx.engine.abort(job.request_ids)
         raise
@@ -132,7 +138,7 @@ def _response(job: _Job, output: RequestOutput) -> ChatCompletionResponse:
         choices.append(ChatChoice(index=c.index, message=message, logprobs=job.logprobs(c),
                                   finish_reason=_finish_reason(c, bool(calls)),
                                   stop_reason=c.stop_reason))
-    return ChatCompletionResponse(id=job.id, created=job.created, model=job.ctx.model_name,
+    return ChatCompletionResponse(id=job.id, created=job.created, model=job.model,
                                   choices=choices, usage=usage_of([output]))
 
 

@@ -11,6 +11,7 @@ from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvslim.engine.outputs import CompletionOutput, RequestOutput
+from kvslim.lora.request import LoRARequest
 from kvslim.server.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from kvslim.server.context import ServerContext
 from kvslim.server.errors import engine_dead, request_failed
@@ -27,8 +28,13 @@ class _Job:
     request: CompletionRequest
     id: str
     request_ids: list[str]
+    lora: LoRARequest | None = None                      # the adapter `model` named
     created: int = field(default_factory=lambda: int(time.time()))
     finished: set[int] = field(default_factory=set)      # prompt indexes whose request ended
+
+    @property
+    def model(self) -> str:
+        return self.ctx.model_name_of(self.lora)
 
     def choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
         return prompt_index * self.request.n + completion.index
@@ -58,14 +64,14 @@ class _Job:
 
 
 async def create_completion(ctx: ServerContext, request: CompletionRequest) -> Response:
-    ctx.check_model(request.model)
+    lora = ctx.lora_request_of(request.model)
     prompts = request.prompts()
     params = request.to_sampling_params()
     completion_id = random_id("cmpl")
     job = _Job(ctx, request, completion_id,
-               [f"{completion_id}-{i}" for i in range(len(prompts))])
+               [f"{completion_id}-{i}" for i in range(len(prompts))], lora)
     try:
-        stream = await ctx.engine.add(job.request_ids, prompts, params)   # 400s come from here
+        stream = await ctx.add(job.request_ids, prompts, params, lora)   # 400s come from here
     except asyncio.CancelledError:
         ctx.engine.abort(job.request_ids)
         raise
@@ -93,7 +99,7 @@ def _response(job: _Job, outputs: list[RequestOutput]) -> CompletionResponse:
                 index=job.choice_index(index, c), text=prefix + c.text, logprobs=logprobs,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     choices.sort(key=lambda c: c.index)
-    return CompletionResponse(id=job.id, created=job.created, model=job.ctx.model_name,
+    return CompletionResponse(id=job.id, created=job.created, model=job.model,
                               choices=choices, usage=usage_of(outputs))
 
 
@@ -118,12 +124,12 @@ async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[str]:
                 choice = _chunk_choice(job, index, output, c, done_choices, text_sent)
                 if choice is not None:
                     yield sse(CompletionResponse(id=job.id, created=job.created,
-                                                 model=job.ctx.model_name, choices=[choice]))
+                                                 model=job.model, choices=[choice]))
             if output.finished:
                 job.finished.add(index)
                 finals.append(output)
         if job.request.include_usage:
-            yield sse(CompletionResponse(id=job.id, created=job.created, model=job.ctx.model_name,
+            yield sse(CompletionResponse(id=job.id, created=job.created, model=job.model,
                                          choices=[], usage=usage_of(finals)))
         yield DONE
     except EngineDeadError:

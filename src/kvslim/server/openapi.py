@@ -18,7 +18,8 @@ ERROR_SCHEMA = {
 # What each status means here; every API route may answer each one.
 STATUSES = {"400": "invalid request (OpenAI-style error body)",
             "401": "missing or wrong API key (when the server has one)",
-            "404": "unknown model (or stored response)", "500": "the request failed inside the engine",
+            "404": "unknown model (or stored response, LoRA adapter or adapter directory)",
+            "500": "the request failed inside the engine",
             "503": "the engine is not running"}
 OPEN_ROUTES = {"/health", "/metrics"}
 # With stream=true: each server-sent event (OpenAPI 3.1: `schema` describes one event).

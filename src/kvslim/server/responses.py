@@ -130,6 +130,8 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvslim"
+    root: Optional[str] = None          # what it was made from: the base model, an adapter's path
+    parent: Optional[str] = None        # a LoRA adapter's base model (None: a base model)
     max_model_len: int
 
 

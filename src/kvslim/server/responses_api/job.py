@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvslim.engine.outputs import RequestOutput
+from kvslim.lora.request import LoRARequest
 from kvslim.server.context import ServerContext
 from kvslim.server.protocol import ChatCompletionRequest
 from kvslim.server.responses_api.objects import (IncompleteDetails, ResponseObject,
@@ -23,6 +24,7 @@ class ResponseJob:
     chat: ChatCompletionRequest
     conversation: list[dict]                     # the messages it answers, without instructions
     tools: ToolRequest
+    lora: LoRARequest | None = None              # the adapter `model` named
     id: str = field(default_factory=lambda: new_id("resp"))
     finished: bool = False
 
@@ -31,7 +33,7 @@ class ResponseJob:
         r = self.request
         fmt = r.text.format if r.text is not None and r.text.format is not None else None
         return ResponseObject(
-            id=self.id, model=self.ctx.model_name, instructions=r.instructions,
+            id=self.id, model=self.ctx.model_name_of(self.lora), instructions=r.instructions,
             max_output_tokens=r.max_output_tokens, temperature=r.temperature, top_p=r.top_p,
             previous_response_id=r.previous_response_id,
             parallel_tool_calls=self.tools.parallel,

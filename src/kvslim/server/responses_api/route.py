@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from kvslim.errors import InvalidRequestError
+from kvslim.lora.request import LoRARequest
 from kvslim.server.async_engine import RequestStream
 from kvslim.server.chat import (render_prompt, sampling_params_of, split_reasoning,
                                 tool_request_of)
@@ -57,8 +58,8 @@ def _stored(store: ResponseStore, response_id: str):
 
 async def create_response(ctx: ServerContext, store: ResponseStore,
                           request: ResponsesRequest) -> Response:
-    ctx.check_model(request.model)
-    job = _job(ctx, store, request)
+    lora = ctx.lora_request_of(request.model)
+    job = _job(ctx, store, request, lora)
     try:
         params = sampling_params_of(ctx, job.chat, job.tools)
         prompt = render_prompt(ctx, job.chat, job.tools)
@@ -66,7 +67,7 @@ async def create_response(ctx: ServerContext, store: ResponseStore,
         e.param = RESPONSES_NAMES.get(e.param, e.param)
         raise
     try:
-        stream = await ctx.engine.add([job.id], [prompt], params)
+        stream = await ctx.add([job.id], [prompt], params, lora)
     except InvalidRequestError as e:             # e.g. a JSON format that max_tokens cannot hold
         e.param = RESPONSES_NAMES.get(e.param, e.param)
         raise
@@ -78,7 +79,8 @@ async def create_response(ctx: ServerContext, store: ResponseStore,
     return JSONResponse((await _whole(job, stream)).model_dump(mode="json"))
 
 
-def _job(ctx: ServerContext, store: ResponseStore, request: ResponsesRequest) -> ResponseJob:
+def _job(ctx: ServerContext, store: ResponseStore, request: ResponsesRequest,
+         lora: LoRARequest | None) -> ResponseJob:
     history = []
     if request.previous_response_id is not None:
         stored = store.get(request.previous_response_id)
@@ -103,7 +105,7 @@ def _job(ctx: ServerContext, store: ResponseStore, request: ResponsesRequest) ->
     except InvalidRequestError as e:
         e.param = RESPONSES_NAMES.get(e.param, e.param)
         raise
-    return ResponseJob(ctx, store, request, chat, conversation, tools)
+    return ResponseJob(ctx, store, request, chat, conversation, tools, lora)
 
 
 async def _whole(job: ResponseJob, stream: RequestStream) -> ResponseObject:
