@@ -181,3 +181,41 @@ def test_adapters_on_a_4bit_base_add_in_float_beside_its_kernel(hf_checkpoints, 
         assert [mixed[0], mixed[2]] == alone
         base = engine(quantized, linear_activations=activations)
         assert mixed[1] == tokens(run(base, [prompts[1]], GREEDY))[0]
+
+
+def test_structured_outputs_bind_an_adapters_answer_too(hf_checkpoints, adapters):
+    import json
+    wide = adapters["gqa"]["wide"]
+    eng = lora_engine(hf_checkpoints["gqa"])
+    params = SamplingParams(max_tokens=30, temperature=0.0,
+                            structured_outputs={"json_object": True})
+    outs = run_lora(eng, prompts_of([6, 9], seed=13), [wide, None], params)
+    assert all(isinstance(json.loads(o.outputs[0].text), dict) for o in outs)
+
+
+def test_native_layers_add_adapters_with_the_modules_bits(hf_checkpoints, adapters, tmp_path,
+                                                          monkeypatch):
+    """A 4-bit model with int8 activations runs each decoder layer as one native call: it adds
+    the adapters inside, and its tokens and logprobs are the modules' to the bit."""
+    from quantized_checkpoints import write_awq
+    quantized, _, _ = write_awq(hf_checkpoints["gqa"], tmp_path / "awq")
+    loras = adapters["gqa"]
+    prompts = prompts_of([7, 11, 9, 5], seed=14)
+    chosen = [loras["wide"], None, loras["narrow"], loras["wide"]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    eng = lora_engine(quantized)
+    model = eng.model.model
+    assert model.native is not None and all(layer.native.lora for layer in model.layers)
+    calls = []
+    stack_call = type(model.native).__call__
+    monkeypatch.setattr(type(model.native), "__call__",
+                        lambda self, *a: calls.append(1) or stack_call(self, *a))
+    plain = tokens(run_lora(eng, prompts[:1], [None], params))
+    native = run_lora(eng, prompts, chosen, params)
+    assert calls and tokens(native)[0] != plain[0]                  # native, and the adapter acts
+    for owner in (*model.layers, model):
+        owner.native = None
+    modules = run_lora(eng, prompts, chosen, params)
+    for a, b in zip(native, modules):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

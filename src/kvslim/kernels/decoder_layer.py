@@ -58,6 +58,9 @@ class NativeDecoderLayer:
     head_dim: int
     scale: float
     act: int
+    # LoRA adapters (lora/layer.py attaches them): the step's slots holder (its token_slots,
+    # None in a step without adapters), A and B of qkv, o, gate_up and down, their 7 shards.
+    lora: LayerAdapters | None = None
 
     @classmethod
     def of(cls, linears: list[Q8GroupWeight], norms: list[torch.Tensor | None], eps: float,
@@ -78,7 +81,7 @@ class NativeDecoderLayer:
         return torch.ops.kvslim.decoder_layer(
             x.contiguous(), self.weights, self.extras, self.bits, self.outs, self.norms, self.eps,
             self.heads, self.kv_heads, self.head_dim, self.act, cos, sin, k_cache, v_cache,
-            slots, tables, lens, key_start, window, self.scale)
+            slots, tables, lens, key_start, window, self.scale, *adapter_args([self.lora]))
 
 
 @dataclass
@@ -123,4 +126,21 @@ class NativeDecoderStack:
         return torch.ops.kvslim.decoder_stack(
             x.contiguous(), self.weights, self.extras, self.bits, self.outs, self.norms, n.eps,
             n.heads, n.kv_heads, n.head_dim, n.act, cos, sin, k, v, slots, tables, lens, starts,
-            windows, n.scale)
+            windows, n.scale, *adapter_args([layer.lora for layer in self.layers]))
+
+
+@dataclass
+class LayerAdapters:
+    """A native layer's LoRA adapters (lora/layer.py's LoRALinear buffers, shared)."""
+    batch: object                        # its token_slots: each row's slot, or None
+    tensors: list[torch.Tensor]          # A, B of qkv, o, gate_up, down
+    shards: list[int]                    # their output shards' rows (3, 1, 2, 1 of them)
+
+
+def adapter_args(adapters: list[LayerAdapters | None]) -> tuple:
+    """The ops' trailing LoRA arguments for these layers: no slots in a step without adapters,
+    else the slots, every layer's tensors and the shards."""
+    first = adapters[0]
+    if first is None or first.batch.token_slots is None:
+        return None, [], []
+    return (first.batch.token_slots, [t for a in adapters for t in a.tensors], first.shards)

@@ -4,6 +4,7 @@ each token's own adapter, B(A x), to the base output: Punica's SGMV idea, many a
 batch without a merged copy per adapter (kernels/lora_sgmv.py: on the CPU a kernel whose every
 row's numbers do not depend on the batch; a base-model row is not touched at all).
 
+A layer that runs as one native call adds the same adapters inside it (kernels/decoder_layer.py).
 A slot holds, for each of the layer's output shards (q/k/v, gate/up), an A [R, in] and a B
 [rows, R] with the scaling folded in, zero-padded to R = max_lora_rank: a shard the adapter does
 not train stays zero and adds zero."""
@@ -78,23 +79,6 @@ def compute_dtype(model: nn.Module) -> tuple[torch.dtype, torch.device]:
     return param.dtype, param.device
 
 
-class NativePaths:
-    """The model's native one-call layers (kernels/decoder_layer.py), which know no adapters:
-    taken away for a step that runs adapters, given back for one that runs none (they read
-    the base layers' weights, so the base model's rows stay what they were)."""
-
-    def __init__(self, model: nn.Module):
-        owners = [*model.model.layers, model.model]
-        self.saved = [(m, m.native) for m in owners if getattr(m, "native", None) is not None]
-        self.on = True
-
-    def use(self, on: bool) -> None:
-        if on != self.on:
-            for owner, native in self.saved:
-                owner.native = native if on else None
-            self.on = on
-
-
 def wrap_linears(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int
                  ) -> dict[str, LoRALinear]:
     """Every decoder layer's TARGETS wrapped (in place); kvslim module name -> its wrapper."""
@@ -110,4 +94,19 @@ def wrap_linears(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: i
             lora = LoRALinear(base, batch, max_loras, max_rank, dtype, device)
             setattr(parent, leaf, lora)
             wrapped[f"model.layers.{i}.{target}"] = lora
+        _attach_native(layer, [wrapped.get(f"model.layers.{i}.{t}") for t in TARGETS], batch)
     return wrapped
+
+
+def _attach_native(layer: nn.Module, linears: list, batch: LoRABatch) -> None:
+    """A layer that runs as one native call (kernels/decoder_layer.py) adds the same adapters
+    there, after the same kernels, in the same order: the same bits as its modules."""
+    native = getattr(layer, "native", None)
+    if native is None:
+        return
+    if any(lin is None for lin in linears):
+        layer.native = None                      # not every linear has slots: the modules run
+        return
+    from kvslim.kernels.decoder_layer import LayerAdapters
+    native.lora = LayerAdapters(batch, [t for lin in linears for t in (lin.lora_a, lin.lora_b)],
+                                [r for lin in linears for r in lin.shard_rows])

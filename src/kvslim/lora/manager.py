@@ -11,7 +11,7 @@ import torch
 
 from kvslim.errors import InvalidRequestError
 from kvslim.lora.adapter import LoRAAdapter, load_adapter
-from kvslim.lora.layer import LoRABatch, NativePaths, compute_dtype, wrap_linears
+from kvslim.lora.layer import LoRABatch, compute_dtype, wrap_linears
 from kvslim.lora.request import LoRARequest
 
 
@@ -21,7 +21,6 @@ class LoRAManager:
         self.max_loras, self.max_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.batch = LoRABatch()
-        self.natives = NativePaths(model)
         self.linears = wrap_linears(model, self.batch, max_loras, max_lora_rank)
         self.dtype, self.device = compute_dtype(model)
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()   # on the host, LRU
@@ -114,7 +113,6 @@ class LoRAManager:
         """Each token's adapter (0: none), in the step's row order: its slots set for the
         linears, or none at all when no token has an adapter."""
         used = set(token_lora_ids) - {0}
-        self.natives.use(not used)
         if not used:
             self.batch.token_slots = None
             return

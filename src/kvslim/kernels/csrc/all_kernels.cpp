@@ -9,5 +9,5 @@
 #include "store_slots.cpp"
 #include "sparse24_gemm.cpp"
 #include "head_mm.cpp"
+#include "lora_sgmv.cpp"      // before decoder_layer.cpp, which adds adapters with it
 #include "decoder_layer.cpp"
-#include "lora_sgmv.cpp"

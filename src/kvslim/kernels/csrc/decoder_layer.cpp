@@ -106,6 +106,32 @@ float* data(const std::optional<at::Tensor>& t) { return t ? t->data_ptr<float>(
 // third optional. act: the gate's activation, 0 SiLU, 1 tanh-approximated GELU.
 enum Norm { PRE_ATTN, ATTN_OUT, PRE_MLP, MLP_OUT, Q_HEAD, K_HEAD, NORMS };
 
+// LoRA adapters beside the four linears (lora/layer.py's LoRALinear, the same kernel and the
+// same order: each linear's output, then its adapters' B(A x) added, before any norm): per
+// linear its slots' A and B, the step's slot of every row, and each linear's output shards
+// (qkv: 3, o: 1, gate_up: 2, down: 1 numbers, in that order). No slots: no adapters.
+struct Adapters {
+  const std::optional<at::Tensor>& slots;
+  std::vector<at::Tensor> ab;                  // a, b of qkv, o, gate_up, down
+  std::vector<int64_t> shards;                 // 7 output-row counts
+
+  void add(const at::Tensor& y, const at::Tensor& x, int linear) const {
+    if (!slots) return;
+    static const int first[5] = {0, 3, 4, 6, 7};
+    const std::vector<int64_t> rows(shards.begin() + first[linear],
+                                    shards.begin() + first[linear + 1]);
+    kvslim_lora_sgmv::lora_add_(y, x, *slots, ab[2 * linear], ab[2 * linear + 1], rows);
+  }
+};
+
+Adapters adapters_of(const std::optional<at::Tensor>& slots, const std::vector<at::Tensor>& ab,
+                     const std::vector<int64_t>& shards) {
+  TORCH_CHECK(!slots || (ab.size() == 8 && shards.size() == 7),
+              "decoder_layer: adapters take 8 tensors (A, B of qkv, o, gate_up, down) and 7 "
+              "shard row counts");
+  return Adapters{slots, ab, shards};
+}
+
 // x [N, hidden] -> the layer's output [N, hidden]. weights: qweight and scales of qkv, o,
 // gate_up, down in that order; extras: their mins (4-bit) or column sums (8-bit). cos, sin
 // [N, D]; the cache, slots and the attention's tables as PagedAttention's kernel path passes
@@ -122,7 +148,7 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& weights
                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                      at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
                      const at::Tensor& context_lens, int64_t key_start, int64_t window,
-                     double scale) {
+                     double scale, const Adapters& lora) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "decoder_layer: x must be contiguous float32 [N, hidden]");
   TORCH_CHECK(weights.size() == 8 && extras.size() == 4 && bits.size() == 4 && outs.size() == 4 &&
@@ -140,6 +166,7 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& weights
   at::Tensor h = at::empty_like(x);
   rms_norm_rows(x.data_ptr<float>(), data(norms[PRE_ATTN]), h.data_ptr<float>(), N, H, feps);
   at::Tensor qkv = mm(h, wqkv);                                        // [N, width]
+  lora.add(qkv, h, 0);
   if (norms[Q_HEAD]) rms_norm_heads(qkv.data_ptr<float>(), data(norms[Q_HEAD]), N, width, 0, heads, D, feps);
   if (norms[K_HEAD]) rms_norm_heads(qkv.data_ptr<float>(), data(norms[K_HEAD]), N, width, heads, kv_heads, D, feps);
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
@@ -152,15 +179,19 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& weights
   const at::Tensor att = kvslim_paged_attention::paged_decode(
       heads3.narrow(1, 0, heads), k_cache, v_cache, std::nullopt, std::nullopt, block_tables,
       context_lens, key_start, window, scale, std::nullopt, std::nullopt, 0);
-  at::Tensor a = mm(att.view({N, heads * D}), wo);
+  const at::Tensor att_rows = att.view({N, heads * D});
+  at::Tensor a = mm(att_rows, wo);
+  lora.add(a, att_rows, 1);
   if (norms[ATTN_OUT]) rms_norm_rows(a.data_ptr<float>(), data(norms[ATTN_OUT]), a.data_ptr<float>(), N, H, feps);
   at::Tensor y = x + a;
   rms_norm_rows(y.data_ptr<float>(), data(norms[PRE_MLP]), h.data_ptr<float>(), N, H, feps);
   const at::Tensor gu = mm(h, wgu);
+  lora.add(gu, h, 2);
   const at::Tensor gate = gu.narrow(1, 0, inter);
   const at::Tensor gated = (act == 0 ? at::silu(gate) : at::gelu(gate, "tanh")) *
                            gu.narrow(1, inter, inter);
   at::Tensor m = mm(gated, wdown);
+  lora.add(m, gated, 3);
   if (norms[MLP_OUT]) rms_norm_rows(m.data_ptr<float>(), data(norms[MLP_OUT]), m.data_ptr<float>(), N, H, feps);
   return y + m;
 }
@@ -175,12 +206,15 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& wei
                          const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                          at::Tensor v_cache, const at::Tensor& slots,
                          const at::Tensor& block_tables, const at::Tensor& context_lens,
-                         int64_t key_start, int64_t window, double scale) {
+                         int64_t key_start, int64_t window, double scale,
+                         const std::optional<at::Tensor>& lora_slots,
+                         const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_shards) {
   at::Tensor out;
+  const Adapters adapters = adapters_of(lora_slots, lora, lora_shards);
   kvslim_team::with_team([&] {
     out = run_layer(x, weights, extras, bits, outs, norms, eps, heads, kv_heads, head_dim, act,
                     cos, sin, k_cache, v_cache, slots, block_tables, context_lens, key_start,
-                    window, scale);
+                    window, scale, adapters);
   });
   return out;
 }
@@ -205,8 +239,11 @@ at::Tensor decoder_stack(const at::Tensor& x, const std::vector<at::Tensor>& wei
                          const std::vector<at::Tensor>& block_tables,
                          const std::vector<at::Tensor>& context_lens,
                          const std::vector<int64_t>& key_starts,
-                         const std::vector<int64_t>& windows, double scale) {
+                         const std::vector<int64_t>& windows, double scale,
+                         const std::optional<at::Tensor>& lora_slots,
+                         const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_shards) {
   const size_t L = k_caches.size();
+  TORCH_CHECK(!lora_slots || lora.size() == 8 * L, "decoder_stack: adapters take 8 tensors a layer");
   TORCH_CHECK(v_caches.size() == L && weights.size() == 8 * L && extras.size() == 4 * L &&
                   bits.size() == 4 * L && outs.size() == 4 * L && norms.size() == NORMS * L &&
                   cos.size() == L && sin.size() == L && slots.size() == L &&
@@ -220,7 +257,10 @@ at::Tensor decoder_stack(const at::Tensor& x, const std::vector<at::Tensor>& wei
       out = run_layer(out, part(weights, l, 8), part(extras, l, 4), part(bits, l, 4),
                       part(outs, l, 4), part(norms, l, NORMS), eps, heads, kv_heads, head_dim,
                       act, cos[l], sin[l], k_caches[l], v_caches[l], slots[l], block_tables[l],
-                      context_lens[l], key_starts[l], windows[l], scale);
+                      context_lens[l], key_starts[l], windows[l], scale,
+                      adapters_of(lora_slots, lora_slots ? part(lora, l, 8)
+                                                         : std::vector<at::Tensor>{},
+                                  lora_shards));
   });
   return out;
 }
@@ -232,12 +272,14 @@ TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("decoder_layer(Tensor x, Tensor[] weights, Tensor?[] extras, int[] bits, int[] outs, "
         "Tensor?[] norms, float eps, int heads, int kv_heads, int head_dim, int act, Tensor cos, "
         "Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, "
-        "Tensor context_lens, int key_start, int window, float scale) -> Tensor");
+        "Tensor context_lens, int key_start, int window, float scale, Tensor? lora_slots, "
+        "Tensor[] lora, int[] lora_shards) -> Tensor");
   m.def("decoder_stack(Tensor x, Tensor[] weights, Tensor?[] extras, int[] bits, int[] outs, "
         "Tensor?[] norms, float eps, int heads, int kv_heads, int head_dim, int act, "
         "Tensor[] cos, Tensor[] sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
         "Tensor[] slots, Tensor[] block_tables, Tensor[] context_lens, int[] key_starts, "
-        "int[] windows, float scale) -> Tensor");
+        "int[] windows, float scale, Tensor? lora_slots, Tensor[] lora, "
+        "int[] lora_shards) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvslim, CPU, m) {
