@@ -120,3 +120,22 @@ def format_lora(r: LoRABenchResult) -> str:
         lines.append(f"8 adapters: {100 * r.ratio(eight):.0f}% of the base model alone "
                      f"(goal >= {100 * GOAL:.0f}%: {verdict})")
     return "\n".join(lines)
+
+
+def plot_lora(results: dict[str, LoRABenchResult], path: Path) -> None:
+    """Tokens per second of each run, one group of bars per model import."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(results)
+    for k, (label, r) in enumerate(results.items()):
+        runs = list(r.step_ms)
+        ax.bar([i + k * width for i in range(len(runs))], [r.tokens_per_s(x) for x in runs],
+               width, label=label)
+        ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(runs))], runs)
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"LoRA serving: batch of {r.batch}, rank-{r.rank} adapters")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

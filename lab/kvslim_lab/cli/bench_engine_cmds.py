@@ -129,6 +129,8 @@ def _register_lora(kinds) -> None:
     p.add_argument("--rank", type=int, default=16, help="the adapters' rank")
     p.add_argument("--counts", default="0,1,4,8", help="distinct adapters per run")
     p.add_argument("--rounds", type=int, default=3, help="rounds, the runs alternating")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also draw tokens/s per run (bars) into this file")
     add_engine_flags(p, "dtype", dtype=IMPORT_DTYPE)
     _common(p)
     p.set_defaults(func=run_lora_cmd)
@@ -145,6 +147,11 @@ def run_lora_cmd(args) -> int:
                           "at least 0 (and one of them at least 1)")
     result = run_lora_bench(args.model, args.batch, args.tokens, args.rank, args.rounds,
                             counts, args.dtype, show_progress=not args.json)
+    if args.plot:
+        from pathlib import Path
+
+        from kvslim_lab.bench.lora import plot_lora
+        plot_lora({f"dtype {args.dtype}": result}, Path(args.plot))
     return _emit(args, result, format_lora)
 
 
