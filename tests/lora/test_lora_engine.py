@@ -219,3 +219,14 @@ def test_native_layers_add_adapters_with_the_modules_bits(hf_checkpoints, adapte
     for a, b in zip(native, modules):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_a_fused_projection_adapter_trains_every_shard(hf_checkpoints, tmp_path):
+    """Phi-3's checkpoints fuse q/k/v and gate/up: an adapter on qkv_proj and gate_up_proj
+    spans all their shards."""
+    ckpt = hf_checkpoints["phi3"]
+    fused = write_adapter(ckpt, tmp_path / "fused", r=4, seed=15,
+                          targets=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    prompts = prompts_of([7, 10], seed=16)
+    got = tokens(run_lora(lora_engine(ckpt), prompts, [LoRARequest("fused", 1, str(fused))] * 2))
+    assert got == merged_greedy(ckpt, fused, prompts, 10)
