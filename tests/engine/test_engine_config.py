@@ -16,7 +16,7 @@ def test_an_unknown_keyword_names_the_close_match():
     with pytest.raises(KvslimError) as e:
         LLM("no-such-model", kv_cache_memroy="1GiB")     # refused before the model resolves
     assert str(e.value) == ("unknown engine option 'kv_cache_memroy'; did you mean "
-                            "kv_cache_memory or kv_cache_dtype?")
+                            "kv_cache_memory or kv_cache_dtype or kv_offload_memory?")
     with pytest.raises(KvslimError, match=r"^unknown engine option 'colour' \(options: dtype, "):
         EngineConfig.from_options(colour="blue")
     assert EngineConfig.from_options(block_size=8) == EngineConfig(block_size=8)
@@ -32,9 +32,13 @@ NON_DEFAULT = {
     "--tensor-parallel-size": "1", "--tensor-parallel-oversubscribe": None,
     "--distributed-timeout": "5.5", "--kv-window": "64", "--kv-sink-tokens": "4", "--kv-hadamard": None,
     "--max-loras": "3", "--max-lora-rank": "32", "--max-cpu-loras": "5",
+    "--kv-offload-max-bytes": "3MiB", "--kv-offload-write-through": None,
 }
-# Flags that cannot join the others (LoRA adapters refuse speculative decoding): their own run.
-APART = {"--enable-lora": dict(enable_lora=True)}
+# Flags that cannot join the others (LoRA adapters refuse speculative decoding, the offload
+# tier needs prefix caching): each in its own run, flag -> (its value or None, the config).
+APART = {"--enable-lora": (None, dict(enable_lora=True)),
+         "--kv-offload-dir": ("d", dict(kv_offload_dir="d")),
+         "--kv-offload-memory": ("2MiB", dict(kv_offload_memory="2MiB"))}
 
 
 def test_every_generated_flag_round_trips_to_the_config():
@@ -49,14 +53,16 @@ def test_every_generated_flag_round_trips_to_the_config():
         keep_out_of_window_blocks=True, cuda_sparse_24=True, speculative={"method": "ngram",
                                                      "num_speculative_tokens": 2},
         tensor_parallel_oversubscribe=True, distributed_timeout=5.5, kv_window=64,
-        kv_sink_tokens=4, kv_hadamard=True, max_loras=3, max_lora_rank=32, max_cpu_loras=5)
+        kv_sink_tokens=4, kv_hadamard=True, max_loras=3, max_lora_rank=32, max_cpu_loras=5,
+        kv_offload_max_bytes="3MiB", kv_offload_write_through=True)
     assert asdict(config) == asdict(expected)
     changed = {f.name for f in fields(EngineConfig)
                if getattr(config, f.name) != getattr(EngineConfig(), f.name)}
-    assert changed == {f.name for f in flag_fields()} - {"tensor_parallel_size", "enable_lora"}
-    for flag, options in APART.items():
-        alone = engine_config_from_args(build_parser().parse_args(["serve", "m", flag]))
-        assert alone == EngineConfig(**options)
+    apart = {name for _, options in APART.values() for name in options}
+    assert changed == {f.name for f in flag_fields()} - {"tensor_parallel_size"} - apart
+    for flag, (value, options) in APART.items():
+        argv = ["serve", "m", flag] + ([value] if value is not None else [])
+        assert engine_config_from_args(build_parser().parse_args(argv)) == EngineConfig(**options)
 
 
 def test_flags_default_to_the_fields_or_the_commands_own():

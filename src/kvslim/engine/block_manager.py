@@ -62,7 +62,8 @@ class Block:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  watermark_blocks: int = 0, group_windows: tuple[int | None, ...] = (None,),
-                 group_sinks: tuple[int, ...] | None = None, float_tail_blocks: int = 0):
+                 group_sinks: tuple[int, ...] | None = None, float_tail_blocks: int = 0,
+                 offload=None):
         """group_windows: per KV-cache group, its window (None: it keeps every block);
         group_sinks: per group, the first positions a window group keeps;
         float_tail_blocks: a packed cache's residual (attention/lowbit_cache.py): a sequence's
@@ -70,7 +71,10 @@ class BlockManager:
         recent rows (the pool holds them once they are older). A fork computes them again. With
         full blocks in it, a prefix-cache hit could not be exact (the first query after the hit
         would read the block before it from the pool, a query computed from scratch from its
-        recent rows), so prefix caching is off."""
+        recent rows), so prefix caching is off.
+        offload: a second tier for full prefix blocks (engine/kv_offload.py's BlockOffload):
+        blocks go there when the pool evicts them (or as they fill, write-through), and a
+        prompt's blocks that miss the pool are looked for there. One KV-cache group only."""
         self.float_tail_blocks = float_tail_blocks
         self._older = max(0, float_tail_blocks - 1)     # full blocks kept in float16
         self.num_blocks = num_blocks
@@ -86,6 +90,7 @@ class BlockManager:
         self.num_cached_free_blocks = 0          # free blocks whose contents are still findable
         self.prefix_cache_queries = 0            # prompt tokens looked up at admission
         self.prefix_cache_hits = 0               # of those, served from the cache
+        self.offload = offload
 
     # ---- counters ------------------------------------------------------------------------
     @property
@@ -198,11 +203,31 @@ class BlockManager:
             new = self._admission_blocks(seq, g, computed, num_new_tokens) - h
             tables.append(hit + [self._allocate_new() for _ in range(new)])
         seq.block_tables = tables
+        loaded = self._load_offloaded(seq, tables[0], h) if self.offload is not None \
+            and self.enable_prefix_caching and not seq.needs_prompt_logprobs else 0
+        computed += loaded * self.block_size
         seq.dirty_from = [0] * self.num_groups
         seq.num_computed_tokens = seq.num_cached_tokens = computed
-        seq.registered_blocks = [h] * self.num_groups
+        seq.registered_blocks = [h + loaded] * self.num_groups
         self.prefix_cache_queries += seq.num_tokens
         self.prefix_cache_hits += seq.num_cached_tokens
+
+    def _load_offloaded(self, seq: Sequence, table: list[int], h: int) -> int:
+        """Fill the new blocks after the pool's `h` hits from the tier while it has them (never
+        the block of the last prompt token, whose logits are needed); each loaded block enters
+        the prefix cache. Returns how many were loaded."""
+        limit = (seq.num_tokens - 1) // self.block_size
+        self._update_hashes(seq, limit)
+        loaded = 0
+        for i in range(h, limit):
+            key, tokens = (0, seq.block_hashes[i]), tuple(seq.block_tokens(i))
+            if key in self.cached or not self.offload.load(table[i], key, tokens):
+                break
+            block = self.blocks[table[i]]
+            block.hash, block.token_ids = key, tokens
+            self.cached[key] = table[i]
+            loaded += 1
+        return loaded
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -215,6 +240,8 @@ class BlockManager:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:                      # evict its cached contents
+            if self.offload is not None:
+                self.offload.save(block_id, block.hash, block.token_ids)
             self.num_cached_free_blocks -= 1
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
@@ -343,6 +370,8 @@ class BlockManager:
                 if block.hash is None and key not in self.cached:
                     block.hash, block.token_ids = key, tuple(seq.block_tokens(i))
                     self.cached[key] = block.block_id
+                    if self.offload is not None and self.offload.write_through:
+                        self.offload.save(block.block_id, key, block.token_ids)
             seq.registered_blocks[g] = full
 
     def reset_prefix_cache(self) -> None:

@@ -141,6 +141,20 @@ class EngineConfig:
         False, "on CUDA, run the linears of a 2:4-pruned float16/bfloat16 model as PyTorch "
                "semi-structured sparse tensors (sparse tensor cores, compute capability 8.0+)",
         flag="--cuda-sparse-24")
+    # A second tier for full prefix blocks (kv_cache/tier.py): host memory and/or disk.
+    kv_offload_dir: str | None = option(
+        None, "keep full prefix blocks on disk in DIR when the pool evicts them (and across "
+              "restarts); a prompt's blocks that miss the pool are read back from there",
+        metavar="DIR")
+    kv_offload_memory: int | str | None = option(
+        None, "the same tier in host memory (in front of --kv-offload-dir if given), e.g. 2GiB",
+        metavar="SIZE")
+    kv_offload_max_bytes: int | str | None = option(
+        None, "bound the disk tier, least recently used blocks removed first (default: no "
+              "bound)", metavar="SIZE")
+    kv_offload_write_through: bool = option(
+        False, "write each full prefix block to the tier as soon as it fills, not only when "
+               "the pool evicts it (what a restart finds)")
     # LoRA adapters per request (lora/): slots beside every attention and MLP linear.
     enable_lora: bool = option(
         False, "serve peft LoRA adapters per request (LoRARequest; kvslim serve --lora-modules)")
@@ -198,6 +212,23 @@ class EngineConfig:
         self.window = KVWindow.of(self.kv_window, self.kv_sink_tokens)
         self._check_parallel()
         self._check_lora()
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        for name in ("kv_offload_memory", "kv_offload_max_bytes"):
+            if getattr(self, name) is not None:
+                setattr(self, name, parse_bytes(getattr(self, name)))
+        if self.offloads and not self.enable_prefix_caching:
+            raise KvslimError("the KV offload tier keeps prefix-cache blocks: it needs prefix "
+                              "caching on")
+        if self.offloads and self.tensor_parallel_size > 1:
+            raise KvslimError("the KV offload tier with tensor_parallel_size > 1 is not "
+                              "supported")
+
+    @property
+    def offloads(self) -> bool:
+        """Whether a KV offload tier is asked for (a directory or host memory)."""
+        return self.kv_offload_dir is not None or bool(self.kv_offload_memory)
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

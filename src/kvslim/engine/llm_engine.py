@@ -86,7 +86,7 @@ class LLMEngine:
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching,
             watermark_blocks=max(1, self.runner.num_blocks // 100) if self.runner.num_blocks > 8 else 0,
             group_windows=self.runner.kv_groups.windows, group_sinks=self.runner.kv_groups.sinks,
-            float_tail_blocks=self.runner.residual_blocks)
+            float_tail_blocks=self.runner.residual_blocks, offload=self._kv_offload(model_dir))
         self.spec = self._speculative_decoder(learned)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, eos,
@@ -134,6 +134,22 @@ class LLMEngine:
         return SpeculativeDecoder(spec, draft, learned, self.structured.is_constrained)
 
     # ---- requests ------------------------------------------------------------------------
+    def _kv_offload(self, model_dir):
+        """The pool's second tier (--kv-offload-dir / --kv-offload-memory), or None."""
+        c = self.config
+        if not c.offloads:
+            return None
+        if len(self.runner.kv_groups.groups) != 1 or self.runner.packed_bits:
+            raise ConfigError("the KV offload tier runs with one KV-cache group and an unpacked "
+                              "cache (not sliding-window layers, not int4/int2 KV)")
+        from kvslim.engine.kv_offload import BlockOffload, model_identity
+        from kvslim.kv_cache.tier import KVTier
+        identity = model_identity(model_dir, self.runner.kv_dtype, c.block_size,
+                                  self.runner.dtype)
+        tier = KVTier(identity, c.kv_offload_dir, c.kv_offload_max_bytes,
+                      c.kv_offload_memory or 0)
+        return BlockOffload(self.runner, tier, c.kv_offload_write_through)
+
     def _lora_manager(self):
         if not self.config.enable_lora:
             return None
