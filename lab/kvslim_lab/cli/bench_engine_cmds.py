@@ -1,4 +1,5 @@
-"""`kvslim bench throughput | latency | profile | capacity | kernels | structured | lora`."""
+"""`kvslim bench throughput | latency | profile | capacity | kernels | structured | lora |
+kv-tier`."""
 from __future__ import annotations
 
 import json
@@ -81,6 +82,7 @@ def register_engine_benchmarks(kinds) -> None:
     _register_kernels(kinds)
     _register_structured(kinds)
     _register_lora(kinds)
+    _register_kv_tier(kinds)
 
 
 def _register_kernels(kinds) -> None:
@@ -153,6 +155,32 @@ def run_lora_cmd(args) -> int:
         from kvslim_lab.bench.lora import plot_lora
         plot_lora({f"dtype {args.dtype}": result}, Path(args.plot))
     return _emit(args, result, format_lora)
+
+
+def _register_kv_tier(kinds) -> None:
+    p = kinds.add_parser("kv-tier", help="time to the first token of long prompts: cold, from "
+                                         "the pool, from host memory and from disk")
+    p.add_argument("--model", default=None, help="model (default: the embedded model)")
+    p.add_argument("--lengths", default="1024,4096", help="prompt lengths in tokens")
+    p.add_argument("--rounds", type=int, default=3, help="measurements of each; medians")
+    p.add_argument("--plot", default=None, metavar="PNG", help="also draw the TTFTs (bars)")
+    add_engine_flags(p, "dtype", dtype=IMPORT_DTYPE)
+    _common(p)
+    p.set_defaults(func=run_kv_tier_cmd)
+
+
+def run_kv_tier_cmd(args) -> int:
+    from kvslim_lab.bench.kv_tier import format_kv_tier, plot_kv_tier, run_kv_tier_bench
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lengths = tuple(int(n) for n in args.lengths.split(","))
+    if min(lengths) < 2 or args.rounds < 1:
+        raise KvslimError("--lengths must be at least 2 tokens, --rounds at least 1")
+    result = run_kv_tier_bench(args.model, lengths, args.rounds, args.dtype,
+                               show_progress=not args.json)
+    if args.plot:
+        plot_kv_tier(result, args.plot)
+    return _emit(args, result, format_kv_tier)
 
 
 def _setup(args):

@@ -373,6 +373,11 @@ class LLMEngine:
         if self.parallel is not None:
             self.parallel.shutdown()
 
+    def kv_offload_stats(self):
+        """The KV offload tier's TierStats (running totals); None without a tier."""
+        offload = self.block_manager.offload
+        return None if offload is None else offload.tier.stats
+
     def spec_decode_stats(self) -> SpecDecodeStats | None:
         """Draft and accepted tokens so far; None when the engine does not speculate."""
         return None if self.spec is None else self.spec.stats

@@ -280,6 +280,9 @@ class AsyncEngine:
         spec = e.spec_decode_stats()
         if spec is not None:
             self.metrics.observe_speculation(spec)
+        offload = e.kv_offload_stats()
+        if offload is not None:
+            self.metrics.observe_offload(offload)
 
     def _shut(self, error: EngineDeadError) -> None:
         """Fail every open stream and every queued submit; later `add` calls fail at once.

@@ -15,6 +15,15 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+# kv_cache/tier.py's TierStats fields -> help
+OFFLOAD_COUNTERS = {"hits": "KV blocks served from the offload tier",
+                    "misses": "KV blocks looked up in the offload tier and not found",
+                    "bytes_read": "Bytes of KV blocks read from the offload tier",
+                    "bytes_written": "Bytes of KV blocks written to the offload tier's disk",
+                    "load_s": "Seconds spent reading KV blocks from the offload tier",
+                    "rejected": "Offload files removed unread: another model's, torn or corrupt"}
+
+
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -62,6 +71,10 @@ class ServerMetrics:
         self._peak = 0
         self._speculation_metrics(ns, r)
         self._spec_seen = (0, 0, 0, [], [])
+        # The KV offload tier (--kv-offload-dir / --kv-offload-memory), by TierStats' fields.
+        self.offload = {name: Counter(f"kv_offload_{name}", help, namespace=ns, registry=r)
+                        for name, help in OFFLOAD_COUNTERS.items()}
+        self._offload_seen = dict.fromkeys(OFFLOAD_COUNTERS, 0)
 
     def _speculation_metrics(self, ns: str, r: CollectorRegistry) -> None:
         """Speculative decoding's (present, at zero, when the engine does not speculate)."""
@@ -120,6 +133,13 @@ class ServerMetrics:
         self._spec_seen = (stats.num_draft_tokens, stats.num_accepted_tokens,
                            stats.num_verifications, list(stats.drafted_per_position),
                            list(stats.accepted_per_position))
+
+    def observe_offload(self, stats) -> None:
+        """The engine's TierStats (running totals): counters advance by what is new."""
+        for name, counter in self.offload.items():
+            total = getattr(stats, name)
+            counter.inc(total - self._offload_seen[name])
+            self._offload_seen[name] = total
 
     # ---- exposition ----------------------------------------------------------------------
     def render(self) -> bytes:
