@@ -85,3 +85,52 @@ def test_options_the_tier_cannot_run_with_are_refused(options, match):
     from kvslim.engine.config import EngineConfig
     with pytest.raises(KvslimError, match=match):
         EngineConfig(**options)
+
+
+def test_preemption_under_a_full_pool_leaks_nothing(hf_checkpoints, tmp_path):
+    """More sequences than the pool holds at once (preemption, recompute) with a bounded disk
+    tier: the same tokens as without the tier, no block left in use, the tier within its bound."""
+    ckpt = hf_checkpoints["gqa"]
+    prompts = prompts_of([30, 41, 25, 37, 33, 28], seed=23, prefix=PROMPT[:16])
+    params = SamplingParams(max_tokens=14, **GREEDY)
+    plain = tokens(run(tiered(ckpt), prompts, params))
+    eng = tiered(ckpt, kv_offload_dir=str(tmp_path), kv_offload_max_bytes="24KiB")
+    assert tokens(run(eng, prompts, params)) == plain          # run() checks no block is used
+    assert eng.scheduler.num_preemptions > 0
+    tier = eng.block_manager.offload.tier
+    assert sum(tier.files.values()) <= 24 * 1024
+    assert sorted(p.name[:-8] for p in tmp_path.glob("*.kvblock")) == sorted(tier.files)
+
+
+def test_smollm2_answers_the_same_after_a_restart(smollm2_dir, tmp_path):
+    from kvslim.engine.config import EngineConfig
+    from kvslim.engine.llm_engine import LLMEngine
+    text = "The KV cache, not the weights, is what stops long prompts on small machines. " * 12
+
+    def smol(**tier):
+        return LLMEngine(smollm2_dir, EngineConfig(dtype="float32", device="cpu",
+                                                   kv_cache_memory="64MiB", **tier))
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    plain = tokens(run(smol(), [text], params))
+    run(smol(kv_offload_dir=str(tmp_path), kv_offload_write_through=True), [text], params)
+    out = run(smol(kv_offload_dir=str(tmp_path)), [text], params)[0]
+    assert tokens([out]) == plain and cached_tokens(out) > 100
+
+
+def test_cut_requests_leave_no_block_in_use(hf_checkpoints, tmp_path):
+    """Requests aborted mid-prefill and mid-decode (a client gone) with the tier on: every
+    block back in the pool, and what the tier holds still serves an identical answer."""
+    ckpt = hf_checkpoints["gqa"]
+    eng = tiered(ckpt, kv_offload_dir=str(tmp_path), kv_offload_write_through=True,
+                 max_num_batched_tokens=16)
+    ids = [eng.add_request(p, SamplingParams(max_tokens=30, **GREEDY))
+           for p in [PROMPT] + FILLERS[:3]]
+    for steps in range(6):
+        eng.step()
+        if steps in (1, 4):
+            eng.abort_request(ids.pop(0))
+    for request_id in ids:
+        eng.abort_request(request_id)
+    assert eng.kv_cache_stats().num_used_blocks == 0 and not eng.has_unfinished_requests()
+    plain = tokens(run(tiered(ckpt), [PROMPT], PARAMS))
+    assert tokens(run(tiered(ckpt, kv_offload_dir=str(tmp_path)), [PROMPT], PARAMS)) == plain

@@ -96,3 +96,17 @@ def test_both_levels_drop_the_least_recently_used_first(tmp_path):
     for i, key in enumerate(keys):
         front.put(key, block(i))
     assert all(same(front.get(k), block(i)) for i, k in enumerate(keys))   # spilled to disk
+
+
+def test_two_servers_share_one_directory(tmp_path):
+    """Each finds what the other wrote after it started; a file the other removed is a miss,
+    not a rejected file."""
+    one, two = KVTier(ID, tmp_path), KVTier(ID, tmp_path)
+    key = one.key((0, b"\5" * 32))
+    one.put(key, block(5))
+    assert key in two and same(two.get(key), block(5))
+    other = one.key((0, b"\6" * 32))
+    one.put(other, block(6))
+    assert other in two
+    (tmp_path / f"{other}{SUFFIX}").unlink()             # dropped by the other server
+    assert two.get(other) is None and two.stats.rejected == 0

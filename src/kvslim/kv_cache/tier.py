@@ -76,7 +76,13 @@ class KVTier:
         return hashlib.sha256(self.identity + group.to_bytes(4, "little") + digest).hexdigest()
 
     def __contains__(self, key: str) -> bool:
-        return key in self.memory or key in self.files
+        if key in self.memory or key in self.files:
+            return True
+        # Another server sharing the directory may have written it since the scan.
+        if self.directory is not None and self._path(key).is_file():
+            self.files[key] = self._path(key).stat().st_size
+            return True
+        return False
 
     # ---- store and fetch -----------------------------------------------------------------
     def put(self, key: str, block: StoredBlock) -> None:
@@ -143,6 +149,9 @@ class KVTier:
         try:
             data = path.read_bytes()
             block = decode(self.identity, key, data)
+        except FileNotFoundError:                # another server sharing it removed it
+            self.files.pop(key, None)
+            return None
         except (OSError, ValueError):
             block = None
         if block is None:
@@ -150,7 +159,10 @@ class KVTier:
             self.stats.rejected += 1
             return None
         self.files.move_to_end(key)
-        os.utime(path)                                   # its use, for the next scan's order
+        try:
+            os.utime(path)                               # its use, for the next scan's order
+        except FileNotFoundError:
+            pass
         return block
 
     def _bound_disk(self) -> None:
