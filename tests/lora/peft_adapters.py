@@ -29,14 +29,9 @@ def write_adapter(checkpoint: Path, path: Path, r: int = 8, alpha: int = 16,
 def merged_greedy(checkpoint: Path, adapter: Path | None, prompts: list[list[int]],
                   max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy tokens, with the adapter merged into the weights by peft."""
+    from engine.engine_helpers import hf_greedy
     model = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32)
     if adapter is not None:
         from peft import PeftModel
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
-    return out
+    return hf_greedy(model, prompts, max_new_tokens)

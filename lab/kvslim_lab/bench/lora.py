@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from tqdm import tqdm
 from kvslim.engine.llm import LLM
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.lora.request import LoRARequest
+from kvslim_lab.bench.decode_steps import full_batch_steps
 
 GOAL = 0.70
 # kvslim's fused linears' shards -> the checkpoint names peft writes
@@ -66,22 +66,6 @@ def write_random_adapter(llm: LLM, path: Path, rank: int, seed: int) -> Path:
     return path
 
 
-def _decode_steps(llm: LLM, prompts, params: SamplingParams, loras: list) -> list[float]:
-    """Seconds of each step in which the whole batch decoded."""
-    engine = llm.engine
-    for prompt, lora in zip(prompts, loras):
-        engine.add_request(prompt, params, lora_request=lora)
-    times = []
-    while engine.has_unfinished_requests():
-        decoding = engine.num_running == len(prompts) and not engine.num_waiting and all(
-            s.num_uncomputed_tokens == 1 for s in engine.scheduler.running)
-        start = time.perf_counter()
-        engine.step()
-        if decoding:
-            times.append(time.perf_counter() - start)
-    return times
-
-
 def run_lora_bench(model: str | None, batch: int = 32, tokens: int = 32, rank: int = 16,
                    rounds: int = 3, counts: tuple[int, ...] = (0, 1, 4, 8), dtype: str = "auto",
                    show_progress: bool = True) -> LoRABenchResult:
@@ -98,11 +82,11 @@ def run_lora_bench(model: str | None, batch: int = 32, tokens: int = 32, rank: i
             (f"{n} adapters", served, [adapters[i % n] if n else None for i in range(batch)])
             for n in counts]
         for _, llm, loras in runs:                                    # warm-up, adapters read
-            _decode_steps(llm, prompts[:len(loras)], params, loras)
+            full_batch_steps(llm, prompts, [params] * batch, loras)
         steps: dict[str, list[float]] = {name: [] for name, _, _ in runs}
         for r in tqdm(range(rounds), desc="rounds", disable=not show_progress):
             for name, llm, loras in (runs if r % 2 == 0 else runs[::-1]):
-                steps[name] += _decode_steps(llm, prompts, params, loras)
+                steps[name] += full_batch_steps(llm, prompts, [params] * batch, loras)
     result = LoRABenchResult(str(base.model_dir), batch, tokens, rank, rounds)
     result.step_ms = {name: 1e3 * statistics.median(t) for name, t in steps.items()}
     return result

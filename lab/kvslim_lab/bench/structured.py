@@ -8,13 +8,13 @@ the step still waited for them."""
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
 from kvslim.engine.llm import LLM
 from kvslim.engine.sampling_params import SamplingParams
+from kvslim_lab.bench.decode_steps import full_batch_steps
 from kvslim_lab.bench.schema_suite import schema_suite
 
 
@@ -38,22 +38,6 @@ class StructuredBenchResult:
         return {**asdict(self), "overhead": self.overhead}
 
 
-def _decode_steps(llm: LLM, prompts, params: list[SamplingParams]) -> list[float]:
-    """Seconds of each step in which the whole batch decoded (no prefill in the step)."""
-    engine = llm.engine
-    for prompt, p in zip(prompts, params):
-        engine.add_request(prompt, p)
-    times = []
-    while engine.has_unfinished_requests():
-        decoding = engine.num_running == len(prompts) and not engine.num_waiting and all(
-            s.num_uncomputed_tokens == 1 for s in engine.scheduler.running)
-        start = time.perf_counter()
-        engine.step()
-        if decoding:
-            times.append(time.perf_counter() - start)
-    return times
-
-
 def run_structured_bench(model: str | None, batch: int = 32, tokens: int = 64, rounds: int = 3,
                          kv_cache_memory: str = "1GiB", show_progress: bool = True
                          ) -> StructuredBenchResult:
@@ -69,11 +53,11 @@ def run_structured_bench(model: str | None, batch: int = 32, tokens: int = 64, r
     result = StructuredBenchResult(str(llm.model_dir), batch, tokens, rounds)
     all_plain, all_constrained = [], []
     llm.engine.grammar_compiler.ll_tokenizer          # built once, outside the timings
-    _decode_steps(llm, prompts[:2], plain[:2])         # warm-up
+    full_batch_steps(llm, prompts[:2], plain[:2])         # warm-up
     for r in tqdm(range(rounds), desc="rounds", disable=not show_progress):
         before = (times.steps, times.fill_s, times.wait_s)
         runs = [("plain", plain), ("constrained", constrained)]
-        steps = {name: _decode_steps(llm, prompts, params)
+        steps = {name: full_batch_steps(llm, prompts, params)
                  for name, params in (runs if r % 2 == 0 else runs[::-1])}
         n = times.steps - before[0]
         result.per_round.append({
