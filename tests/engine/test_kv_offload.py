@@ -134,3 +134,12 @@ def test_cut_requests_leave_no_block_in_use(hf_checkpoints, tmp_path):
     assert eng.kv_cache_stats().num_used_blocks == 0 and not eng.has_unfinished_requests()
     plain = tokens(run(tiered(ckpt), [PROMPT], PARAMS))
     assert tokens(run(tiered(ckpt, kv_offload_dir=str(tmp_path)), [PROMPT], PARAMS)) == plain
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_cache_comes_back_with_its_scales(hf_checkpoints, tmp_path, kv_cache_dtype):
+    ckpt = hf_checkpoints["gqa"]
+    plain = after_eviction(tiered(ckpt, kv_cache_dtype=kv_cache_dtype))
+    first, again = after_eviction(tiered(ckpt, kv_cache_dtype=kv_cache_dtype,
+                                         kv_offload_dir=str(tmp_path)))
+    assert cached_tokens(again) == 44 and tokens([first, again]) == tokens(plain)
