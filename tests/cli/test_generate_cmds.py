@@ -56,3 +56,21 @@ def test_chat_reads_turns_until_exit(hf_checkpoints):
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("> ") == 4 and r.stdout.count("s]") == 2   # two answers, timed
+
+
+def test_generate_with_a_lora_adapter(hf_checkpoints, tmp_path):
+    """--lora DIR answers with the adapter (the tokens of transformers + peft, merged); a
+    directory without an adapter is one line and exit 2."""
+    from lora.peft_adapters import merged_greedy, write_adapter
+    ckpt = hf_checkpoints["gqa"]
+    adapter = write_adapter(ckpt, tmp_path / "a", r=32, seed=3)       # above the default rank
+    r = kvslim("generate", "--model", str(ckpt), "--prompt", "In the beginning", "--raw",
+               "--max-tokens", "6", "--json", "--kv-cache-memory", "4MiB", "--lora", str(adapter))
+    assert r.returncode == 0, r.stderr
+    from kvslim.tokenizer.tokenizer import Tokenizer
+    prompt = Tokenizer.from_dir(ckpt).encode("In the beginning")
+    ours = json.loads(r.stdout)["token_ids"]           # up to 6 tokens: EOS may end it sooner
+    assert ours and ours == merged_greedy(ckpt, adapter, [prompt], 6)[0][:len(ours)]
+    bad = kvslim("generate", "--model", str(ckpt), "--prompt", "x", "--lora", str(tmp_path))
+    assert bad.returncode == 2 and "no adapter_config.json" in bad.stderr
+    assert "Traceback" not in bad.stderr and bad.stderr.strip().count("\n") == 0

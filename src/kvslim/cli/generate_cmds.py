@@ -9,6 +9,7 @@ from kvslim.cli.engine_args import (add_engine_args, add_sampling_args, llm_from
                                     sampling_from_args)
 
 MODEL_HELP = "model directory, .gguf file or 'default' (the embedded SmolLM2-135M-Instruct)"
+LORA_HELP = "answer with this peft LoRA adapter directory (turns --enable-lora on)"
 
 
 def register(sub) -> None:
@@ -20,6 +21,7 @@ def register(sub) -> None:
                         "when it has one)")
     p.add_argument("--system", help="system message (chat template only)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--lora", metavar="DIR", help=LORA_HELP)
     add_sampling_args(p)
     add_engine_args(p, kv_cache_memory="256MiB", max_num_seqs=8)
     p.set_defaults(func=run_generate)
@@ -27,6 +29,7 @@ def register(sub) -> None:
     p = sub.add_parser("chat", help="interactive chat with streamed answers")
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--system", help="system message")
+    p.add_argument("--lora", metavar="DIR", help=LORA_HELP)
     add_sampling_args(p, max_tokens=512)
     add_engine_args(p, kv_cache_memory="256MiB", max_num_seqs=8)
     p.set_defaults(func=run_chat)
@@ -40,16 +43,30 @@ def build_prompt(llm, text: str, raw: bool, system: str | None):
     return llm.tokenizer.encode_chat(messages)
 
 
+def lora_from_args(args):
+    """--lora DIR: its LoRARequest, the engine's LoRA options raised to take it; or None."""
+    if not args.lora:
+        return None
+    from kvslim.lora.adapter import read_config
+    from kvslim.lora.request import LoRARequest
+    lora = LoRARequest("lora", 1, args.lora)
+    config = read_config(lora)                  # a missing or refused adapter: one line
+    ranks = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
+    args.enable_lora, args.max_lora_rank = True, max(args.max_lora_rank, *ranks)
+    return lora
+
+
 def run_generate(args) -> int:
+    lora = lora_from_args(args)
     with llm_from_args(args) as llm:             # stops tensor-parallel ranks at the end
-        return _generate(llm, args)
+        return _generate(llm, args, lora)
 
 
-def _generate(llm, args) -> int:
+def _generate(llm, args, lora=None) -> int:
     params = sampling_from_args(args)
     prompt = build_prompt(llm, args.prompt, args.raw, args.system)
     if args.json:
-        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        out = llm.generate(prompt, params, use_tqdm=False, lora_request=lora)[0]
         c, m = out.outputs[0], out.metrics
         print(json.dumps({
             "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
@@ -57,7 +74,7 @@ def _generate(llm, args) -> int:
             "time_to_first_token_s": m.time_to_first_token,
             "time_per_output_token_s": m.time_per_output_token}, indent=2))
         return 0
-    for delta in llm.stream(prompt, params):
+    for delta in llm.stream(prompt, params, lora_request=lora):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -65,6 +82,7 @@ def _generate(llm, args) -> int:
 
 
 def run_chat(args) -> int:
+    lora = lora_from_args(args)
     llm = llm_from_args(args)
     if not llm.tokenizer.chat_template:
         print("kvslim chat: error: this model has no chat template; use kvslim generate --raw",
@@ -89,7 +107,7 @@ def run_chat(args) -> int:
             continue
         history.append({"role": "user", "content": line})
         start, reply = time.perf_counter(), []
-        for delta in llm.stream(llm.tokenizer.encode_chat(history), params):
+        for delta in llm.stream(llm.tokenizer.encode_chat(history), params, lora_request=lora):
             reply.append(delta)
             sys.stdout.write(delta)
             sys.stdout.flush()

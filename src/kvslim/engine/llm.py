@@ -111,9 +111,10 @@ class LLM:
         returns (engine/embedding.py)."""
         return [out.embedding for out in self.engine.embed(_prompt_list(prompts), pooling)]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               lora_request=None) -> Iterator[str]:
         """Text deltas of one request as they are produced (other requests may run alongside)."""
-        request_id = self.engine.add_request(prompt, params)
+        request_id = self.engine.add_request(prompt, params, lora_request=lora_request)
         try:
             while True:
                 for out in self.engine.step():
