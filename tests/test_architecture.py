@@ -63,7 +63,8 @@ ALLOWED = {
     "drafters": KERNELS | {"models"},
     # Training a drafter distills the engine's own answers.
     "train": KERNELS | {"models", "formats", "drafters", "engine"},
-    "eval": KERNELS | {"models", "formats", "train"},
+    # Perplexity, and each layer's sensitivity to its KV setting (the KV budget compiler's).
+    "eval": KERNELS | {"models", "formats", "train", "kv_cache"},
     "plan": BASE | {"models", "kv_cache"},
 }
 ANYTHING = {"cli", "demo", "__init__"}
