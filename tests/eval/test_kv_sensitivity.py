@@ -33,3 +33,15 @@ def test_int8_is_the_caches_arithmetic():
     q, scale = quantize(x, torch.int8)
     assert torch.equal(degrade(x, "int8", 16, keys=True), dequantize(q, scale, torch.float32))
     assert torch.equal(degrade(x, "auto", 16, keys=False), x)
+
+
+def test_one_layers_plan_measures_its_own_loss(hf_checkpoints, losses):
+    from kvslim.eval.kv_sensitivity import plan_kl
+    model = load_model(hf_checkpoints["gqa"], dtype="float32", device="cpu")
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(3, 300, (2, 48), generator=g)]
+    plan = [KVSetting("int2")] + [KVSetting("auto")] * (model.config.num_hidden_layers - 1)
+    assert plan_kl(model, batches, plan, sinks=2) == pytest.approx(losses[0][KVSetting("int2")])
+    everything = plan_kl(model, batches, [KVSetting("int2")] * model.config.num_hidden_layers,
+                         sinks=2)
+    assert everything > losses[0][KVSetting("int2")]

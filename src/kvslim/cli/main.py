@@ -20,7 +20,8 @@ if "OMP_WAIT_POLICY" not in os.environ:
 from kvslim.errors import KvslimError
 
 COMMAND_MODULES = ["train_cmds", "model_cmds", "generate_cmds", "demo_cmds", "surgery_cmds",
-                   "quantize_cmds", "serve_cmds", "memory_cmds", "drafter_cmds", "prune_cmds"]
+                   "quantize_cmds", "serve_cmds", "memory_cmds", "kv_plan_cmds", "drafter_cmds",
+                   "prune_cmds"]
 # Commands another package adds (entry points of this group, each a module with `register`):
 # the lab's benchmarks and experiments. Without it, each answers how to install it.
 PLUGIN_GROUP = "kvslim.commands"

@@ -39,38 +39,59 @@ def degrade(x: torch.Tensor, precision: str, block_size: int, keys: bool) -> tor
 
 
 class DegradedAttention(DenseAttention):
-    """Dense causal attention in which `layer` alone stores K and V in `precision` (and sees
-    sinks + a window when the setting has one; the others see everything)."""
+    """Dense causal attention in which each layer stores K and V in its setting's precision
+    and sees sinks + its setting's window (None: exact, every token)."""
 
-    def __init__(self, seq_len: int, device, layer: int, setting: KVSetting, num_layers: int,
-                 sinks: int, block_size: int):
-        windows = [setting.window if i == layer else None for i in range(num_layers)]
-        super().__init__(seq_len, device, None, windows, {setting.window: sinks})
-        self.layer, self.setting, self.block_size = layer, setting, block_size
+    def __init__(self, seq_len: int, device, settings: list[KVSetting | None], sinks: int,
+                 block_size: int):
+        windows = [s.window if s is not None else None for s in settings]
+        super().__init__(seq_len, device, None, windows, {w: sinks for w in windows})
+        self.settings, self.block_size = settings, block_size
 
     def attend(self, layer_idx: int, q, k, v, scale: float):
-        if layer_idx == self.layer:
-            k = degrade(k, self.setting.precision, self.block_size, keys=True)
-            v = degrade(v, self.setting.precision, self.block_size, keys=False)
+        setting = self.settings[layer_idx]
+        if setting is not None:
+            k = degrade(k, setting.precision, self.block_size, keys=True)
+            v = degrade(v, setting.precision, self.block_size, keys=False)
         return super().attend(layer_idx, q, k, v, scale)
+
+
+def _kl(model, ids: torch.Tensor, exact: torch.Tensor, settings: list[KVSetting | None],
+        sinks: int, block_size: int) -> float:
+    """Mean KL(exact || the pass with these per-layer settings) over the positions of `ids`."""
+    attn = DegradedAttention(ids.shape[-1], ids.device, settings, sinks, block_size)
+    positions = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+    logp = F.log_softmax(model.compute_logits(model(ids, positions=positions, attn=attn))
+                         .float(), -1)
+    return float(F.kl_div(logp, exact, log_target=True, reduction="none").sum(-1).mean())
 
 
 @torch.inference_mode()
 def layer_sensitivity(model, batches: list[torch.Tensor], settings: list[KVSetting],
-                      sinks: int = 4, block_size: int = 16) -> list[dict[KVSetting, float]]:
+                      sinks: int = 4, block_size: int = 16,
+                      progress=None) -> list[dict[KVSetting, float]]:
     """Per layer, per setting: the mean KL(exact || degraded) of the next-token distributions
-    over `batches` ([B, T] token ids each)."""
+    over `batches` ([B, T] token ids each) when that layer alone takes the setting."""
     n = model.config.num_hidden_layers
     out = [dict.fromkeys(settings, 0.0) for _ in range(n)]
     for ids in batches:
         exact = F.log_softmax(model.logits(ids).float(), -1)
-        positions = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
         for layer in range(n):
             for setting in settings:
-                attn = DegradedAttention(ids.shape[-1], ids.device, layer, setting, n, sinks,
-                                         block_size)
-                hidden = model(ids, positions=positions, attn=attn)
-                logp = F.log_softmax(model.compute_logits(hidden).float(), -1)
-                kl = F.kl_div(logp, exact, log_target=True, reduction="none").sum(-1).mean()
-                out[layer][setting] += float(kl) / len(batches)
+                alone = [setting if i == layer else None for i in range(n)]
+                out[layer][setting] += _kl(model, ids, exact, alone, sinks,
+                                           block_size) / len(batches)
+            if progress is not None:
+                progress.update(1)
     return out
+
+
+@torch.inference_mode()
+def plan_kl(model, batches: list[torch.Tensor], settings: list[KVSetting], sinks: int = 4,
+            block_size: int = 16) -> float:
+    """The measured KL of every layer taking its own setting at once (a plan's validation)."""
+    total = 0.0
+    for ids in batches:
+        exact = F.log_softmax(model.logits(ids).float(), -1)
+        total += _kl(model, ids, exact, list(settings), sinks, block_size) / len(batches)
+    return total
