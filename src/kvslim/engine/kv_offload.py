@@ -28,11 +28,8 @@ class BlockOffload:
                 t[:, block_id].to("cpu", copy=True) for t in self._tensors()]))
 
     def load(self, block_id: int, block_key: tuple[int, bytes], tokens: tuple[int, ...]) -> bool:
-        key = self.tier.key(block_key)
-        stored = self.tier.get(key) if key in self.tier else None
+        stored = self.tier.get(self.tier.key(block_key))      # a miss is counted there
         if stored is None:
-            if key not in self.tier:
-                self.tier.stats.misses += 1
             return False
         targets = [t[:, block_id] for t in self._tensors()]
         if stored.tokens != tuple(tokens) or len(stored.tensors) != len(targets) or any(

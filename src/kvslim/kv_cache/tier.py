@@ -65,6 +65,7 @@ class KVTier:
         self.memory: OrderedDict[str, StoredBlock] = OrderedDict()
         self.memory_used = 0
         self.files: OrderedDict[str, int] = OrderedDict()        # key -> file size, LRU
+        self.disk_used = 0                                       # their sizes summed
         if self.directory is not None:
             self.directory = Path(self.directory)
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -80,7 +81,7 @@ class KVTier:
             return True
         # Another server sharing the directory may have written it since the scan.
         if self.directory is not None and self._path(key).is_file():
-            self.files[key] = self._path(key).stat().st_size
+            self._index(key, self._path(key).stat().st_size)
             return True
         return False
 
@@ -103,7 +104,7 @@ class KVTier:
         block = self.memory.get(key)
         if block is not None:
             self.memory.move_to_end(key)
-        elif key in self.files:
+        elif key in self:                       # indexed, or written by a sharing server
             block = self._read(key)
         if block is None:
             self.stats.misses += 1
@@ -128,7 +129,7 @@ class KVTier:
                 continue
             found.append((st.st_mtime, path.name[:-len(SUFFIX)], st.st_size))
         for _, key, size in sorted(found):
-            self.files[key] = size
+            self._index(key, size)
 
     def _write(self, key: str, block: StoredBlock) -> None:
         if self.directory is None or key in self.files:
@@ -140,7 +141,7 @@ class KVTier:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self._path(key))
-        self.files[key] = len(data)
+        self._index(key, len(data))
         self.stats.bytes_written += len(data)
         self._bound_disk()
 
@@ -150,7 +151,7 @@ class KVTier:
             data = path.read_bytes()
             block = decode(self.identity, key, data)
         except FileNotFoundError:                # another server sharing it removed it
-            self.files.pop(key, None)
+            self._unindex(key)
             return None
         except (OSError, ValueError):
             block = None
@@ -167,11 +168,19 @@ class KVTier:
 
     def _bound_disk(self) -> None:
         while (self.max_disk_bytes is not None and len(self.files) > 1
-               and sum(self.files.values()) > self.max_disk_bytes):
+               and self.disk_used > self.max_disk_bytes):
             self._drop_file(next(iter(self.files)))
 
+    def _index(self, key: str, size: int) -> None:
+        self._unindex(key)
+        self.files[key] = size
+        self.disk_used += size
+
+    def _unindex(self, key: str) -> None:
+        self.disk_used -= self.files.pop(key, 0)
+
     def _drop_file(self, key: str) -> None:
-        self.files.pop(key, None)
+        self._unindex(key)
         try:
             self._path(key).unlink()
         except FileNotFoundError:
