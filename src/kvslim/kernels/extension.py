@@ -156,3 +156,17 @@ def ensure(fakes: dict) -> bool:
 def isa() -> str | None:
     """The instruction set the loaded build uses (avx512, avx2, scalar), None without one."""
     return torch.ops.kvslim.kernels_isa() if available() else None
+
+
+class ResolvedOnce:
+    """Whether the extension, with these ops' fakes, is built: asked once (eagerly, where the
+    kernel's layer is prepared), then a plain bool that a compiled step can read, where tracing
+    `ensure` would stop at its file-system calls and lose the whole graph."""
+
+    def __init__(self, fakes: dict):
+        self.fakes, self.value = fakes, None
+
+    def __call__(self) -> bool:
+        if self.value is None:
+            self.value = ensure(self.fakes)
+        return self.value

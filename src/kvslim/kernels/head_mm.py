@@ -11,16 +11,8 @@ from kvslim.kernels import extension
 
 FAKES = {"head_mm": lambda x, w: x.new_empty(x.shape[0], x.shape[1], w.shape[2])}
 
-# Resolved once, eagerly (`LatentAttention.absorb`): a compiled step reads the plain bool, where
-# tracing `extension.ensure` would stop at its file-system calls and lose the whole graph.
-_available: bool | None = None
-
-
-def available() -> bool:
-    global _available
-    if _available is None:
-        _available = extension.ensure(FAKES)
-    return _available
+# Resolved once, eagerly (`LatentAttention.absorb`).
+available = extension.ResolvedOnce(FAKES)
 
 
 def usable(x: torch.Tensor) -> bool:

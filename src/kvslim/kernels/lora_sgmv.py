@@ -22,16 +22,8 @@ FAKES = {"lora_add_": lambda y, x, slots, a, b, shard_rows: None}
 # Gathered adapter weights a fallback chunk may hold (elements): rows per chunk follow from it.
 CHUNK_ELEMENTS = 1 << 24
 
-# Resolved once, eagerly (when the adapters are loaded): a compiled step reads the plain bool,
-# where tracing `extension.ensure` would stop at its file-system calls and lose the whole graph.
-_available: bool | None = None
-
-
-def available() -> bool:
-    global _available
-    if _available is None:
-        _available = extension.ensure(FAKES)
-    return _available
+# Resolved once, eagerly (when the adapters are loaded).
+available = extension.ResolvedOnce(FAKES)
 
 
 def usable(x: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvslim.kernels import lora_sgmv
 from kvslim.kernels.lora_sgmv import lora_add_
 
 # The decoder layers' linears adapters run on (attention and a dense MLP, under kvslim's names).
@@ -83,6 +84,7 @@ def wrap_linears(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: i
                  ) -> dict[str, LoRALinear]:
     """Every decoder layer's TARGETS wrapped (in place); kvslim module name -> its wrapper."""
     dtype, device = compute_dtype(model)
+    lora_sgmv.available()                     # asked now, once, not inside a step
     wrapped = {}
     for i, layer in enumerate(model.model.layers):
         for target in TARGETS:
