@@ -33,7 +33,7 @@ SOURCES = ("all_kernels.cpp",)
 # Not compiled on their own, but part of what a build is.
 HEADERS = ("tiled_gemm.cpp", "group_sums.cpp", "group_q8.cpp", "paged_attention.cpp",
            "store_slots.cpp", "sparse24_gemm.cpp", "head_mm.cpp", "decoder_layer.cpp",
-           "lora_sgmv.cpp", "group_sums.h", "thread_team.h")
+           "lora_sgmv.cpp", "group_sums.h", "thread_team.h", "vec_tree.h")
 # -ffp-contract=off: the source says where a multiply and an add fuse; the compiler may not
 # fuse others (the group sums), so every build runs the same arithmetic.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math")

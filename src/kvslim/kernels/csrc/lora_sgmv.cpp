@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "thread_team.h"
+#include "vec_tree.h"
 #include <torch/library.h>
 
 #include <algorithm>
@@ -25,10 +26,11 @@
 
 namespace kvslim_lora_sgmv {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-typedef float f32x2 __attribute__((vector_size(8)));
+using kvslim_vec::f32x16;
+using kvslim_vec::f32x8;
+using kvslim_vec::f32x4;
+using kvslim_vec::f32x2;
+using kvslim_vec::tree_sum;
 
 #if defined(__AVX512F__)
 constexpr int GMAX = 4;            // tokens of one slot per micro-kernel: 4 x 4 accumulators
@@ -59,19 +61,9 @@ inline f32x16 load_part(const float* p, int64_t n) {
   return v;
 }
 
-// The tree: lane l + 8, then l + 4, l + 2, l + 1.
-__attribute__((always_inline)) inline float hsum(f32x16 part) {
-  const f32x8 p8 = __builtin_shufflevector(part, part, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(part, part, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x4 p4 = __builtin_shufflevector(p8, p8, 0, 1, 2, 3) +
-                   __builtin_shufflevector(p8, p8, 4, 5, 6, 7);
-  const f32x2 p2 = __builtin_shufflevector(p4, p4, 0, 1) + __builtin_shufflevector(p4, p4, 2, 3);
-  return p2[0] + p2[1];
-}
-
-// hsum of 16 vectors at once, lane k = hsum(p[k]): the same tree, each level two vectors'
+// tree_sum of 16 vectors at once, lane k = tree_sum(p[k]): the same tree, each level two vectors'
 // halves side by side (15 adds for 16 sums instead of 60).
-inline f32x16 hsum16(const f32x16* p) {
+inline f32x16 tree_sum16(const f32x16* p) {
   f32x16 w[8], x[4], z[2];
   for (int i = 0; i < 8; ++i)
     w[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
@@ -133,7 +125,7 @@ void a_block(const Problem& p, int64_t p0, int64_t k0) {
       for (int g = 0; g < G; ++g) acc[g][k][l] += ar[k][d] * xr[g][d];
   for (int g = 0; g < G; ++g)
     for (int k = 0; k < NA && k0 + k < p.na; ++k)
-      p.u[(p0 + g) * p.na + k0 + k] = hsum(acc[g][k]);
+      p.u[(p0 + g) * p.na + k0 + k] = tree_sum(acc[g][k]);
 }
 
 // b[s, o, :] . u_row[0 .. R) as 16 lanes, before the tree. Inlined where R is a constant.
@@ -172,7 +164,7 @@ void b_block(const Problem& p, int64_t p0, int64_t p1, int64_t o0, int64_t o1) {
         for (int k = 0; k < 16; ++k)
           part[k] = k < nb ? b_part(brow + k * R, u + u_at[k], R) : f32x16{};
       }
-      const f32x16 sum = hsum16(part);
+      const f32x16 sum = tree_sum16(part);
       float* y = p.y + p.order[q] * p.out + ob;
       if (nb == 16) {
         const f32x16 yv = load16(y) + sum;

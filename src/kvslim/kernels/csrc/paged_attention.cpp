@@ -24,6 +24,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "thread_team.h"
+#include "vec_tree.h"
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -51,10 +52,11 @@ inline void halves_to_floats(const c10::Half* src, float* out, int64_t n) {
 }
 
 // GCC's vector types, lowered to whatever vectors the host has.
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-typedef float f32x2 __attribute__((vector_size(8)));
+using kvslim_vec::f32x16;
+using kvslim_vec::f32x8;
+using kvslim_vec::f32x4;
+using kvslim_vec::f32x2;
+using kvslim_vec::tree_sum;
 
 struct Cache {
   const float* f32 = nullptr;         // float32 elements, or
@@ -159,12 +161,7 @@ __attribute__((always_inline)) inline float dot(const float* a, const float* b, 
     part += x * y;
   }
   for (int j = 0; d < n; ++d, ++j) part[j] += a[d] * b[d];
-  const f32x8 p8 = __builtin_shufflevector(part, part, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(part, part, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x4 p4 = __builtin_shufflevector(p8, p8, 0, 1, 2, 3) +
-                   __builtin_shufflevector(p8, p8, 4, 5, 6, 7);
-  const f32x2 p2 = __builtin_shufflevector(p4, p4, 0, 1) + __builtin_shufflevector(p4, p4, 2, 3);
-  return p2[0] + p2[1];
+  return tree_sum(part);
 }
 
 Cache cache_of(const at::Tensor& cache, const std::optional<at::Tensor>& scales) {
