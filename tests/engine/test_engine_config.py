@@ -2,6 +2,7 @@
 and names the close matches of an unknown one; the CLI's flags are generated from the fields
 and reach the config unchanged."""
 from dataclasses import asdict, fields
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,9 @@ def test_an_unknown_keyword_names_the_close_match():
     assert EngineConfig.from_options(block_size=8) == EngineConfig(block_size=8)
 
 
+# A per-layer KV plan (kv_cache/layer_plan.py) of two layers: the flag reads the file.
+KV_PLAN = Path(__file__).parent / "kv_plan_two_layers.json"
+
 NON_DEFAULT = {
     "--dtype": "bfloat16", "--device": "cpu", "--kv-cache-dtype": "int8",
     "--kv-cache-memory": "3MiB", "--block-size": "8", "--max-num-seqs": "3",
@@ -38,7 +42,8 @@ NON_DEFAULT = {
 # tier needs prefix caching): each in its own run, flag -> (its value or None, the config).
 APART = {"--enable-lora": (None, dict(enable_lora=True)),
          "--kv-offload-dir": ("d", dict(kv_offload_dir="d")),
-         "--kv-offload-memory": ("2MiB", dict(kv_offload_memory="2MiB"))}
+         "--kv-offload-memory": ("2MiB", dict(kv_offload_memory="2MiB")),
+         "--kv-plan": (str(KV_PLAN), dict(kv_plan=str(KV_PLAN)))}
 
 
 def test_every_generated_flag_round_trips_to_the_config():

@@ -2,8 +2,10 @@
 sensitivity to each setting (a precision, with or without sinks + a window) is measured on
 calibration text (eval/kv_sensitivity.py); the exact one-setting-per-layer plan that fits
 `--kv-memory` for `--concurrency` sequences of `--context` tokens with the least summed KL is
-compiled (kv_cache/budget.py), then measured with every layer at its setting at once. The
-engine does not run a plan yet: plan.json records the choice, its bytes, capacity and KL."""
+compiled (kv_cache/budget.py), then measured with every layer at its setting at once.
+plan.json records the choice, its bytes, KL and capacity: `max_tokens`, what the engine that
+runs it (`--kv-plan plan.json` with the `engine_options` it names) reports, computed by the
+engine's own sizing (kv_cache/plan.py's pools)."""
 from __future__ import annotations
 
 import json
@@ -33,12 +35,15 @@ def register(sub) -> None:
 
 
 def _settings(args, context: int) -> list:
+    """Every precision with and without each window; a window is only offered where it
+    drops tokens both of the context and of the calibration windows (a window as long as
+    the calibration text would measure no loss)."""
     from kvslim.kv_cache.budget import KVSetting
     windows = [int(w) for w in args.windows.split(",") if w.strip()]
     if any(w < 1 for w in windows) or args.sinks < 0:
         raise KvslimError("--windows must be positive token counts, --sinks at least 0")
     return [KVSetting(p, w) for p in PRECISIONS for w in [None, *windows]
-            if w is None or args.sinks + w < context]
+            if w is None or args.sinks + w < min(context, args.tokens)]
 
 
 def _calibration(tokenizer, path: str, tokens: int, batches: int):
@@ -74,16 +79,31 @@ def run_plan_kv(args) -> int:
                for layer in range(n)]
     chosen, used, predicted = compile_plan(options, memory // args.concurrency)
     plan = {"model": str(args.model), "context": args.context, "concurrency": args.concurrency,
-            "kv_memory": memory, "layers": [{"precision": s.precision, "window": s.window}
-                                            for s in chosen],
+            "kv_memory": memory, "block_size": block,
+            "layers": [{"precision": s.precision, "window": s.window} for s in chosen],
             "sinks": args.sinks, "bytes_per_sequence": used,
-            "max_tokens": memory * args.context // max(used, 1),
+            "engine_options": {"kv_cache_memory": memory, "max_num_seqs": args.concurrency},
             "predicted_kl": predicted,
             "measured_kl": plan_kl(model, batches, chosen, args.sinks, block)}
+    plan["max_tokens"] = _engine_capacity(model, plan)
     if args.out:
         Path(args.out).write_text(json.dumps(plan, indent=2))
     print(json.dumps(plan, indent=2) if args.json else _table(plan))
     return 0
+
+
+def _engine_capacity(model, plan: dict) -> int:
+    """The token slots the engine running this plan reports (kv_cache_stats().max_tokens):
+    its own sizing of the plan's pools."""
+    import tempfile
+
+    from kvslim.engine.config import EngineConfig
+    from kvslim.engine.model_runner import kv_cache_plan_of
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.json"
+        path.write_text(json.dumps(plan))
+        config = EngineConfig(kv_plan=str(path), **plan["engine_options"])
+        return kv_cache_plan_of(model, config).max_tokens
 
 
 def _storage(setting):

@@ -57,13 +57,15 @@ class Block:
     ref_count: int = 0
     hash: tuple[int, bytes] | None = None      # prefix-cache key: (group, digest)
     token_ids: tuple[int, ...] | None = None
+    pool: int = 0                              # its precision's pool (a per-layer KV plan)
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  watermark_blocks: int = 0, group_windows: tuple[int | None, ...] = (None,),
                  group_sinks: tuple[int, ...] | None = None, float_tail_blocks: int = 0,
-                 offload=None):
+                 offload=None, pools: tuple[tuple[int, int], ...] | None = None,
+                 group_pool: tuple[int, ...] | None = None):
         """group_windows: per KV-cache group, its window (None: it keeps every block);
         group_sinks: per group, the first positions a window group keeps;
         float_tail_blocks: a packed cache's residual (attention/lowbit_cache.py): a sequence's
@@ -73,8 +75,10 @@ class BlockManager:
         would read the block before it from the pool, a query computed from scratch from its
         recent rows), so prefix caching is off.
         offload: a second tier for full prefix blocks (engine/kv_offload.py's BlockOffload):
-        blocks go there when the pool evicts them (or as they fill, write-through), and a
-        prompt's blocks that miss the pool are looked for there. One KV-cache group only."""
+        evicted blocks go there (or as they fill, write-through), a prompt's blocks that miss
+        the pool are looked for there. One KV-cache group only. pools: a per-layer KV plan's
+        (kv_cache/plan.py's KVPool): per precision (first block id, blocks); group_pool: each
+        group's pool, whose ids alone its tables hold. Default: one pool of every block."""
         self.float_tail_blocks = float_tail_blocks
         self._older = max(0, float_tail_blocks - 1)     # full blocks kept in float16
         self.num_blocks = num_blocks
@@ -84,8 +88,13 @@ class BlockManager:
         self.group_windows = tuple(group_windows)
         self.group_sink_blocks = tuple(sink_blocks(s, block_size)
                                        for s in group_sinks or (0,) * len(self.group_windows))
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.pool_ranges = pools or ((0, num_blocks),)
+        self.group_pool = group_pool or (0,) * len(self.group_windows)
+        self.blocks = [Block(i, pool=p) for p, (first, n) in enumerate(self.pool_ranges)
+                       for i in range(first, first + n)]
+        # Per pool, its free blocks in eviction order.
+        self.free_queues: list[OrderedDict[int, None]] = [
+            OrderedDict.fromkeys(range(first, first + n)) for first, n in self.pool_ranges]
         self.cached: dict[tuple[int, bytes], int] = {}   # (group, block digest) -> block id
         self.num_cached_free_blocks = 0          # free blocks whose contents are still findable
         self.prefix_cache_queries = 0            # prompt tokens looked up at admission
@@ -94,12 +103,25 @@ class BlockManager:
 
     # ---- counters ------------------------------------------------------------------------
     @property
+    def free_queue(self) -> OrderedDict[int, None]:
+        """The free blocks in eviction order (pool after pool)."""
+        return OrderedDict((b, None) for q in self.free_queues for b in q)
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return sum(map(len, self.free_queues))
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_blocks - self.num_free_blocks
+
+    def _fits(self, needed_by_group: list[int], reserve: int = 0) -> bool:
+        """Whether each pool has its groups' blocks, and its share of `reserve`, free."""
+        needed = [0] * len(self.free_queues)
+        for g, n in enumerate(needed_by_group):
+            needed[self.group_pool[g]] += n
+        return all(n + -(-reserve * count // self.num_blocks) <= len(q)
+                   for n, q, (_, count) in zip(needed, self.free_queues, self.pool_ranges))
 
     @property
     def num_groups(self) -> int:
@@ -183,12 +205,10 @@ class BlockManager:
         not cause a preemption)."""
         h, hits = self._lookup(seq)
         computed = h * self.block_size
-        revived = sum(1 for hit in hits for b in hit
-                      if b != NULL_BLOCK and self.blocks[b].ref_count == 0)
-        needed = sum(self._admission_blocks(seq, g, computed, num_new_tokens) - h
-                     for g in range(self.num_groups))
-        reserve = self.watermark_blocks if keep_watermark else 0
-        return needed + revived + reserve <= self.num_free_blocks
+        needed = [self._admission_blocks(seq, g, computed, num_new_tokens) - h
+                  + sum(1 for b in hit if b != NULL_BLOCK and self.blocks[b].ref_count == 0)
+                  for g, hit in enumerate(hits)]
+        return self._fits(needed, self.watermark_blocks if keep_watermark else 0)
 
     def allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> None:
         """Blocks for a waiting sequence's tokens (see `can_allocate`); prefix-cache hits count
@@ -201,7 +221,7 @@ class BlockManager:
         tables = []
         for g, hit in enumerate(hits):
             new = self._admission_blocks(seq, g, computed, num_new_tokens) - h
-            tables.append(hit + [self._allocate_new() for _ in range(new)])
+            tables.append(hit + [self._allocate_new(g) for _ in range(new)])
         seq.block_tables = tables
         loaded = self._load_offloaded(seq, tables[0], h) if self.offload is not None \
             and self.enable_prefix_caching and not seq.needs_prompt_logprobs else 0
@@ -232,12 +252,12 @@ class BlockManager:
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free_queue[block_id]
+            del self.free_queues[block.pool][block_id]
             self.num_cached_free_blocks -= block.hash is not None
         block.ref_count += 1
 
-    def _allocate_new(self) -> int:
-        block_id, _ = self.free_queue.popitem(last=False)
+    def _allocate_new(self, group: int = 0) -> int:
+        block_id, _ = self.free_queues[self.group_pool[group]].popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:                      # evict its cached contents
             if self.offload is not None:
@@ -263,9 +283,8 @@ class BlockManager:
         return max(0, total - len(seq.block_tables[group]))
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = sum(self._new_blocks_needed(seq, g, num_new_tokens) + self._needs_copy(seq, g)
-                     for g in range(self.num_groups))
-        return needed <= self.num_free_blocks
+        return self._fits([self._new_blocks_needed(seq, g, num_new_tokens)
+                           + self._needs_copy(seq, g) for g in range(self.num_groups)])
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make room for the next `num_new_tokens` tokens; returns block copies to perform."""
@@ -274,7 +293,7 @@ class BlockManager:
             if self._needs_copy(seq, g):
                 idx = seq.num_computed_tokens // self.block_size
                 src = table[idx]
-                dst = self._allocate_new()
+                dst = self._allocate_new(g)
                 self.blocks[src].ref_count -= 1
                 table[idx] = dst
                 seq.dirty_from[g] = min(seq.dirty_from[g], idx)
@@ -282,7 +301,7 @@ class BlockManager:
             needed = self._new_blocks_needed(seq, g, num_new_tokens)
             if needed:
                 seq.dirty_from[g] = min(seq.dirty_from[g], len(table))
-                table.extend(self._allocate_new() for _ in range(needed))
+                table.extend(self._allocate_new(g) for _ in range(needed))
         return copies
 
     def take_changes(self, seq: Sequence) -> list[int]:
@@ -325,7 +344,7 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self.free_queue[block_id] = None
+                self.free_queues[block.pool][block_id] = None
                 self.num_cached_free_blocks += block.hash is not None
 
     # ---- release and caching -------------------------------------------------------------
@@ -375,7 +394,7 @@ class BlockManager:
             seq.registered_blocks[g] = full
 
     def reset_prefix_cache(self) -> None:
-        for block_id in self.free_queue:
+        for block_id in (b for q in self.free_queues for b in q):
             self.blocks[block_id].hash = self.blocks[block_id].token_ids = None
         self.num_cached_free_blocks = 0
         self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].hash == h}

@@ -20,8 +20,11 @@ if TYPE_CHECKING:
 
 class BlockTables:
     def __init__(self, num_rows: int, max_blocks_per_seq: int, device: torch.device,
-                 num_groups: int = 1):
+                 num_groups: int = 1, group_first_block: list[int] | None = None):
+        """group_first_block: per group, the first block id of its pool (a per-layer KV plan's
+        pools each have storage of their own, indexed from 0)."""
         self.device = device
+        self.group_first_block = group_first_block or [0] * num_groups
         self.table = torch.zeros(num_groups, num_rows, max_blocks_per_seq, dtype=torch.long,
                                  device=device)
         self.row_of: dict[int, int] = {}
@@ -57,7 +60,8 @@ class BlockTables:
                     updates[1].extend([row] * n)
                     updates[2].extend(range(start, len(table)))
                     # A released entry (-1) becomes 0: a valid id whose contents are masked.
-                    updates[3].extend(max(0, b) for b in table[start:])
+                    first = self.group_first_block[g]
+                    updates[3].extend(b - first if b >= 0 else 0 for b in table[start:])
             rows.append(row)
         if updates[0]:
             g, r, c, ids = host_tensor(list(updates), torch.long, self.device)

@@ -126,6 +126,11 @@ class EngineConfig:
     kv_sink_tokens: int = option(
         0, "with --kv-window, the first S tokens every query also attends to (attention sinks; "
            "default 0)", metavar="S")
+    # kv_cache/layer_plan.py: `kvslim plan-kv`'s choice, one pool per precision.
+    kv_plan: str | None = option(
+        None, "a per-layer KV plan (plan.json from `kvslim plan-kv`): each layer's KV precision "
+              "and window, the budget split between the precisions as the plan's sequences use "
+              "them", metavar="PLAN_JSON")
     kv_hadamard: bool = option(
         False, "with a packed --kv-cache-dtype, rotate K and V by a Hadamard matrix before "
                "quantizing (QuaRot): outlier channels spread over all of them")
@@ -195,6 +200,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        self.layer_plan = self._layer_plan()
+        if self.block_size is None and self.layer_plan is not None:
+            self.block_size = self.layer_plan.block_size
         if self.block_size is None:
             self.block_size = (PACKED_BLOCK_SIZE if self.kv_cache_dtype in PACKED_KV_BITS
                                else DEFAULT_BLOCK_SIZE)
@@ -213,6 +221,23 @@ class EngineConfig:
         self._check_parallel()
         self._check_lora()
         self._check_offload()
+
+    def _layer_plan(self):
+        """The per-layer KV plan in kv_plan (None without one); what it cannot run with is
+        refused in one line."""
+        if self.kv_plan is None:
+            return None
+        from kvslim.kv_cache.layer_plan import KVLayerPlan
+        clashes = {"kv_cache_dtype": self.kv_cache_dtype != "auto",
+                   "kv_window": self.kv_window is not None, "speculative": bool(self.speculative),
+                   "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
+                   "keep_out_of_window_blocks": self.keep_out_of_window_blocks,
+                   "the KV offload tier": self.offloads}
+        named = [name for name, clash in clashes.items() if clash]
+        if named:
+            raise KvslimError(f"kv_plan sets each layer's precision and window itself: it "
+                              f"does not run with {', '.join(named)}")
+        return KVLayerPlan.load(self.kv_plan)
 
     def _check_offload(self) -> None:
         for name in ("kv_offload_memory", "kv_offload_max_bytes"):

@@ -86,7 +86,9 @@ class LLMEngine:
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching,
             watermark_blocks=max(1, self.runner.num_blocks // 100) if self.runner.num_blocks > 8 else 0,
             group_windows=self.runner.kv_groups.windows, group_sinks=self.runner.kv_groups.sinks,
-            float_tail_blocks=self.runner.residual_blocks, offload=self._kv_offload(model_dir))
+            float_tail_blocks=self.runner.residual_blocks, offload=self._kv_offload(model_dir),
+            pools=tuple((p.first_block, p.num_blocks) for p in self.kv_plan.pools),
+            group_pool=tuple(self.runner.group_pool))
         self.spec = self._speculative_decoder(learned)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, eos,
@@ -356,12 +358,12 @@ class LLMEngine:
             num_blocks=bm.num_blocks, block_size=bm.block_size,
             num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
             num_cached_free_blocks=bm.num_cached_free_blocks,
-            bytes_per_token=r.bytes_per_block * bm.num_groups // bm.block_size,
-            bytes_per_block=r.bytes_per_block, total_bytes=r.bytes_per_block * bm.num_blocks,
-            max_tokens=bm.num_blocks * bm.block_size // bm.num_groups,
+            bytes_per_token=r.kv_plan.bytes_per_token, bytes_per_block=r.bytes_per_block,
+            total_bytes=r.kv_plan.total_bytes, max_tokens=r.kv_plan.max_tokens,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
-            kv_cache_dtype=str(r.kv_dtype).removeprefix("torch."))
+            kv_cache_dtype="+".join(str(p.kv_dtype).removeprefix("torch.")
+                                    for p in r.kv_plan.pools))
 
     def rank_kv_stats(self) -> list[RankKVStats]:
         """Each rank's KV cache as its runner allocated it (one entry on one rank)."""

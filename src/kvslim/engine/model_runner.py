@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvslim.attention import (KV_SCALE_DTYPE, KVCacheLayer, PagedStepLayout,
-                              PrefillChunk, QuantizedKVCacheLayer, build_paged_attention,
-                              decode_kernel_usable, latent_cache_layers,
-                              resolve_attention_backend, resolve_kv_cache_dtype)
+from kvslim.attention import (PagedStepLayout, PrefillChunk, build_paged_attention,
+                              decode_kernel_usable, resolve_attention_backend,
+                              resolve_kv_cache_dtype)
 from kvslim.device import host_tensor
 from kvslim.dtypes import is_quantized_kv, packed_kv_bits
 from kvslim.engine.block_table import BlockTables
@@ -25,7 +24,7 @@ from kvslim.layers.rope import longrope_original_context
 from kvslim.kv_cache.groups import first_needed_block
 from kvslim.kv_cache.window import layer_spans
 from kvslim.kernels.lowbit_codes import RESIDUAL_BLOCKS
-from kvslim.kv_cache.plan import KVCachePlan, plan_kv_cache, recent_blocks
+from kvslim.kv_cache.plan import KVCachePlan, plan_kv_cache
 from kvslim.models.causal_lm import CausalLM
 from kvslim.structured.manager import StructuredOutputManager
 
@@ -42,6 +41,10 @@ def kv_cache_plan_of(model, config: EngineConfig, **given) -> KVCachePlan:
     every rank). `given`: plan_kv_cache's num_blocks / max_model_len."""
     param = next(model.parameters())
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, param.dtype, param.device)
+    if config.layer_plan is not None:       # each precision of the plan: its pool's dtype
+        config.layer_plan.check_model(model.config.num_hidden_layers)
+        given["pool_dtypes"] = {name: resolve_kv_cache_dtype(name, param.dtype, param.device)
+                                for name in ("auto", *config.layer_plan.precisions)}
     return plan_kv_cache(model.config, kv_dtype, config, **given)
 
 
@@ -67,7 +70,7 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = kv_plan.block_size
-        spans = layer_spans(mc, config.window)        # fixed: not rebuilt per step
+        spans = layer_spans(mc, config.window, config.layer_plan)   # fixed: not per step
         self.layer_windows = [s.window for s in spans]
         self.layer_sinks = [s.sinks for s in spans]
         # LongRoPE: each token's sequence says which factors rotate it (Sequence.long_rope)
@@ -77,26 +80,34 @@ class ModelRunner:
         self.kv_dtype = kv_plan.kv_dtype
         self.bytes_per_block = kv_plan.bytes_per_block
         self.num_blocks = kv_plan.num_blocks
+        dtypes = [pool.kv_dtype for pool in kv_plan.pools]
+        self.group_pool = [0] * len(self.kv_groups.groups)
+        for p, pool in enumerate(kv_plan.pools):
+            for g in pool.groups:
+                self.group_pool[g] = p
         self.attention_backend = resolve_attention_backend(
-            config.attention_backend, self.device, is_quantized_kv(self.kv_dtype), self.block_size,
-            decode_kernel_usable(self.device, self.dtype, self.kv_dtype), mc.mla is not None,
-            any(self.layer_sinks))
-        self.packed_bits = packed_kv_bits(self.kv_dtype)
+            config.attention_backend, self.device, any(map(is_quantized_kv, dtypes)),
+            self.block_size, all(decode_kernel_usable(self.device, self.dtype, d) for d in dtypes),
+            mc.mla is not None, any(self.layer_sinks))
+        bits = [packed_kv_bits(d) for d in dtypes if packed_kv_bits(d)]
+        self.packed_bits = min(bits) if bits else None
         # The blocks at a sequence's end whose K/V a packed cache keeps in float16.
-        self.residual_blocks = RESIDUAL_BLOCKS[self.packed_bits] if self.packed_bits else 0
+        self.residual_blocks = max((RESIDUAL_BLOCKS[b] for b in bits), default=0)
         if self.packed_bits:
             from kvslim.attention.lowbit_cache import check_packed_cache
             check_packed_cache(self.attention_backend, config, mc)
         # Not with tensor parallelism: the graphs would capture the ranks' collectives too; not
         # with a packed cache, whose recent rows are laid out per step on the host.
         single = (not config.enforce_eager and config.tensor_parallel_size == 1
-                  and not self.packed_bits and not config.enable_lora)
+                  and not self.packed_bits and not config.enable_lora
+                  and len(kv_plan.pools) == 1)
         use_graphs = self.device.type == "cuda" and single
         compiled = self.device.type == "cpu" and single and config.compile_decode
         self._allocate_cache(reserved_blocks=int(use_graphs or compiled))
         max_blocks_per_seq = -(-kv_plan.max_model_len // self.block_size)
-        self.block_tables = BlockTables(config.max_num_seqs, max_blocks_per_seq, self.device,
-                                        len(self.kv_groups.groups))
+        self.block_tables = BlockTables(
+            config.max_num_seqs, max_blocks_per_seq, self.device, len(self.kv_groups.groups),
+            [kv_plan.pools[p].first_block for p in self.group_pool])
         features = features or RunnerFeatures()
         self.sampler = Sampler(mc.vocab_size, self.device, eos_token_ids, config.seed,
                                features.structured, features.typical_acceptance)
@@ -106,52 +117,13 @@ class ModelRunner:
         self.lora = features.lora
 
     def _allocate_cache(self, reserved_blocks: int) -> None:
-        """One K/V tensor per position in a KV-cache group, [K/V, blocks, block_size, kv_heads,
-        head_dim], shared by the layer at that position of every group (for a model with one
-        group: one tensor per layer; the layers of a non-uniform GQA model differ in KV heads),
-        plus `reserved_blocks` the block manager never hands out; an MLA model's is its latent
-        rows, [1, blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim] (key only). A
-        quantized cache adds, per position, its scales: [K/V, blocks, block_size, kv_heads]. A
-        block id means the same slots in every tensor; which group's layers it holds is the
-        block manager's business."""
-        mc = self.model.config
-        blocks = self.num_blocks + reserved_blocks
-        layers = self.kv_groups.groups[0].layers
-        if self.packed_bits:
-            from kvslim.attention.lowbit_cache import LowBitKVCacheLayer
-            storage = [LowBitKVCacheLayer.allocate(
-                blocks, self.block_size, mc.kv_heads_of(layer), mc.head_dim,
-                self.config.max_num_seqs, recent_blocks(self.config, self.kv_dtype),
-                self.packed_bits,
-                self.config.kv_hadamard, self.device)
-                for layer in layers]
-            self.kv_storage, self.kv_caches, used = storage, [], set()
-            for j in self.kv_groups.position_of_layer():
-                self.kv_caches.append(storage[j] if j not in used else storage[j].with_own_recent())
-                used.add(j)
-            own = [c for c in self.kv_caches if c not in storage]
-            self.kv_cache = [t for s in storage for t in s.tensors()] + [
-                t for c in own for t in (c.recent_k, c.recent_v)]
-            self.kv_scales = None
-            return
-        shapes = ([(1, blocks, self.block_size, 1)] * len(layers) if mc.mla else
-                  [(2, blocks, self.block_size, mc.kv_heads_of(layer)) for layer in layers])
-        width = mc.mla.cache_width if mc.mla else mc.head_dim
-        self.kv_cache = [torch.zeros(*shape, width, dtype=self.kv_dtype, device=self.device)
-                         for shape in shapes]
-        self.kv_scales = None
-        if is_quantized_kv(self.kv_dtype):
-            self.kv_scales = [torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=self.device)
-                              for shape in shapes]
-        if mc.mla:
-            storage = latent_cache_layers(self.kv_cache, self.kv_scales, mc.mla.kv_lora_rank,
-                                          self.dtype)
-        elif self.kv_scales is None:
-            storage = [KVCacheLayer(kv[0], kv[1]) for kv in self.kv_cache]
-        else:
-            storage = [QuantizedKVCacheLayer(kv[0], kv[1], s[0], s[1], self.dtype)
-                       for kv, s in zip(self.kv_cache, self.kv_scales)]
-        self.kv_caches = [storage[j] for j in self.kv_groups.position_of_layer()]
+        """The cache's tensors (engine/kv_storage.py), `reserved_blocks` per pool beyond the
+        plan's that the block manager never hands out."""
+        from kvslim.engine.kv_storage import KVStorage      # not on `import kvslim`'s path
+        self.storage = KVStorage(self.model.config, self.kv_plan, self.config, self.device,
+                                 self.dtype, reserved_blocks)
+        self.kv_caches, self.kv_cache = self.storage.kv_caches, self.storage.kv_cache
+        self.kv_scales = self.storage.kv_scales
 
     def kv_stats(self, rank: int = 0) -> RankKVStats:
         """This runner's KV cache as allocated (rank: its tensor-parallel rank)."""
@@ -160,13 +132,7 @@ class ModelRunner:
 
     @property
     def kv_slot_bytes(self) -> int:
-        """Bytes one token's slot takes in the allocated tensors, every layer's elements and
-        scales: what the allocation really holds per token (checked against the planner); a
-        packed cache's: its blocks over their tokens, rounded up (its recent rows are apart)."""
-        if self.packed_bits:
-            return -(-sum(s.block_bytes() for s in self.kv_storage) // self.block_size)
-        tensors = self.kv_cache + (self.kv_scales or [])
-        return sum(t[:, 0, 0].numel() * t.element_size() for t in tensors)
+        return self.storage.slot_bytes()
 
     def _decode_graphs(self, use_graphs: bool, compiled: bool = False):
         """Every padded decode shape prepared now (captured, with CUDA graphs; compiled, on
@@ -260,7 +226,7 @@ class ModelRunner:
         for group in range(len(self.kv_groups.groups)):
             from_slots = self.block_tables.slots(group, rows, src, self.block_size)
             to_slots = self.block_tables.slots(group, rows, dst, self.block_size)
-            for tensor in self.kv_cache + (self.kv_scales or []):
+            for tensor in self.storage.pool_tensors[self.group_pool[group]]:
                 flat = tensor.view(tensor.shape[0], -1, *tensor.shape[3:])
                 flat[:, to_slots] = flat[:, from_slots]        # gathered before written
 
@@ -284,11 +250,8 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, list[ScheduledSequence], list[int]]:
         """The model over the step's tokens: final hidden states [tokens, hidden], the entries
         in the order of their rows, and each entry's first row."""
-        copies = out.block_copies
-        if copies:
-            src, dst = host_tensor(list(zip(*copies)), torch.long, self.device)
-            for layer in self.kv_cache + (self.kv_scales or []):
-                layer[:, dst] = layer[:, src]
+        if out.block_copies:
+            self.storage.copy_blocks(out.block_copies)
         entries = _attention_order(out.scheduled)
         input_ids, positions, long_rope, layouts, query_starts = self._prepare(entries)
         hidden = None
@@ -351,13 +314,16 @@ class ModelRunner:
         position and block-table row, on the device; trees: each chunk's TreeRows or None."""
         bs, table = self.block_size, self.block_tables.table[group]
         layout = PagedStepLayout(slot_mapping=self.block_tables.slots(group, rows_t, pos, bs))
-        if self.packed_bits:
+        layer = self.kv_groups.groups[group].layers[0]
+        if getattr(self.kv_caches[layer], "packed", False):
             from kvslim.attention.lowbit_cache import recent_rows
-            layout.recent = recent_rows([(row, e.start, e.num_tokens, e.seq.block_tables[group])
+            first = self.block_tables.group_first_block[group]    # pool-local ids
+            layout.recent = recent_rows([(row, e.start, e.num_tokens,
+                                          [b - first for b in e.seq.block_tables[group]])
                                          for e, row in zip(entries, rows)], bs,
                                         self.config.max_num_seqs,
-                                        self.kv_caches[0].recent_blocks,
-                                        self.kv_caches[0].residual, self.device)
+                                        self.kv_caches[layer].recent_blocks,
+                                        self.kv_caches[layer].residual, self.device)
         if nd:
             starts = [e.start for e in entries[:nd]]
             first = min(self._first_block(group, start) for start in starts)

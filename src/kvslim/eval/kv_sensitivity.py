@@ -17,6 +17,7 @@ from kvslim.dtypes import QUANTIZED_KV_DTYPES, packed_kv_bits, parse_dtype
 from kvslim.kernels.lowbit_codes import (dequantize_keys, dequantize_values,
                                          quantize_key_blocks, quantize_value_blocks)
 from kvslim.kv_cache.budget import KVSetting
+from kvslim.kv_cache.layer_plan import KVLayerPlan
 
 
 def degrade(x: torch.Tensor, precision: str, block_size: int, keys: bool) -> torch.Tensor:
@@ -40,12 +41,17 @@ def degrade(x: torch.Tensor, precision: str, block_size: int, keys: bool) -> tor
 
 class DegradedAttention(DenseAttention):
     """Dense causal attention in which each layer stores K and V in its setting's precision
-    and sees sinks + its setting's window (None: exact, every token)."""
+    and sees sinks + its setting's window (None: exact, every token), narrowed by the layer's
+    own window (`model_windows`) as the engine does (kv_cache/layer_plan.py's spans)."""
 
     def __init__(self, seq_len: int, device, settings: list[KVSetting | None], sinks: int,
-                 block_size: int):
-        windows = [s.window if s is not None else None for s in settings]
-        super().__init__(seq_len, device, None, windows, {w: sinks for w in windows})
+                 block_size: int, model_windows: tuple[int | None, ...] | None = None):
+        plan = KVLayerPlan(tuple(s or KVSetting("auto") for s in settings), sinks, seq_len)
+        spans = [plan.span_over(i, w)
+                 for i, w in enumerate(model_windows or (None,) * len(settings))]
+        windows = [span.window for span in spans]
+        super().__init__(seq_len, device, None, windows,
+                         {span.window: span.sinks for span in spans})
         self.settings, self.block_size = settings, block_size
 
     def attend(self, layer_idx: int, q, k, v, scale: float):
@@ -59,7 +65,8 @@ class DegradedAttention(DenseAttention):
 def _kl(model, ids: torch.Tensor, exact: torch.Tensor, settings: list[KVSetting | None],
         sinks: int, block_size: int) -> float:
     """Mean KL(exact || the pass with these per-layer settings) over the positions of `ids`."""
-    attn = DegradedAttention(ids.shape[-1], ids.device, settings, sinks, block_size)
+    attn = DegradedAttention(ids.shape[-1], ids.device, settings, sinks, block_size,
+                             model.config.layer_sliding_windows)
     positions = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
     logp = F.log_softmax(model.compute_logits(model(ids, positions=positions, attn=attn))
                          .float(), -1)

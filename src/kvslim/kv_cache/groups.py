@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvslim.errors import KvslimError
 from kvslim.kv_cache.window import KVWindow, LayerSpan, layer_spans, sink_blocks
 from kvslim.models.config import ModelConfig
 
@@ -33,6 +34,9 @@ class KVCacheGroup:
     window: int | None
     # The first positions the window group keeps however far its window moves (kv_window.py).
     sinks: int = 0
+    # Its layers' storage under a per-layer KV plan (layer_plan.py; one pool per precision,
+    # plan.py), None: the engine's kv_cache_dtype.
+    precision: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,11 @@ class KVCacheGroups:
     def sinks(self) -> tuple[int, ...]:
         return tuple(g.sinks for g in self.groups)
 
+    @property
+    def precisions(self) -> tuple[str | None, ...]:
+        """The distinct storage precisions, in group order: one pool each (plan.py)."""
+        return tuple(dict.fromkeys(g.precision for g in self.groups))
+
     def group_of_layer(self) -> list[int]:
         """Per layer, the index of its group."""
         owner = {layer: g for g, group in enumerate(self.groups) for layer in group.layers}
@@ -69,26 +78,35 @@ class KVCacheGroups:
 
 
 def kv_cache_groups(config: ModelConfig, free_out_of_window: bool = True,
-                    kv_window: KVWindow | None = None) -> KVCacheGroups:
+                    kv_window: KVWindow | None = None, layer_plan=None) -> KVCacheGroups:
     """The model's groups, by each layer's span (its window, narrowed by the engine's
     `kv_window`, and its sinks). One group of every layer when all layers share one span (Llama:
     none; Mistral: all windowed, so every layer's old blocks go). `free_out_of_window=False` is
     the mask-only path: one group that keeps every block. Storage position j is shared by the
     j-th layer of each group, so those layers must have equal KV heads; a non-uniform GQA model
-    that also mixes windows keeps every block instead (its windows remain masks)."""
+    that also mixes windows keeps every block instead (its windows remain masks).
+    `layer_plan` (layer_plan.py): each layer's window and storage precision from a plan; layers
+    group by both, and every group must be uniform in KV heads by position."""
     layers = range(config.num_hidden_layers)
-    spans = layer_spans(config, kv_window)
-    types: list[LayerSpan] = list(dict.fromkeys(spans))
-    if not free_out_of_window:
+    spans = layer_spans(config, kv_window, layer_plan)
+    precisions = ([s.precision for s in layer_plan.layers] if layer_plan is not None
+                  else [None] * len(layers))
+    kinds = [(span, p) for span, p in zip(spans, precisions)]
+    types: list[tuple[LayerSpan, str | None]] = list(dict.fromkeys(kinds))
+    if not free_out_of_window and layer_plan is None:
         return KVCacheGroups((KVCacheGroup(tuple(layers), None),))
     if len(types) == 1:
-        return KVCacheGroups((KVCacheGroup(tuple(layers), types[0].window, types[0].sinks),))
-    by_type = {t: [i for i in layers if spans[i] == t] for t in types}
+        (span, p), = types
+        return KVCacheGroups((KVCacheGroup(tuple(layers), span.window, span.sinks, p),))
+    by_type = {t: [i for i in layers if kinds[i] == t] for t in types}
     size = math.gcd(*(len(ls) for ls in by_type.values()))
-    groups = tuple(KVCacheGroup(tuple(ls[i:i + size]), t.window, t.sinks)
+    groups = tuple(KVCacheGroup(tuple(ls[i:i + size]), t[0].window, t[0].sinks, t[1])
                    for t, ls in by_type.items() for i in range(0, len(ls), size))
     heads = config.kv_heads_per_layer
     if any(len({heads[g.layers[j]] for g in groups}) > 1 for j in range(size)):
+        if layer_plan is not None:
+            raise KvslimError("kv_plan: this model's layers differ in KV heads, so its layers "
+                              "cannot be grouped by setting; use one setting for all layers")
         return KVCacheGroups((KVCacheGroup(tuple(layers), None),))
     return KVCacheGroups(groups)
 

@@ -58,9 +58,13 @@ class KVWindow:
         return LayerSpan(self.window, self.sinks)
 
 
-def layer_spans(config: ModelConfig, kv_window: KVWindow | None) -> tuple[LayerSpan, ...]:
-    """Every layer's span: its own window, narrowed by the engine's when one is set."""
+def layer_spans(config: ModelConfig, kv_window: KVWindow | None,
+                layer_plan=None) -> tuple[LayerSpan, ...]:
+    """Every layer's span: its own window, narrowed by the engine's when one is set, or by its
+    window in a per-layer KV plan (layer_plan.py's KVLayerPlan)."""
     windows = config.layer_sliding_windows
+    if layer_plan is not None:
+        return tuple(layer_plan.span_over(i, w) for i, w in enumerate(windows))
     if kv_window is None:
         return tuple(LayerSpan(w, 0) for w in windows)
     return tuple(kv_window.span_over(w) for w in windows)
