@@ -62,15 +62,28 @@ class DegradedAttention(DenseAttention):
         return super().attend(layer_idx, q, k, v, scale)
 
 
+LOGIT_ROWS = 256     # positions per logits chunk: a 262k vocabulary's logits stay ~256 MB
+
+
+def _hidden(model, ids: torch.Tensor, attn=None) -> torch.Tensor:
+    positions = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+    return model(ids, positions=positions, attn=attn)
+
+
 def _kl(model, ids: torch.Tensor, exact: torch.Tensor, settings: list[KVSetting | None],
         sinks: int, block_size: int) -> float:
-    """Mean KL(exact || the pass with these per-layer settings) over the positions of `ids`."""
+    """Mean KL(exact || the pass with these per-layer settings) over the positions of `ids`;
+    `exact`: the exact pass's final hidden states. The logits are made a chunk of positions
+    at a time."""
     attn = DegradedAttention(ids.shape[-1], ids.device, settings, sinks, block_size,
                              model.config.layer_sliding_windows)
-    positions = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
-    logp = F.log_softmax(model.compute_logits(model(ids, positions=positions, attn=attn))
-                         .float(), -1)
-    return float(F.kl_div(logp, exact, log_target=True, reduction="none").sum(-1).mean())
+    degraded = _hidden(model, ids, attn)
+    total = 0.0
+    for i in range(0, ids.shape[-1], LOGIT_ROWS):
+        logp, ref = (F.log_softmax(model.compute_logits(h[:, i:i + LOGIT_ROWS]).float(), -1)
+                     for h in (degraded, exact))
+        total += float(F.kl_div(logp, ref, log_target=True, reduction="none").sum())
+    return total / ids.numel()
 
 
 @torch.inference_mode()
@@ -82,7 +95,7 @@ def layer_sensitivity(model, batches: list[torch.Tensor], settings: list[KVSetti
     n = model.config.num_hidden_layers
     out = [dict.fromkeys(settings, 0.0) for _ in range(n)]
     for ids in batches:
-        exact = F.log_softmax(model.logits(ids).float(), -1)
+        exact = _hidden(model, ids)
         for layer in range(n):
             for setting in settings:
                 alone = [setting if i == layer else None for i in range(n)]
@@ -99,6 +112,6 @@ def plan_kl(model, batches: list[torch.Tensor], settings: list[KVSetting], sinks
     """The measured KL of every layer taking its own setting at once (a plan's validation)."""
     total = 0.0
     for ids in batches:
-        exact = F.log_softmax(model.logits(ids).float(), -1)
+        exact = _hidden(model, ids)
         total += _kl(model, ids, exact, list(settings), sinks, block_size) / len(batches)
     return total

@@ -148,7 +148,8 @@ def plan_kv_cache(config: ModelConfig, kv_dtype, options, num_blocks: int | None
     elif min(p.num_blocks for p in plan.pools) < 1:
         raise KvslimError(
             f"kv_cache_memory={options.kv_cache_memory} bytes is too small for one block of "
-            f"{options.block_size} tokens ({plan.bytes_per_block} bytes for this model)")
+            f"{options.block_size} tokens ({max(p.bytes_per_block for p in plan.pools)} "
+            f"bytes for this model)")
     if max_model_len is None:
         max_model_len = _max_model_len(plan, config, options)
     return replace(plan, max_model_len=max_model_len)
