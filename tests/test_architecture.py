@@ -57,6 +57,10 @@ ALLOWED = {
     "parallel": KERNELS | {"quantization", "models", "formats", "plan", "kv_cache"},
     "server": KERNELS | {"models", "formats", "engine", "structured", "tools", "reasoning",
                          "lora"},
+    # Engine replicas on Ray behind one API server: each replica runs the server's engine loop,
+    # the API server is the server's app over them, a replica's tensor-parallel ranks are the
+    # engine's (only their launch is Ray's).
+    "scaleout": KERNELS | {"models", "formats", "engine", "server", "lora"},
     # Corpus streams (tokenized windows) live in train/: calibration and perplexity read them.
     "surgery": KERNELS | {"quantization", "models", "formats", "train"},
     # Learned drafters (Medusa heads): modules and their files, on the model's hidden states.

@@ -4,8 +4,12 @@ streams its completion; the report gives request and token throughput and TTFT /
 end-to-end latency (mean, median, p99), plus failures.
 
 Prompts are synthetic: random words, cut to exactly `input_len` tokens when the server has
-`/tokenize` (kvslim and vLLM do), else sent as text of about that length. `ignore_eos` is sent so
-that every request generates `output_len` tokens; token counts come from the server's usage."""
+`/tokenize` (kvslim and vLLM do), else sent as text of about that length. With `num_prefixes`,
+each prompt starts with one of that many shared prefixes of `prefix_len` tokens (chosen at
+random per prompt, as vLLM's prefix_repetition dataset does), so that the servers' prefix
+caches matter; the report's prefix-cache hit rate is the usage's cached tokens over the prompt
+tokens. `ignore_eos` is sent so that every request generates `output_len` tokens; token counts
+come from the server's usage."""
 from __future__ import annotations
 
 import asyncio
@@ -37,6 +41,8 @@ class ServeBenchConfig:
     api_key: str | None = None
     seed: int = 0
     timeout: float = 600.0
+    num_prefixes: int = 0                    # shared prompt prefixes; 0: every prompt random
+    prefix_len: int = 0                      # tokens of each shared prefix
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/").removesuffix("/v1")
@@ -47,6 +53,9 @@ class ServeBenchConfig:
             raise KvslimError("--request-rate must be positive (inf = all at once)")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise KvslimError("--max-concurrency must be at least 1")
+        if self.num_prefixes < 0 or (self.num_prefixes and
+                                     not 0 < self.prefix_len < self.input_len):
+            raise KvslimError("--num-prefixes needs 0 < --prefix-len < --input-len")
 
 
 @dataclass
@@ -58,6 +67,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     error: str = ""
+    cached_tokens: int = 0                   # prompt tokens the server's prefix cache served
 
 
 @dataclass
@@ -73,6 +83,8 @@ class ServeBenchResult:
     total_token_throughput: float
     latency_ms: dict[str, float]             # {mean,median,p99}_{ttft,tpot,itl,e2el}_ms
     errors: list[str]
+    total_cached_tokens: int = 0
+    prefix_cache_hit_rate: float = 0.0       # cached / input tokens
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -127,20 +139,39 @@ async def _first_model(client: httpx.AsyncClient) -> str:
 
 async def _prompts(client: httpx.AsyncClient, model: str, config: ServeBenchConfig) -> list:
     rng = random.Random(config.seed)
-    texts = [" ".join(rng.choice(WORDS) for _ in range(config.input_len + 8))
-             for _ in range(config.num_prompts)]
+    shared, own = config.prefix_len if config.num_prefixes else 0, config.input_len
+    own -= shared
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n + 8))
+
+    prefixes = [words(shared) for _ in range(config.num_prefixes)]
+    which = [i % max(1, config.num_prefixes) for i in range(config.num_prompts)]
+    rng.shuffle(which)
+    texts = [words(own) for _ in range(config.num_prompts)]
     try:                                     # exact lengths where the server can tokenize
-        ids = []
-        for text in texts:
-            response = await client.post("/tokenize", json={"model": model, "prompt": text})
-            response.raise_for_status()
-            tokens = response.json()["tokens"][:config.input_len]
-            if len(tokens) < config.input_len:   # another /tokenize (llama-server's)
-                raise ValueError("short tokenization")
-            ids.append(tokens)
-        return ids
+        prefix_ids = [await _tokens(client, model, text, shared) for text in prefixes]
+        # after a prefix, a prompt's own tokens start no text: no BOS of their own
+        return [(prefix_ids[w] if prefix_ids else [])
+                + await _tokens(client, model, t, own, special=not prefix_ids)
+                for w, t in zip(which, texts)]
     except (httpx.HTTPError, KeyError, ValueError):
-        return [" ".join(t.split()[:config.input_len]) for t in texts]
+        cut = [" ".join(t.split()[:own]) for t in texts]
+        if not prefixes:
+            return cut
+        return [" ".join(prefixes[w].split()[:shared]) + " " + t for w, t in zip(which, cut)]
+
+
+async def _tokens(client: httpx.AsyncClient, model: str, text: str, length: int,
+                  special: bool = True) -> list[int]:
+    """`text`'s first `length` tokens, by the server's /tokenize."""
+    response = await client.post("/tokenize", json={"model": model, "prompt": text,
+                                                    "add_special_tokens": special})
+    response.raise_for_status()
+    tokens = response.json()["tokens"][:length]
+    if len(tokens) < length:                 # another /tokenize (llama-server's)
+        raise ValueError("short tokenization")
+    return tokens
 
 
 async def _request(client: httpx.AsyncClient, model: str, prompt, config: ServeBenchConfig
@@ -168,6 +199,8 @@ async def _request(client: httpx.AsyncClient, model: str, prompt, config: ServeB
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens") or 0
                 if chunk.get("choices"):            # a token arrived (its text may be held back)
                     now = time.perf_counter()
                     if result.ttft == 0.0:
@@ -190,6 +223,7 @@ def summarize(config: ServeBenchConfig, results: list[RequestResult], duration: 
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     latency = {}
     for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpot),
@@ -208,7 +242,8 @@ def summarize(config: ServeBenchConfig, results: list[RequestResult], duration: 
         total_input_tokens=total_in, total_output_tokens=total_out,
         request_throughput=len(ok) / duration, output_throughput=total_out / duration,
         total_token_throughput=(total_in + total_out) / duration, latency_ms=latency,
-        errors=[r.error for r in results if not r.success][:10])
+        errors=[r.error for r in results if not r.success][:10],
+        total_cached_tokens=cached, prefix_cache_hit_rate=cached / total_in if total_in else 0.0)
 
 
 def format_result(result: ServeBenchResult) -> str:
@@ -221,7 +256,8 @@ def format_result(result: ServeBenchResult) -> str:
             ("Total generated tokens", result.total_output_tokens),
             ("Request throughput (req/s)", f"{result.request_throughput:.2f}"),
             ("Output token throughput (tok/s)", f"{result.output_throughput:.2f}"),
-            ("Total token throughput (tok/s)", f"{result.total_token_throughput:.2f}")]
+            ("Total token throughput (tok/s)", f"{result.total_token_throughput:.2f}"),
+            ("Prefix-cache hit rate (tokens)", f"{result.prefix_cache_hit_rate:.3f}")]
     lines = [" Serving Benchmark Result ".center(50, "=")]
     lines += [f"{name + ':':<40}{value}" for name, value in rows]
     for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token"),

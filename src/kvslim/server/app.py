@@ -38,8 +38,15 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     metrics = ServerMetrics(model_name)
     ctx = ServerContext(AsyncEngine(engine, metrics, on_engine_crash), engine.tokenizer,
                         model_name, engine.max_model_len, metrics, api_key,
-                        options or ServerOptions())
+                        options or ServerOptions(), hidden_size=engine.model_config.hidden_size)
     serve_lora_modules(engine, ctx.options, ctx.loras, model_name)
+    return app_over(ctx, engine.model_config.vocab_size, engine.config.max_num_seqs)
+
+
+def app_over(ctx: ServerContext, vocab_size: int, max_num_seqs: int) -> FastAPI:
+    """The app of `ctx`, whose `engine` is an AsyncEngine or anything with its methods (the
+    data-parallel replicas of kvslim.scaleout). `vocab_size` (the model's) and `max_num_seqs`
+    are what /openapi.json states as limits."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -63,13 +70,12 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         api_routes.append(lora_router(ctx))
     app.include_router(open_routes)
     for routes in api_routes:
-        app.include_router(routes, dependencies=[Depends(_key_checker(api_key))])
+        app.include_router(routes, dependencies=[Depends(_key_checker(ctx.api_key))])
     endpoints = {route.path for router in (open_routes, *api_routes) for route in router.routes}
-    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, endpoints=endpoints)
-    vocab = {"model": engine.model_config.vocab_size, "tokenizer": engine.tokenizer.vocab_size}
-    app.openapi = lambda: truthful_openapi(app, vocab, engine.max_model_len,
-                                           engine.config.max_num_seqs,
-                                           engine.model_config.hidden_size)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=ctx.metrics, endpoints=endpoints)
+    vocab = {"model": vocab_size, "tokenizer": ctx.tokenizer.vocab_size}
+    app.openapi = lambda: truthful_openapi(app, vocab, ctx.max_model_len, max_num_seqs,
+                                           ctx.hidden_size)
     return app
 
 
@@ -99,10 +105,12 @@ def _open_routes(ctx: ServerContext) -> APIRouter:
     async def health():
         if not ctx.engine.is_alive:
             return engine_dead().response()
-        return Response(status_code=200)
+        report = ctx.engine.health()             # replicas: {"status": "ok"|"degraded", ...}
+        return Response(status_code=200) if report is None else JSONResponse(report)
 
     @router.get("/metrics")
     async def metrics():
+        await ctx.engine.collect_metrics()       # replicas: their engine series, fetched now
         return Response(ctx.metrics.render(), media_type=ctx.metrics.content_type)
 
     return router

@@ -127,6 +127,15 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
+    def health(self) -> dict | None:
+        """/health's body while alive: none (200 alone) for one engine; replicas say how many
+        of them run (kvslim.scaleout)."""
+        return None
+
+    async def collect_metrics(self) -> None:
+        """Nothing: the engine thread records into the metrics after every step (replicas are
+        asked for theirs here, before /metrics renders)."""
+
     async def add(self, request_ids: list[str], prompts: list[Prompt],
                   params: SamplingParams, lora_request: LoRARequest | None = None
                   ) -> RequestStream:

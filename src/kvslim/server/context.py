@@ -87,6 +87,7 @@ class ServerContext:
     api_key: str | None = None
     options: ServerOptions = field(default_factory=ServerOptions)
     loras: LoRAModels = field(default_factory=LoRAModels)    # adapters served as models
+    hidden_size: int = 0                 # the model's: the width of /v1/embeddings' vectors
 
     def lora_request_of(self, name: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names: None for the base model (or no `model`);

@@ -72,7 +72,7 @@ class EmbeddingResponse(BaseModel):
 
 async def create_embeddings(ctx: ServerContext, request: EmbeddingRequest) -> JSONResponse:
     ctx.check_base_model(request.model, "embeddings")
-    hidden_size = ctx.engine.engine.model_config.hidden_size
+    hidden_size = ctx.hidden_size
     if request.dimensions is not None and request.dimensions != hidden_size:
         raise InvalidRequestError(f"dimensions: this model's embeddings have {hidden_size} "
                                   f"dimensions and are not truncated; got {request.dimensions}",

@@ -24,12 +24,26 @@ OFFLOAD_COUNTERS = {"hits": "KV blocks served from the offload tier",
                     "rejected": "Offload files removed unread: another model's, torn or corrupt"}
 
 
+# The series the HTTP side records (HTTPMetricsMiddleware) and the served model: every other
+# series is the engine's, which data-parallel replicas report under an `engine` label.
+SERVER_SERIES = ("kvslim_requests", "kvslim_model_info")
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, engine_series: bool = True):
+        """`engine_series`: False for an API server in front of replicas (kvslim.scaleout),
+        whose engine series come from the replicas, labelled by engine."""
         self.registry = CollectorRegistry()
         r, ns = self.registry, "kvslim"
         self.requests = Counter("requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], namespace=ns, registry=r)
+        Gauge("model_info", "The served model", ["model_name"], namespace=ns,
+              registry=r).labels(model_name).set(1)
+        if engine_series:
+            self._engine_metrics(ns, r)
+
+    def _engine_metrics(self, ns: str, r: CollectorRegistry) -> None:
+        """What the engine thread records (AsyncEngine), after every step."""
         self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens of requests that started "
                                      "generating", namespace=ns, registry=r)
         self.generation_tokens = Counter("generation_tokens", "Tokens generated", namespace=ns,
@@ -66,8 +80,6 @@ class ServerMetrics:
                                  registry=r)
         self.engine_alive = Gauge("engine_alive", "1 while the engine loop runs", namespace=ns,
                                   registry=r)
-        Gauge("model_info", "The served model", ["model_name"], namespace=ns,
-              registry=r).labels(model_name).set(1)
         self._peak = 0
         self._speculation_metrics(ns, r)
         self._spec_seen = (0, 0, 0, [], [])
