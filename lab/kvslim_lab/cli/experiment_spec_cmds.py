@@ -6,9 +6,9 @@ import sys
 
 
 def register_speculative(esub) -> None:
-    g = esub.add_parser("speculative", help="speculative decoding (n-gram, draft models) vs "
-                                            "plain decoding at batch 1/8/32, two workloads; "
-                                            "writes docs/speculative.md")
+    g = esub.add_parser("speculative", help="speculative decoding (n-gram, lookahead, draft "
+                                            "models) vs plain decoding at batch 1/8/32, two "
+                                            "workloads; writes docs/speculative.md")
     g.add_argument("--ref-model", default="models/ref-mha", help="'' to skip")
     g.add_argument("--ref-draft", default="models/ref-mha-draft")
     g.add_argument("--skip-smollm2", action="store_true")
@@ -23,6 +23,13 @@ def register_speculative(esub) -> None:
     g.add_argument("--drafter-tree", default="", metavar="JSON",
                    help="also each drafter with this tree of candidates, e.g. '[[0], [1]]' "
                         "(benchmarks/tree_shape.py measures which)")
+    g.add_argument("--lookahead", default="{}", metavar="JSON",
+                   help="the lookahead arm's options (window, ngram, guesses; '{}': the "
+                        "defaults), measured beside n-gram on every target; '' skips it")
+    g.add_argument("--only", nargs="*", default=None, metavar="LABEL",
+                   help="measure only these proposers of each target (e.g. ngram lookahead); "
+                        "with another --work-dir and --report, a study of a few arms that "
+                        "leaves the full one's report alone")
     g.add_argument("--test", default="../shared/corpus/test.txt")
     g.add_argument("--calib", default="../shared/corpus/train.txt",
                    help="calibration text for SmolLM2's MQA conversion")
@@ -52,23 +59,35 @@ def _targets(args, work_dir):
     k = args.num_speculative_tokens
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
              "prompt_lookup_max": 4}
+    modelless = {"ngram": ngram}       # the proposers every target gets: no model of their own
+    if args.lookahead:
+        modelless["lookahead"] = {"method": "lookahead", "prompt_lookup_min": 2,
+                                  "prompt_lookup_max": 4, **json.loads(args.lookahead)}
     targets = []
     if args.ref_model:
-        proposers = {"ngram": ngram}
+        proposers = dict(modelless)
         if args.ref_draft and Path(args.ref_draft).is_dir():
             proposers["ref-mha-draft"] = {"method": "draft", "model": args.ref_draft,
                                           "num_speculative_tokens": k}
         targets.append(Target("ref-mha", args.ref_model, proposers))
     if not args.skip_smollm2:
-        dirs = smollm2_variants(Path(work_dir), args.calib, show_progress=not args.json)
+        copies = {"4-bit self": "q4", "MQA self": "mqa"}      # built only when measured
+        copies = {label: c for label, c in copies.items()
+                  if args.only is None or label in args.only}
+        dirs = smollm2_variants(Path(work_dir), args.calib, show_progress=not args.json,
+                                copies=tuple(copies.values()))
         draft = {"method": "draft", "num_speculative_tokens": k}
-        proposers = {"ngram": ngram, "4-bit self": {**draft, "model": str(dirs["q4"])},
-                     "MQA self": {**draft, "model": str(dirs["mqa"])}}
+        proposers = {**modelless, **{label: {**draft, "model": str(dirs[c])}
+                                     for label, c in copies.items()}}
         proposers.update(_drafters(args.drafters, k, args.drafter_tree))
         targets.append(Target("SmolLM2-135M", str(dirs["f32"]), proposers, chat=True))
     if args.gemma3:
-        proposers = {"ngram": ngram, **_drafters(args.gemma3_drafters, k, args.drafter_tree)}
+        proposers = {**modelless, **_drafters(args.gemma3_drafters, k, args.drafter_tree)}
         targets.append(Target("Gemma-3-270M", args.gemma3, proposers))
+    if args.only is not None:
+        for target in targets:
+            target.proposers = {label: spec for label, spec in target.proposers.items()
+                                if label in args.only}
     return targets
 
 
@@ -113,10 +132,11 @@ def run_speculative(args) -> int:
     try:
         adaptive = json.loads(args.adaptive)
         args.drafter_tree = json.loads(args.drafter_tree) if args.drafter_tree else None
+        json.loads(args.lookahead or "{}")
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError as e:
-        raise KvslimError(f"--adaptive and --drafter-tree must be JSON and --batches "
-                          f"integers: {e}") from None
+        raise KvslimError(f"--adaptive, --drafter-tree and --lookahead must be JSON and "
+                          f"--batches integers: {e}") from None
     cfg = SpecExperimentConfig(_targets(args, args.work_dir), args.test, args.work_dir,
                                batches, args.max_tokens, repeats=args.repeats, adaptive=adaptive)
     exp = SpecExperiment(cfg, show_progress=not args.json)

@@ -73,12 +73,12 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos)
         self.structured = StructuredOutputManager(self.grammar_compiler,
                                                   self.model_config.vocab_size)
-        learned = self._learned_proposer()
+        fed = self._fed_proposer()
         self.lora = self._lora_manager()
         self.runner = ModelRunner(self.model, self.config, eos, self.kv_plan, RunnerFeatures(
             structured=self.structured, typical_acceptance=typical_acceptance_of(
                 self.config.speculative),
-            hidden_windows=learned.windows if learned is not None else None, lora=self.lora))
+            lora=self.lora, **(fed.runner_feeds() if fed is not None else {})))
         # What runs each step: the runner, or the executor that runs it on every rank.
         self.executor = (self.runner if self.parallel is None
                          else self.parallel.attach(self.runner, self.max_model_len, eos))
@@ -89,7 +89,7 @@ class LLMEngine:
             float_tail_blocks=self.runner.residual_blocks, offload=self._kv_offload(model_dir),
             pools=tuple((p.first_block, p.num_blocks) for p in self.kv_plan.pools),
             group_pool=tuple(self.runner.group_pool))
-        self.spec = self._speculative_decoder(learned)
+        self.spec = self._speculative_decoder(fed)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, eos,
                                    self.config.enable_chunked_prefill,
@@ -107,20 +107,21 @@ class LLMEngine:
         self.peak_num_running = 0                    # most sequences decoded in one step
         self.peak_used_blocks = 0
 
-    def _learned_proposer(self):
-        """Medusa's or EAGLE's heads on the target's hidden states, when speculation asks."""
+    def _fed_proposer(self):
+        """Medusa's or EAGLE's heads on the target's hidden states, or lookahead's window on
+        its rows' greedy tokens, when speculation asks: the runner keeps what they read."""
         spec = self.config.speculative
         if spec is None:
             return None
-        from kvslim.engine.speculative.learned import LEARNED_METHODS, learned_proposer
-        if spec.method not in LEARNED_METHODS:
+        from kvslim.engine.speculative.learned import FED_METHODS, fed_proposer
+        if spec.method not in FED_METHODS:
             return None
         if self.parallel is not None:
             raise KvslimError(f"speculative method {spec.method!r} does not run with "
                               "tensor_parallel_size > 1 yet")
-        return learned_proposer(spec, self.model)
+        return fed_proposer(spec, self.model)
 
-    def _speculative_decoder(self, learned) -> SpeculativeDecoder | None:
+    def _speculative_decoder(self, fed) -> SpeculativeDecoder | None:
         spec = self.config.speculative
         if spec is None:
             return None
@@ -133,7 +134,7 @@ class LLMEngine:
                                        self.runner.num_blocks, self.max_model_len,
                                        self.model_config.vocab_size, self.eos_token_ids)
         # A constrained sequence's grammar masks follow chains of drafts only.
-        return SpeculativeDecoder(spec, draft, learned, self.structured.is_constrained)
+        return SpeculativeDecoder(spec, draft, fed, self.structured.is_constrained)
 
     # ---- requests ------------------------------------------------------------------------
     def _kv_offload(self, model_dir):

@@ -30,6 +30,7 @@ from kvslim.structured.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from kvslim.engine.hidden_window import HiddenWindows
+    from kvslim.engine.speculative.lookahead import TreeTokens
     from kvslim.engine.speculative.verify import TypicalAcceptance
     from kvslim.lora.manager import LoRAManager
 
@@ -56,6 +57,9 @@ class RunnerFeatures:
     # Medusa and EAGLE guess from the hidden states that drew each sequence's latest tokens:
     # kept per sequence when a proposer reads them.
     hidden_windows: HiddenWindows | None = None
+    # Lookahead decoding reads the target's greedy token at every row of a tree of drafts
+    # (its Jacobi iteration): kept per sequence after each step.
+    tree_tokens: TreeTokens | None = None
     lora: LoRAManager | None = None                      # LoRA adapters' slots (enable_lora)
 
 
@@ -114,6 +118,7 @@ class ModelRunner:
         self.decode_graphs = (self._decode_graphs(use_graphs, compiled)
                               if use_graphs or compiled else None)
         self.hidden_windows = features.hidden_windows
+        self.tree_tokens = features.tree_tokens
         self.lora = features.lora
 
     def _allocate_cache(self, reserved_blocks: int) -> None:
@@ -198,6 +203,8 @@ class ModelRunner:
             if entry.draft_parents is not None:
                 results[seq.seq_id], paths[seq.seq_id] = self.sampler.verify_tree(
                     rows, seq, drafts, entry.draft_parents)
+                if self.tree_tokens is not None:
+                    self.tree_tokens.keep(seq.seq_id, rows.argmax(dim=-1).tolist())
                 continue
             q = draft_probs.get(seq.seq_id)
             results[seq.seq_id] = self.sampler.verify(rows, seq, drafts,

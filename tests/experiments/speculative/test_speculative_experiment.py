@@ -94,3 +94,24 @@ def test_the_adaptive_goal_is_judged_overall_and_from_batch_8_on(tmp_path):
         False, "worst 0.80x (t, ngram, free, 1)")
     assert checks["with adaptivity on, never slower than plain decoding at batch >= 8"] == (
         True, "worst 0.97x (t, ngram, free, 8)")
+
+
+def test_lookahead_goals_name_the_measured_reason(tmp_path):
+    """Lookahead's goals: >= 1.3x at batch 1 on grounded text, with the depth-1 acceptance and
+    the step cost beside a miss; its adaptive arm never below 0.95x."""
+    spec = {"method": "lookahead"}
+    exp = SpecExperiment(SpecExperimentConfig([Target("t", "m", {"lookahead": spec})], "x"),
+                         show_progress=False)
+    exp.thresholds = {"t": {"lookahead": dict(step_cost_ratio=1.4, break_even_acceptance=0.3)}}
+    cell = dict(identical=True)
+    table = {("t", "lookahead", "grounded", 1, "spec"): dict(cell, speedup=1.2,
+                                                              acceptance_by_depth=[0.5, 0.2]),
+             ("t", "lookahead", "free", 8, "adaptive"): dict(cell, speedup=0.96,
+                                                              acceptance=None),
+             ("t", "lookahead", "grounded", 1, "adaptive"): dict(cell, speedup=1.25)}
+    checks = {text: (ok, detail) for text, ok, detail in goal_checks(exp, table)}
+    assert checks["t: lookahead >= 1.3x batch-1 decode on the input-grounded workload"] == (
+        False, "1.20x: depth-1 acceptance 0.50, a verification step costs 1.40 plain steps "
+               "(break-even acceptance 0.30 per draft token)")
+    assert checks["t: lookahead with its adaptive switch never below 0.95x"] == (
+        True, "worst 0.96x (free, batch 8)")

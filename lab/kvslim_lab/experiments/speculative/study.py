@@ -202,20 +202,21 @@ def _config_dict(cfg: SpecExperimentConfig) -> dict:
     return asdict(cfg)
 
 
-def smollm2_variants(work_dir: Path, calib: str, show_progress: bool = True) -> dict[str, Path]:
-    """SmolLM2-135M-Instruct as float32 (the target) and the project's cheaper copies of it
-    that need no new weights: its shipped 4-bit blocks kept as they are, and its MQA
-    conversion (3 -> 1 KV heads, `align`). Built once under work_dir."""
+def smollm2_variants(work_dir: Path, calib: str, show_progress: bool = True,
+                     copies: tuple[str, ...] = ("q4", "mqa")) -> dict[str, Path]:
+    """SmolLM2-135M-Instruct as float32 (the target) and the project's cheaper `copies` of it
+    that need no new weights: its shipped 4-bit blocks kept as they are ("q4"), and its MQA
+    conversion (3 -> 1 KV heads, `align`: "mqa"). Built once under work_dir."""
     from kvslim.formats.gguf.importer import import_gguf
     from kvslim.formats.registry import default_model_gguf
     from kvslim.surgery.convert import convert_to_gqa
     gguf = default_model_gguf()
-    dirs = {name: work_dir / f"smollm2-{name}" for name in ("f32", "q4", "mqa")}
+    dirs = {name: work_dir / f"smollm2-{name}" for name in ("f32", *copies)}
     if not (dirs["f32"] / "config.json").exists():
         import_gguf(gguf, dirs["f32"], show_progress)
-    if not (dirs["q4"] / "config.json").exists():
+    if "q4" in dirs and not (dirs["q4"] / "config.json").exists():
         import_gguf(gguf, dirs["q4"], show_progress, keep_quantized=True)
-    if not (dirs["mqa"] / "config.json").exists():
+    if "mqa" in dirs and not (dirs["mqa"] / "config.json").exists():
         convert_to_gqa(dirs["f32"], dirs["mqa"], 1, "align", calib=calib,
                        show_progress=show_progress)
     return dirs

@@ -1,15 +1,16 @@
 """`SpeculativeConfig`: how the engine speculates, with vLLM's option names where they exist
 (`method`, `model`, `num_speculative_tokens`, `prompt_lookup_min/max`,
-`disable_by_batch_size`), and `tree`, the shape of a learned drafter's candidates (tree.py)."""
+`disable_by_batch_size`), `tree`, the shape of a learned drafter's candidates (tree.py), and
+lookahead decoding's `window`, `ngram`, `guesses` (llama.cpp's W, N, G; lookahead.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvslim.engine.speculative.tree import DraftTree
+from kvslim.engine.speculative.tree import MAX_TREE_NODES, DraftTree
 from kvslim.errors import KvslimError
 
-METHODS = ("ngram", "draft", "medusa", "eagle")
+METHODS = ("ngram", "draft", "medusa", "eagle", "lookahead")
 ACCEPTANCE = ("exact", "typical")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -43,11 +44,22 @@ class SpeculativeConfig:
     # Methods "medusa" and "eagle": the candidates as a tree of rank paths, e.g. [[0], [1],
     # [0, 0]] (tree.py); None: one chain of num_speculative_tokens.
     tree: list[list[int]] | DraftTree | None = None
+    # Method "lookahead" (Fu et al. 2024): each step runs `window` columns of Jacobi guesses,
+    # `ngram` - 1 iterations deep, and verifies up to `guesses` n-grams of `ngram` tokens from
+    # the sequence's pool (at most `pool_size` of them) that start with its last token.
+    # Defaults: the best of the shapes tried on SmolLM2 at batch 1 on 2 CPU cores (a wider
+    # window fed more rows than its n-grams won back; docs/speculative.md).
+    window: int = 2
+    ngram: int = 4
+    guesses: int = 3
+    pool_size: int = 1024
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise KvslimError(f"speculative method must be one of {', '.join(METHODS)}, "
                               f"got {self.method!r}")
+        if self.method == "lookahead":
+            self._resolve_lookahead()
         self._resolve_tree()
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise KvslimError("num_speculative_tokens must be between 1 and "
@@ -57,8 +69,8 @@ class SpeculativeConfig:
         if self.method in ("medusa", "eagle") and not self.model:
             raise KvslimError(f"speculative method {self.method!r} needs 'model', the "
                               "drafter's directory (kvslim train-drafter)")
-        if self.method == "ngram" and self.model:
-            raise KvslimError("speculative method 'ngram' takes no 'model'")
+        if self.method in ("ngram", "lookahead") and self.model:
+            raise KvslimError(f"speculative method {self.method!r} takes no 'model'")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise KvslimError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
@@ -94,6 +106,25 @@ class SpeculativeConfig:
         elif self.num_speculative_tokens != self.tree.depth:
             raise KvslimError(f"num_speculative_tokens {self.num_speculative_tokens} differs "
                               f"from the draft tree's depth {self.tree.depth} (leave it out)")
+
+    def _resolve_lookahead(self) -> None:
+        """Bounds of the lookahead tree, and its depth as num_speculative_tokens: the window's
+        last column reaches window - 1 + ngram - 2 tokens deep, a pool n-gram ngram - 1."""
+        w, n, g = self.window, self.ngram, self.guesses
+        if w < 1 or n < 2 or g < 0 or self.pool_size < 1:
+            raise KvslimError(f"lookahead needs window >= 1, ngram >= 2, guesses >= 0 and "
+                              f"pool_size >= 1, got {w}, {n}, {g}, {self.pool_size}")
+        # the suffix match (prompt lookup) joins the pool's `guesses` n-grams
+        rows = (w - 1) + w * (n - 2) + (g + 1) * (n - 1)
+        if rows > MAX_TREE_NODES:
+            raise KvslimError(f"lookahead window {w}, ngram {n}, guesses {g} feed up to {rows} "
+                              f"tokens a step, more than the {MAX_TREE_NODES} a tree holds")
+        depth = max(w + n - 3, n - 1)
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = depth
+        elif self.num_speculative_tokens != depth:
+            raise KvslimError(f"num_speculative_tokens {self.num_speculative_tokens} differs "
+                              f"from the lookahead tree's depth {depth} (leave it out)")
 
     @property
     def draft_tree(self) -> DraftTree:

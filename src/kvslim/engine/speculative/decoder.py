@@ -14,6 +14,7 @@ from kvslim.engine.sequence import Sequence
 from kvslim.engine.speculative.draft import DraftModelProposer
 from kvslim.engine.speculative.config import SpeculativeConfig
 from kvslim.engine.speculative.eagle import EagleProposer
+from kvslim.engine.speculative.lookahead import LookaheadProposer
 from kvslim.engine.speculative.medusa import MedusaProposer
 from kvslim.engine.speculative.ngram import NgramProposer
 from kvslim.errors import KvslimError
@@ -66,21 +67,23 @@ class _Backoff:
 
 class SpeculativeDecoder:
     def __init__(self, config: SpeculativeConfig, draft: DraftModelProposer | None = None,
-                 learned: MedusaProposer | EagleProposer | None = None,
+                 fed: MedusaProposer | EagleProposer | LookaheadProposer | None = None,
                  verifies_chains_only: Callable[[Sequence], bool] = lambda seq: False):
-        """draft: the draft model's proposer (method "draft"); learned: the proposer of
-        heads on the target's hidden states (methods "medusa" and "eagle");
-        verifies_chains_only: the sequences that take a tree's best chain instead of the tree
-        (those whose grammar masks are computed along a chain of drafts)."""
+        """draft: the draft model's proposer (method "draft"); fed: a proposer the runner
+        feeds from the target's own forward pass, heads on its hidden states (methods
+        "medusa" and "eagle", `learned`) or lookahead's window on its rows' greedy tokens
+        (method "lookahead"); verifies_chains_only: the sequences that take a tree's best
+        chain instead of the tree (those whose grammar masks are computed along a chain)."""
         if config.method == "draft" and draft is None:
             raise KvslimError("speculative method 'draft' needs its draft model loaded")
-        if config.method in ("medusa", "eagle") and learned is None:
-            raise KvslimError(f"speculative method {config.method!r} needs its drafter loaded")
+        if config.method in ("medusa", "eagle", "lookahead") and fed is None:
+            raise KvslimError(f"speculative method {config.method!r} needs its proposer built")
         self.config = config
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
                                    config.num_speculative_tokens)
         self.draft = draft
-        self.learned = learned
+        self.learned = fed if config.method in ("medusa", "eagle") else None
+        self.lookahead = fed if config.method == "lookahead" else None
         self.reset_stats()
         self.draft_probs: dict[int, torch.Tensor] = {}      # seq_id -> q of its drafts
         # seq_id -> (tokens, a tree's parents or None): this step's proposals, until taken
@@ -119,6 +122,9 @@ class SpeculativeDecoder:
         room = [self.config.num_speculative_tokens if seq.params.max_tokens is None
                 else min(self.config.num_speculative_tokens,
                          seq.params.max_tokens - seq.num_output_tokens - 1) for seq in seqs]
+        if self.lookahead is not None:
+            self.proposals.update(self.lookahead.propose(seqs, room, self.verifies_chains_only))
+            return
         if self.learned is not None:
             tree = self.config.draft_tree
             for seq_id, guesses in self.learned.propose(seqs, room, tree.width).items():
@@ -166,7 +172,7 @@ class SpeculativeDecoder:
         for i in range(depth):
             s.drafted_per_position[i] += 1
             s.accepted_per_position[i] += i < accepted
-        if parents is not None:
+        if parents is not None and self.config.tree is not None:     # a configured tree's
             self._record_nodes(drafts, parents, results)
         self._update_backoff(seq, depth, accepted)
 
@@ -213,7 +219,7 @@ class SpeculativeDecoder:
         for seq_id in seq_ids:
             self._backoff.pop(seq_id, None)
             self.proposals.pop(seq_id, None)
-        for proposer in (self.draft, self.learned):
+        for proposer in (self.draft, self.learned, self.lookahead):
             if proposer is not None:
                 proposer.release(seq_ids)
 

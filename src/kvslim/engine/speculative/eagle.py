@@ -54,6 +54,10 @@ class EagleProposer:
         self.kv_shape = (attn.num_kv_heads, attn.head_dim)
         self.states: dict[int, _HeadKV] = {}
 
+    def runner_feeds(self) -> dict:
+        """What the runner keeps for it (RunnerFeatures' fields)."""
+        return {"hidden_windows": self.windows}
+
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], room: list[int], width: int = 1
                 ) -> dict[int, list[list[int]]]:

@@ -22,6 +22,10 @@ class MedusaProposer:
         self.lm_head = model.lm_head
         self.windows = HiddenWindows(1)         # the runner fills it after each step
 
+    def runner_feeds(self) -> dict:
+        """What the runner keeps for it (RunnerFeatures' fields)."""
+        return {"hidden_windows": self.windows}
+
     @property
     def num_heads(self) -> int:
         return self.heads.num_heads
