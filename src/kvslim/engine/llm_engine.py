@@ -133,6 +133,11 @@ class LLMEngine:
             draft = DraftModelProposer(resolve_model(spec.model), self.config,
                                        self.runner.num_blocks, self.max_model_len,
                                        self.model_config.vocab_size, self.eos_token_ids)
+        elif spec.method == "self":
+            from kvslim.engine.speculative.self_draft import SelfDraftProposer
+            draft = SelfDraftProposer(self.model, self.config, spec.kv_window,
+                                      spec.kv_sink_tokens, self.runner.num_blocks,
+                                      self.max_model_len, self.eos_token_ids)
         # A constrained sequence's grammar masks follow chains of drafts only.
         return SpeculativeDecoder(spec, draft, fed, self.structured.is_constrained)
 

@@ -70,18 +70,28 @@ def _hidden(model, ids: torch.Tensor, attn=None) -> torch.Tensor:
     return model(ids, positions=positions, attn=attn)
 
 
-def _kl(model, ids: torch.Tensor, exact: torch.Tensor, settings: list[KVSetting | None],
+def _log_probs(model, hidden: torch.Tensor) -> list[torch.Tensor]:
+    """The next-token log-probabilities of `hidden` [B, T, H], a chunk of positions each."""
+    return [F.log_softmax(model.compute_logits(hidden[:, i:i + LOGIT_ROWS]).float(), -1)
+            for i in range(0, hidden.shape[1], LOGIT_ROWS)]
+
+
+def _exact(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The exact pass's log-probabilities, kept while every setting is compared with them (for
+    a large vocabulary the logits cost as much as the layers: made once, not per setting)."""
+    return _log_probs(model, _hidden(model, ids))
+
+
+def _kl(model, ids: torch.Tensor, exact: list[torch.Tensor], settings: list[KVSetting | None],
         sinks: int, block_size: int) -> float:
     """Mean KL(exact || the pass with these per-layer settings) over the positions of `ids`;
-    `exact`: the exact pass's final hidden states. The logits are made a chunk of positions
-    at a time."""
+    `exact`: `_exact`'s chunks."""
     attn = DegradedAttention(ids.shape[-1], ids.device, settings, sinks, block_size,
                              model.config.layer_sliding_windows)
     degraded = _hidden(model, ids, attn)
     total = 0.0
-    for i in range(0, ids.shape[-1], LOGIT_ROWS):
-        logp, ref = (F.log_softmax(model.compute_logits(h[:, i:i + LOGIT_ROWS]).float(), -1)
-                     for h in (degraded, exact))
+    for i, ref in zip(range(0, ids.shape[-1], LOGIT_ROWS), exact):
+        logp = F.log_softmax(model.compute_logits(degraded[:, i:i + LOGIT_ROWS]).float(), -1)
         total += float(F.kl_div(logp, ref, log_target=True, reduction="none").sum())
     return total / ids.numel()
 
@@ -95,9 +105,11 @@ def layer_sensitivity(model, batches: list[torch.Tensor], settings: list[KVSetti
     n = model.config.num_hidden_layers
     out = [dict.fromkeys(settings, 0.0) for _ in range(n)]
     for ids in batches:
-        exact = _hidden(model, ids)
+        exact = _exact(model, ids)
         for layer in range(n):
             for setting in settings:
+                if setting == KVSetting("auto"):      # the exact pass itself: no loss
+                    continue
                 alone = [setting if i == layer else None for i in range(n)]
                 out[layer][setting] += _kl(model, ids, exact, alone, sinks,
                                            block_size) / len(batches)
@@ -112,6 +124,6 @@ def plan_kl(model, batches: list[torch.Tensor], settings: list[KVSetting], sinks
     """The measured KL of every layer taking its own setting at once (a plan's validation)."""
     total = 0.0
     for ids in batches:
-        exact = _hidden(model, ids)
+        exact = _exact(model, ids)
         total += _kl(model, ids, exact, list(settings), sinks, block_size) / len(batches)
     return total

@@ -10,7 +10,7 @@ from typing import Any
 from kvslim.engine.speculative.tree import MAX_TREE_NODES, DraftTree
 from kvslim.errors import KvslimError
 
-METHODS = ("ngram", "draft", "medusa", "eagle", "lookahead")
+METHODS = ("ngram", "draft", "medusa", "eagle", "lookahead", "self")
 ACCEPTANCE = ("exact", "typical")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -53,6 +53,10 @@ class SpeculativeConfig:
     ngram: int = 4
     guesses: int = 3
     pool_size: int = 1024
+    # Method "self" (self_draft.py): the target drafts attending to the last `kv_window`
+    # tokens and the first `kv_sink_tokens` (the engine's own option names, kv_cache/window.py).
+    kv_window: int | None = None
+    kv_sink_tokens: int = 4
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -69,7 +73,9 @@ class SpeculativeConfig:
         if self.method in ("medusa", "eagle") and not self.model:
             raise KvslimError(f"speculative method {self.method!r} needs 'model', the "
                               "drafter's directory (kvslim train-drafter)")
-        if self.method in ("ngram", "lookahead") and self.model:
+        if self.method == "self":
+            self._resolve_self()
+        if self.method in ("ngram", "lookahead", "self") and self.model:
             raise KvslimError(f"speculative method {self.method!r} takes no 'model'")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise KvslimError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
@@ -106,6 +112,15 @@ class SpeculativeConfig:
         elif self.num_speculative_tokens != self.tree.depth:
             raise KvslimError(f"num_speculative_tokens {self.num_speculative_tokens} differs "
                               f"from the draft tree's depth {self.tree.depth} (leave it out)")
+
+    def _resolve_self(self) -> None:
+        if self.kv_window is None:
+            raise KvslimError("speculative method 'self' needs kv_window: the tokens its drafts "
+                              "attend to (plus kv_sink_tokens)")
+        if self.kv_window < 1 or self.kv_sink_tokens < 0:
+            raise KvslimError(f"speculative method 'self' needs kv_window >= 1 and "
+                              f"kv_sink_tokens >= 0, got {self.kv_window} and "
+                              f"{self.kv_sink_tokens}")
 
     def _resolve_lookahead(self) -> None:
         """Bounds of the lookahead tree, and its depth as num_speculative_tokens: the window's

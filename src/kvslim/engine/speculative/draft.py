@@ -40,16 +40,25 @@ class DraftModelProposer:
                            device=resolve_device(engine_config.device))
         with linear_activations(engine_config.linear_activations):
             model.prepare_for_inference()
-        param = next(model.parameters())
         # The draft rolls its mirrors back to a common prefix, so it keeps every block (one
         # group, windows only masked); its cache holds as many blocks as the target's.
         config = replace(engine_config, speculative=None, enforce_eager=True,
                          keep_out_of_window_blocks=True)
-        plan = kv_cache_plan_of(model, config, num_blocks=target_num_blocks,
+        self._setup(model, config, target_num_blocks, max_model_len, eos_token_ids)
+
+    def _setup(self, model, config: EngineConfig, num_blocks: int, max_model_len: int,
+               eos_token_ids) -> None:
+        """Its runner over `model` with a cache of `num_blocks` blocks, its block manager and
+        mirrors."""
+        param = next(model.parameters())
+        plan = kv_cache_plan_of(model, config, num_blocks=num_blocks,
                                 max_model_len=max_model_len)
         self.runner = ModelRunner(model, config, [], plan)
+        groups = self.runner.kv_groups
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          enable_prefix_caching=False)
+                                          enable_prefix_caching=False,
+                                          group_windows=groups.windows,
+                                          group_sinks=groups.sinks)
         self.mirrors: dict[int, Sequence] = {}
         # q is processed as the target's p is (bias, penalties, min_tokens), so drafts stay
         # likely under the request's own sampling rules.
@@ -113,9 +122,12 @@ class DraftModelProposer:
         """The mirror of `seq`, holding its tokens, with K/V kept for the common prefix."""
         mirror = self.mirrors.get(seq.seq_id)
         if mirror is None:
+            groups = self.block_manager.num_groups          # one table per KV-cache group
             mirror = Sequence(request_id=seq.request_id, token_ids=list(seq.token_ids),
                               params=seq.params, block_size=seq.block_size,
-                              num_prompt_tokens=seq.num_prompt_tokens)
+                              num_prompt_tokens=seq.num_prompt_tokens,
+                              block_tables=[[] for _ in range(groups)],
+                              registered_blocks=[0] * groups, dirty_from=[0] * groups)
             self.mirrors[seq.seq_id] = mirror
             return mirror
         # Only the drafted tail can differ: the tokens before it were the target's own. The
