@@ -28,15 +28,25 @@ def prompt_of(llm: LLM, text: str, tokens: int) -> list[int]:
 
 
 def decode_rate(llm: LLM, prompt: list[int], new: int) -> tuple[float, list[int]]:
-    """Tokens/s of the decode steps after the second token: (new - 2) tokens over the time
-    between a 2-token run and a `new`-token run of the same prompt (prefix caching off)."""
-    times, out = [], None
-    for n in (2, new):
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    """Tokens/s of the decode steps after the one that drew the second token (the prompt's
+    prefill chunks, and the first decode step, in which a self-drafter's cache catches up on
+    the prompt, stay out), stepping the engine and timing each step."""
+    eng = llm.engine
+    eng.add_request(prompt, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+    steps, ids = [], []
+    while eng.has_unfinished_requests():
         start = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        times.append(time.perf_counter() - start)
-    return (new - 2) / max(times[1] - times[0], 1e-9), out.outputs[0].token_ids
+        outs = eng.step()
+        seconds = time.perf_counter() - start
+        for out in outs:
+            ids += out.outputs[0].delta_token_ids
+        steps.append((seconds, len(ids)))
+    # from the step after the one that drew the second token (a long prompt prefills in
+    # several chunk steps first)
+    second = next(i for i, (_, n) in enumerate(steps) if n >= 2)
+    timed = steps[second + 1:]
+    tokens = steps[-1][1] - steps[second][1]
+    return tokens / max(sum(s for s, _ in timed), 1e-9), ids
 
 
 def measure(args) -> dict:
