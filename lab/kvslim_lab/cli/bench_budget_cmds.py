@@ -2,13 +2,6 @@
 same bytes (held-out KL, perplexity through the cache, passkey), per model."""
 from __future__ import annotations
 
-import json
-import shlex
-import sys
-import time
-
-import torch
-
 from kvslim.cli.engine_args import add_threads_arg
 from kvslim.errors import KvslimError
 
@@ -75,18 +68,5 @@ def config_from_args(args):
 def run_kv_budget_cmd(args) -> int:
     from kvslim_lab.bench.kv_budget import run_kv_budget
     from kvslim_lab.bench.kv_budget_report import format_markdown, write_report
-    from kvslim_lab.bench.machine import machine_info
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = config_from_args(args)               # bad flags fail before any model loads
-    result = run_kv_budget(cfg, show_progress=not args.json)
-    result.command = "kvslim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    result.date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    result.machine = machine_info().to_dict()
-    paths = write_report(result, args.out)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(format_markdown(result))
-        print("wrote " + ", ".join(str(p) for p in paths))
-    return 0
+    from kvslim_lab.cli.report_command import run_bench_report
+    return run_bench_report(args, config_from_args, run_kv_budget, write_report, format_markdown)

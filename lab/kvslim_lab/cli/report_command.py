@@ -41,3 +41,29 @@ def write_study_report(exp, args, write_report, report_data, goals) -> int:
         print(g.line()[2:])
     print(f"wrote {report}")
     return 0
+
+
+def run_bench_report(args, config, run, write_report, format_markdown) -> int:
+    """A benchmark whose result carries its command, date and machine: `config` built from the
+    flags first (bad ones fail before any model loads), `run(config, show_progress)` measured,
+    the report written to --out, then its JSON (--json) or its markdown printed."""
+    import time
+
+    import torch
+
+    from kvslim_lab.bench.machine import machine_info
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = config(args)
+    result = run(cfg, show_progress=not args.json)
+    result.command = "kvslim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    result.date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    result.machine = machine_info().to_dict()
+    paths = write_report(result, args.out)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(format_markdown(result))
+        print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
