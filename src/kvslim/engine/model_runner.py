@@ -325,9 +325,11 @@ class ModelRunner:
         if getattr(self.kv_caches[layer], "packed", False):
             from kvslim.attention.lowbit_cache import recent_rows
             first = self.block_tables.group_first_block[group]    # pool-local ids
-            layout.recent = recent_rows([(row, e.start, e.num_tokens,
-                                          [b - first for b in e.seq.block_tables[group]])
-                                         for e, row in zip(entries, rows)], bs,
+            tables = [e.seq.block_tables[group] for e in entries]
+            if first:                  # a plan's later pool (a uniform cache's is the pool)
+                tables = [[b - first for b in table] for table in tables]
+            layout.recent = recent_rows([(row, e.start, e.num_tokens, table)
+                                         for e, row, table in zip(entries, rows, tables)], bs,
                                         self.config.max_num_seqs,
                                         self.kv_caches[layer].recent_blocks,
                                         self.kv_caches[layer].residual, self.device)
