@@ -34,3 +34,20 @@ def test_a_budget_below_the_cheapest_plan_is_one_line(hf_checkpoints, calib_file
     r = plan_kv(hf_checkpoints["gqa"], calib_file, "1KiB")
     assert r.returncode == 2 and "below the cheapest plan" in r.stderr
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_by_default_it_calibrates_at_the_context_with_its_windows(hf_checkpoints, calib_file):
+    from kvslim.kv_cache.budget import KVSetting, sequence_bytes
+    from kvslim.models.config import ModelConfig
+    config = ModelConfig.from_dir(hf_checkpoints["gqa"])
+    int2 = sum(sequence_bytes(config, l, KVSetting("int2"), "int2", 512, 4, 16)
+               for l in range(config.num_hidden_layers))
+    r = subprocess.run([sys.executable, "-m", "kvslim.cli.main", "plan-kv",     # below int2
+                        str(hf_checkpoints["gqa"]), "--kv-memory", str(int2 - 1), "--context", "512",
+                        "--calibration", str(calib_file), "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    windows = {l["window"] for l in plan["layers"]} - {None}
+    assert windows and windows <= {32, 128, 256, 384}      # 1/16, 1/4, 1/2, 3/4 of 512
+    assert plan["max_tokens"] > 0 and "engine_error" not in plan

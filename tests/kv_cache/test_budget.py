@@ -6,7 +6,8 @@ import random
 import pytest
 
 from kvslim.errors import KvslimError
-from kvslim.kv_cache.budget import KVSetting, compile_plan, layer_bytes_per_token, sequence_bytes
+from kvslim.kv_cache.budget import (KVSetting, compile_plan, default_windows,
+                                    layer_bytes_per_token, sequence_bytes)
 from kvslim.models.config import ModelConfig
 
 SETTINGS = [KVSetting("auto"), KVSetting("int8"), KVSetting("int4"), KVSetting("int2"),
@@ -49,3 +50,8 @@ def test_the_plan_is_the_best_combination(seed):
 def test_a_budget_below_the_cheapest_plan_is_refused():
     with pytest.raises(KvslimError, match="below the cheapest plan's 7"):
         compile_plan([{KVSetting("int2"): (3, 1.0)}, {KVSetting("int2"): (4, 1.0)}], 6)
+
+
+def test_default_windows_are_fractions_of_the_context():
+    assert default_windows(1024) == (64, 256, 512, 768)
+    assert default_windows(8) == (2, 4, 6) and default_windows(2) == (1,)

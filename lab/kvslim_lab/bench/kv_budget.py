@@ -32,7 +32,7 @@ class KVBudgetConfig:
     concurrency: int = 4
     fraction: float = 0.5                  # of int8's bytes per sequence
     precisions: tuple[str, ...] = ("auto", "int8", "int4", "int2")
-    # The plan's window choices; None: 1/16, 1/4, 1/2 and 3/4 of the context.
+    # The plan's window choices; None: kv_cache/budget.py's default_windows of the context.
     windows: tuple[int, ...] | None = None
     sinks: int = 4
     block_size: int = 16
@@ -107,13 +107,13 @@ def _windows_of(path: str, tokenizer, tokens: int, count: int) -> list[torch.Ten
 def budget_one_model(model_dir, cfg: KVBudgetConfig, show_progress: bool) -> ModelBudget:
     from kvslim.eval.kv_sensitivity import layer_sensitivity, plan_kl
     from kvslim.formats.loader import load_model
-    from kvslim.kv_cache.budget import KVSetting, compile_plan
+    from kvslim.kv_cache.budget import KVSetting, compile_plan, default_windows
     from kvslim.tokenizer.tokenizer import Tokenizer
     model = load_model(model_dir, dtype="float32", device="cpu")
     tok = Tokenizer.from_dir(model_dir)
     n = model.config.num_hidden_layers
     calib_tokens = cfg.calib_tokens or cfg.context
-    windows = cfg.windows or tuple(cfg.context * k // 16 for k in (1, 4, 8, 12))
+    windows = cfg.windows or default_windows(cfg.context)
     settings = [KVSetting(p, w) for p in cfg.precisions for w in (None, *windows)
                 if w is None or cfg.sinks + w < calib_tokens]
     calib = _windows_of(cfg.calibration, tok, calib_tokens, cfg.calib_batches)

@@ -15,6 +15,15 @@ from kvslim.errors import KvslimError
 from kvslim.models.config import ModelConfig
 
 
+# The windows a plan chooses among unless told otherwise, as fractions of the context served.
+DEFAULT_WINDOW_FRACTIONS = (1 / 16, 1 / 4, 1 / 2, 3 / 4)
+
+
+def default_windows(context: int) -> tuple[int, ...]:
+    return tuple(w for w in dict.fromkeys(int(context * f) for f in DEFAULT_WINDOW_FRACTIONS)
+                 if w >= 1)
+
+
 @dataclass(frozen=True)
 class KVSetting:
     precision: str                      # a kv_cache_dtype: "auto" (the model's), int8, int4, ...
