@@ -34,8 +34,14 @@ class KVCacheLayer:
     latent = False          # MLA's latent rows instead of K/V heads (latent_cache.py)
     packed = False          # 4-/2-bit codes with recent rows beside them (lowbit_cache.py)
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 demoted_scales: torch.Tensor | None = None):
+        """demoted_scales: under `--kv-pressure demote` (engine/kv_demotion.py), the float16
+        scales [2, 4 * blocks, block_size, kv_heads] of the int8 blocks demoted into this
+        float32 cache's bytes (kernels/paged_attention.py's `demoted_view`), read by the
+        kernel only."""
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.demoted_scales = demoted_scales
         self.store = slot_writer(k_cache)
 
     @property

@@ -52,7 +52,7 @@ class PagedAttention:
         if tree_base is not None:
             return None
         return (cache.k_cache, cache.v_cache, meta.layout.slot_mapping, tables, lens, key_start,
-                meta.sliding_window or 0)
+                meta.sliding_window or 0, cache.demoted_scales)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -118,7 +118,7 @@ class PagedAttention:
         return paged_attention.paged_decode(
             q, cache.k_cache, cache.v_cache, getattr(cache, "k_scales", None),
             getattr(cache, "v_scales", None), tables, lens, key_start, meta.sliding_window,
-            scale, tree_base, tree_bits, meta.sink_tokens)
+            scale, tree_base, tree_bits, meta.sink_tokens, getattr(cache, "demoted_scales", None))
 
     @staticmethod
     def _attend_prefills(meta: PagedAttentionMetadata, masks: MaskCache, cache: KVCacheLayer,

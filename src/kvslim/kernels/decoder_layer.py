@@ -77,11 +77,12 @@ class NativeDecoderLayer:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  attention: tuple) -> torch.Tensor:
         """x [N, hidden]; `attention`: PagedAttention.native_inputs' tuple."""
-        k_cache, v_cache, slots, tables, lens, key_start, window = attention
+        k_cache, v_cache, slots, tables, lens, key_start, window, demoted = attention
         return torch.ops.kvslim.decoder_layer(
             x.contiguous(), self.weights, self.extras, self.bits, self.outs, self.norms, self.eps,
             self.heads, self.kv_heads, self.head_dim, self.act, cos, sin, k_cache, v_cache,
-            slots, tables, lens, key_start, window, self.scale, *adapter_args([self.lora]))
+            slots, tables, lens, key_start, window, self.scale, *adapter_args([self.lora]),
+            demoted)
 
 
 @dataclass
@@ -122,11 +123,12 @@ class NativeDecoderStack:
                  inputs: list[tuple]) -> torch.Tensor:
         """cos, sin: each layer's; inputs: `inputs()`."""
         n = self.layers[0]
-        k, v, slots, tables, lens, starts, windows = (list(c) for c in zip(*inputs))
+        k, v, slots, tables, lens, starts, windows, demoted = (list(c) for c in zip(*inputs))
         return torch.ops.kvslim.decoder_stack(
             x.contiguous(), self.weights, self.extras, self.bits, self.outs, self.norms, n.eps,
             n.heads, n.kv_heads, n.head_dim, n.act, cos, sin, k, v, slots, tables, lens, starts,
-            windows, n.scale, *adapter_args([layer.lora for layer in self.layers]))
+            windows, n.scale, *adapter_args([layer.lora for layer in self.layers]),
+            [] if all(d is None for d in demoted) else demoted)
 
 
 @dataclass

@@ -25,29 +25,41 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_scales: torch.Tensor | None, v_scales: torch.Tensor | None,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, key_start: int,
                  window: int | None, scale: float, tree_base: torch.Tensor | None = None,
-                 tree_bits: torch.Tensor | None = None, sinks: int = 0) -> torch.Tensor:
+                 tree_bits: torch.Tensor | None = None, sinks: int = 0,
+                 demoted_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] -> [B, H, Dv]: each decode over the keys before its length (and inside its
     window) of the blocks its table lists, from position `key_start` on. With tree_base and
     tree_bits [B] (int64), a row's keys from its base on are its path's (the length counts
     them: base + number of set bits). The values may be narrower than the keys (Dv <= D) and a
     view of them: DeepSeek's latent cache, whose value is its row's first entries. sinks: with
-    a window, the first positions every row also sees (kv_cache/window.py)."""
+    a window, the first positions every row also sees (kv_cache/window.py). demoted_scales
+    [2, 4 * blocks, block_size, kv_heads] (float16, K then V): a float32 cache's demoted blocks
+    (engine/kv_demotion.py), int8 in its bytes (`demoted_view`), which a table entry e below -1
+    names (block -2 - e)."""
     return torch.ops.kvslim.paged_decode(q, k_cache, v_cache, k_scales, v_scales, block_tables,
                                          context_lens, key_start, window or 0, scale,
-                                         tree_base, tree_bits, sinks)
+                                         tree_base, tree_bits, sinks, demoted_scales)
+
+
+def demoted_view(cache: torch.Tensor) -> torch.Tensor:
+    """A float32 cache [blocks, block_size, kv_heads, head_dim] as int8 blocks of the same
+    shape, four in the bytes of each float32 block (block b of the view: bytes [b n, (b + 1) n)
+    for n elements a block)."""
+    return cache.view(torch.int8).view(-1, *cache.shape[1:])
 
 
 def reference_paged_decode(q, k_cache, v_cache, k_scales, v_scales, block_tables,
                            context_lens, key_start, window, scale, tree_base=None,
-                           tree_bits=None, sinks=0) -> torch.Tensor:
+                           tree_bits=None, sinks=0, demoted_scales=None) -> torch.Tensor:
     """The kernel's attention in float64, each row's keys picked out by their positions (a
-    tree row's path from its ancestor bits)."""
+    tree row's path from its ancestor bits; a demoted block's from the int8 view)."""
     b, h, d = q.shape
     kvh, dv = k_cache.shape[2], v_cache.shape[-1]
     out = torch.zeros(b, h, dv, dtype=torch.float64)
     for i in range(b):
-        keys, values = (_rows(c, s, block_tables[i]) for c, s in ((k_cache, k_scales),
-                                                                  (v_cache, v_scales)))
+        keys, values = (_rows(c, s, block_tables[i], d) for c, s, d in (
+            (k_cache, k_scales, None if demoted_scales is None else demoted_scales[0]),
+            (v_cache, v_scales, None if demoted_scales is None else demoted_scales[1])))
         logical = torch.arange(int(context_lens[i]))
         if window:
             logical = logical[(logical >= int(context_lens[i]) - window) | (logical < sinks)]
@@ -67,11 +79,16 @@ def reference_paged_decode(q, k_cache, v_cache, k_scales, v_scales, block_tables
     return out
 
 
-def _rows(cache, scales, table):
-    rows = cache[table.long()].double().flatten(0, 1)            # [W * BS, KVH, D]
+def _rows(cache, scales, table, demoted_scales=None):
+    table = table.long()
+    rows = cache[table.clamp(min=0)].double()                    # [W, BS, KVH, D]
     if scales is not None:
-        rows = rows * scales[table.long()].double().flatten(0, 1)[..., None]
-    return rows
+        rows = rows * scales[table.clamp(min=0)].double()[..., None]
+    low = table < -1
+    if demoted_scales is not None and low.any():
+        ids = -2 - table[low]
+        rows[low] = demoted_view(cache)[ids].double() * demoted_scales[ids].double()[..., None]
+    return rows.flatten(0, 1)                                    # [W * BS, KVH, D]
 
 
 def paged_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,

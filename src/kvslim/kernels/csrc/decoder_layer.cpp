@@ -148,7 +148,8 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& weights
                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                      at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
                      const at::Tensor& context_lens, int64_t key_start, int64_t window,
-                     double scale, const Adapters& lora) {
+                     double scale, const Adapters& lora,
+                     const std::optional<at::Tensor>& demoted_scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "decoder_layer: x must be contiguous float32 [N, hidden]");
   TORCH_CHECK(weights.size() == 8 && extras.size() == 4 && bits.size() == 4 && outs.size() == 4 &&
@@ -178,7 +179,7 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& weights
   kvslim_store_slots::write_slots(v_cache, slots, v);
   const at::Tensor att = kvslim_paged_attention::paged_decode(
       heads3.narrow(1, 0, heads), k_cache, v_cache, std::nullopt, std::nullopt, block_tables,
-      context_lens, key_start, window, scale, std::nullopt, std::nullopt, 0);
+      context_lens, key_start, window, scale, std::nullopt, std::nullopt, 0, demoted_scales);
   const at::Tensor att_rows = att.view({N, heads * D});
   at::Tensor a = mm(att_rows, wo);
   lora.add(a, att_rows, 1);
@@ -208,13 +209,14 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& wei
                          const at::Tensor& block_tables, const at::Tensor& context_lens,
                          int64_t key_start, int64_t window, double scale,
                          const std::optional<at::Tensor>& lora_slots,
-                         const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_shards) {
+                         const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_shards,
+                         const std::optional<at::Tensor>& demoted_scales) {
   at::Tensor out;
   const Adapters adapters = adapters_of(lora_slots, lora, lora_shards);
   kvslim_team::with_team([&] {
     out = run_layer(x, weights, extras, bits, outs, norms, eps, heads, kv_heads, head_dim, act,
                     cos, sin, k_cache, v_cache, slots, block_tables, context_lens, key_start,
-                    window, scale, adapters);
+                    window, scale, adapters, demoted_scales);
   });
   return out;
 }
@@ -241,8 +243,11 @@ at::Tensor decoder_stack(const at::Tensor& x, const std::vector<at::Tensor>& wei
                          const std::vector<int64_t>& key_starts,
                          const std::vector<int64_t>& windows, double scale,
                          const std::optional<at::Tensor>& lora_slots,
-                         const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_shards) {
+                         const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_shards,
+                         const std::vector<std::optional<at::Tensor>>& demoted_scales) {
   const size_t L = k_caches.size();
+  TORCH_CHECK(demoted_scales.empty() || demoted_scales.size() == L,
+              "decoder_stack: demoted scales for every layer or none");
   TORCH_CHECK(!lora_slots || lora.size() == 8 * L, "decoder_stack: adapters take 8 tensors a layer");
   TORCH_CHECK(v_caches.size() == L && weights.size() == 8 * L && extras.size() == 4 * L &&
                   bits.size() == 4 * L && outs.size() == 4 * L && norms.size() == NORMS * L &&
@@ -260,7 +265,8 @@ at::Tensor decoder_stack(const at::Tensor& x, const std::vector<at::Tensor>& wei
                       context_lens[l], key_starts[l], windows[l], scale,
                       adapters_of(lora_slots, lora_slots ? part(lora, l, 8)
                                                          : std::vector<at::Tensor>{},
-                                  lora_shards));
+                                  lora_shards),
+                      demoted_scales.empty() ? std::nullopt : demoted_scales[l]);
   });
   return out;
 }
@@ -273,13 +279,13 @@ TORCH_LIBRARY_FRAGMENT(kvslim, m) {
         "Tensor?[] norms, float eps, int heads, int kv_heads, int head_dim, int act, Tensor cos, "
         "Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, "
         "Tensor context_lens, int key_start, int window, float scale, Tensor? lora_slots, "
-        "Tensor[] lora, int[] lora_shards) -> Tensor");
+        "Tensor[] lora, int[] lora_shards, Tensor? demoted_scales=None) -> Tensor");
   m.def("decoder_stack(Tensor x, Tensor[] weights, Tensor?[] extras, int[] bits, int[] outs, "
         "Tensor?[] norms, float eps, int heads, int kv_heads, int head_dim, int act, "
         "Tensor[] cos, Tensor[] sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
         "Tensor[] slots, Tensor[] block_tables, Tensor[] context_lens, int[] key_starts, "
         "int[] windows, float scale, Tensor? lora_slots, Tensor[] lora, "
-        "int[] lora_shards) -> Tensor");
+        "int[] lora_shards, Tensor?[] demoted_scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvslim, CPU, m) {

@@ -21,6 +21,11 @@
 // view of it (DeepSeek's latent cache, attention/latent_cache.py: one KV head whose key is the
 // row [c_kv; k_rope] and whose value is its first kv_lora_rank entries, sharing its scales): the
 // output then has the value's width.
+//
+// Demoted blocks (engine/kv_demotion.py): with `demoted_scales` given, a float32 cache's bytes
+// also hold int8 blocks (its int8 view: block b is bytes [b n, (b + 1) n) for n elements a
+// block, four in the bytes of one float32 block) with their float16 scales beside it; a table
+// entry e below -1 names int8 block -2 - e. A row reads each block in the precision it is in.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "thread_team.h"
@@ -70,6 +75,7 @@ struct Cache {
   // [.., 2, head_dim / group] (scale, then min) per block and head (keys per channel: group 1,
   // no slot stride) or per slot and head (values per token in groups).
   int64_t bits = 0, group = 1, param_block = 0, param_slot = 0, param_head = 0;
+  const Cache* demoted = nullptr;   // a float32 cache's int8 view (its demoted blocks)
 
   // Row `slot` of `block` for kv head `h` as float32: the cache's own row (float32), or `out`
   // [head_dim] holding it dequantized (int8; packed values, code * scale + min per group).
@@ -164,6 +170,38 @@ __attribute__((always_inline)) inline float dot(const float* a, const float* b, 
   return tree_sum(part);
 }
 
+// The cache a table entry names and its block there: a demoted block's int8 view below -1.
+inline const Cache& cache_at(const Cache& c, int64_t entry, int64_t& block) {
+  if (entry >= 0) {
+    block = entry;
+    return c;
+  }
+  block = -2 - entry;
+  return *c.demoted;
+}
+
+// A float32 cache's bytes as int8 blocks of its shape, with their scales [blocks, BS, KVH].
+Cache demoted_view(const at::Tensor& cache, const at::Tensor& scales) {
+  const int64_t BS = cache.size(1), KVH = cache.size(2), D = cache.size(3);
+  TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.is_contiguous() &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.dim() == 3 && scales.size(0) == 4 * cache.size(0) &&
+                  scales.size(1) == BS && scales.size(2) == KVH,
+              "paged_decode: demoted blocks need contiguous float32 caches and float16 scales "
+              "[4 * blocks, block_size, kv_heads]");
+  Cache c;
+  c.kv_heads = KVH;
+  c.head_dim = D;
+  c.block_stride = BS * KVH * D;
+  c.slot_stride = KVH * D;
+  c.head_stride = D;
+  c.i8 = reinterpret_cast<const int8_t*>(cache.data_ptr<float>());
+  c.scales = scales.data_ptr<c10::Half>();
+  c.scale_block = scales.stride(0);
+  c.scale_slot = scales.stride(1);
+  return c;
+}
+
 Cache cache_of(const at::Tensor& cache, const std::optional<at::Tensor>& scales) {
   Cache c;
   c.block_stride = cache.stride(0);
@@ -248,7 +286,9 @@ void attend_partition(const Cache& kc, const Cache& vc, const float* q, const in
   scores.assign(H * n, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t logical = path.at(lo + j), pos = logical - key_start;
-    const int64_t block = table[pos / BS], slot = pos % BS;
+    const int64_t slot = pos % BS;
+    int64_t block;
+    const Cache& kk = cache_at(kc, table[pos / BS], block);
     for (int64_t h = 0; h < KVH; ++h) {
       if (kc.packed != nullptr && logical < recent.limit) {
         if (t.folded_block[h] != block) fold_keys(kc, block, h, q, G, t);
@@ -259,7 +299,7 @@ void attend_partition(const Cache& kc, const Cache& vc, const float* q, const in
       }
       const float* k = logical >= recent.limit
                            ? recent.row(recent.k, logical, h, KVH, D, t.row.data())
-                           : kc.row(block, slot, h, t.row.data());
+                           : kk.row(block, slot, h, t.row.data());
       for (int64_t hq = h * G; hq < (h + 1) * G; ++hq)
         scores[hq * n + j] = dot(q + hq * D, k, D) * sc;
     }
@@ -276,11 +316,13 @@ void attend_partition(const Cache& kc, const Cache& vc, const float* q, const in
   std::fill(acc, acc + H * Dv, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t logical = path.at(lo + j), pos = logical - key_start;
-    const int64_t block = table[pos / BS], slot = pos % BS;
+    const int64_t slot = pos % BS;
+    int64_t block;
+    const Cache& vv = cache_at(vc, table[pos / BS], block);
     for (int64_t h = 0; h < KVH; ++h) {
       const float* v = logical >= recent.limit
                            ? recent.row(recent.v, logical, h, KVH, Dv, t.row.data())
-                           : vc.row(block, slot, h, t.row.data());
+                           : vv.row(block, slot, h, t.row.data());
       for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
         float* o = acc + hq * Dv;
         const float w = scores[hq * n + j];
@@ -345,7 +387,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const std::optional<at::Tensor>& v_scales, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, int64_t key_start, int64_t window,
                         double scale, const std::optional<at::Tensor>& tree_base,
-                        const std::optional<at::Tensor>& tree_bits, int64_t sinks) {
+                        const std::optional<at::Tensor>& tree_bits, int64_t sinks,
+                        const std::optional<at::Tensor>& demoted_scales) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "paged_decode: q must be float32 [B, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.is_contiguous() &&
                   v_cache.stride(3) == 1 && v_cache.size(3) <= k_cache.size(3) &&
@@ -357,9 +400,17 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: one block table and one length per query");
   std::vector<int64_t> offsets;
   const std::vector<Path> paths = tree_paths(tree_base, tree_bits, q.size(0), offsets);
-  return attend_rows(q.contiguous(), cache_of(k_cache, k_scales), cache_of(v_cache, v_scales),
-                     k_cache.size(1), block_tables, context_lens, key_start, window, scale,
-                     paths, sinks, std::vector<Recent>(q.size(0)));
+  Cache kc = cache_of(k_cache, k_scales), vc = cache_of(v_cache, v_scales), dk, dv;
+  if (demoted_scales.has_value()) {
+    TORCH_CHECK(demoted_scales->dim() == 4 && demoted_scales->size(0) == 2,
+                "paged_decode: demoted scales are [2, 4 * blocks, block_size, kv_heads]");
+    dk = demoted_view(k_cache, demoted_scales->select(0, 0));
+    dv = demoted_view(v_cache, demoted_scales->select(0, 1));
+    kc.demoted = &dk;
+    vc.demoted = &dv;
+  }
+  return attend_rows(q.contiguous(), kc, vc, k_cache.size(1), block_tables, context_lens,
+                     key_start, window, scale, paths, sinks, std::vector<Recent>(q.size(0)));
 }
 
 at::Tensor attend_rows(const at::Tensor& qc, const Cache& kc, const Cache& vc, int64_t BS,
@@ -374,6 +425,10 @@ at::Tensor attend_rows(const at::Tensor& qc, const Cache& kc, const Cache& vc, i
   TORCH_CHECK(D == kc.head_dim && H % KVH == 0, "paged_decode: q's heads do not fit the cache");
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
+  if (kc.demoted == nullptr)
+    for (int64_t i = 0; i < B * W; ++i)
+      TORCH_CHECK(tp[i] >= 0, "paged_decode: a table names a demoted block (below 0) without "
+                              "demoted scales");
   // Each sequence's visible keys (its sinks, then [lo, hi)) and their partitions, numbered
   // across the batch: first[b] is row b's first.
   std::vector<Item> items;
@@ -500,7 +555,8 @@ at::Tensor paged_decode_lowbit(const at::Tensor& q, const at::Tensor& k_codes,
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scales, Tensor? v_scales, "
         "Tensor block_tables, Tensor context_lens, int key_start, int window, float scale, "
-        "Tensor? tree_base=None, Tensor? tree_bits=None, int sinks=0) -> Tensor");
+        "Tensor? tree_base=None, Tensor? tree_bits=None, int sinks=0, "
+        "Tensor? demoted_scales=None) -> Tensor");
   m.def("paged_decode_lowbit(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_params, "
         "Tensor v_params, Tensor recent_k, Tensor recent_v, Tensor recent_start, "
         "Tensor block_tables, Tensor context_lens, int key_start, int window, float scale, "
