@@ -39,11 +39,12 @@ NON_DEFAULT = {
     "--kv-offload-max-bytes": "3MiB", "--kv-offload-write-through": None,
 }
 # Flags that cannot join the others (LoRA adapters refuse speculative decoding, the offload
-# tier needs prefix caching): each in its own run, flag -> (its value or None, the config).
+# tier needs prefix caching, demotion a float32 cache): each in its own run, flag -> (its value or None, the config).
 APART = {"--enable-lora": (None, dict(enable_lora=True)),
          "--kv-offload-dir": ("d", dict(kv_offload_dir="d")),
          "--kv-offload-memory": ("2MiB", dict(kv_offload_memory="2MiB")),
-         "--kv-plan": (str(KV_PLAN), dict(kv_plan=str(KV_PLAN)))}
+         "--kv-plan": (str(KV_PLAN), dict(kv_plan=str(KV_PLAN))),
+         "--kv-pressure": ("demote", dict(kv_pressure="demote"))}
 
 
 def test_every_generated_flag_round_trips_to_the_config():

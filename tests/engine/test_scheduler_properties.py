@@ -261,7 +261,7 @@ def test_n_gt_1_under_memory_pressure_drops_copies_of_preempted_siblings():
 def test_forced_digest_collisions_never_serve_another_prefix(monkeypatch):
     """Every block digest equal: all prefixes land in one bucket, and a hit must still be
     confirmed token by token."""
-    monkeypatch.setattr("kvslim.engine.block_manager.block_hash", lambda parent, tokens: b"x")
+    monkeypatch.setattr("kvslim.engine.sequence.block_hash", lambda parent, tokens: b"x")
     prefix = [3, 1, 4, 1, 5, 9, 2, 6]
     requests = [Request(f"r{i}", prefix[:4] + [1 + i] * 4 + prefix, 1, 3, False, 2 * i, None)
                 for i in range(4)]

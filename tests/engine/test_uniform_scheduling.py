@@ -97,7 +97,7 @@ def test_random_workloads_match_each_request_alone(model_path, alone, workload):
 def test_forced_digest_collisions_serve_no_other_prefix(model_path, alone, monkeypatch):
     """Every block digest equal: prefixes that differ after their first block share one bucket;
     each request still gets its own K/V (hits are confirmed token by token)."""
-    monkeypatch.setattr("kvslim.engine.block_manager.block_hash", lambda parent, tokens: b"x")
+    monkeypatch.setattr("kvslim.engine.sequence.block_hash", lambda parent, tokens: b"x")
     base = random_prompts([12], seed=7)[0]
     prompts = [base, base[:4] + random_prompts([8], seed=8)[0], base[:8] + [1, 2, 3, 4], base]
     params = [SamplingParams(max_tokens=6, **GREEDY)] * len(prompts)

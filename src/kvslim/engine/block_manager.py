@@ -1,54 +1,28 @@
 """`BlockManager`: which KV-cache blocks each sequence owns. Plain Python, no torch.
 
 - Reference counts let sequences share blocks (prefix-cache hits, n > 1 forks).
-- Prefix caching: a full, computed block is entered under a chained digest (sha256 of its
-  parent's digest and its token ids), so equal digests mean equal prefixes unless sha256 itself
-  collides; a hit is still confirmed token by token, block after block from the first, so even a
-  forced collision can never serve wrong K/V.
+- Prefix caching: a full, computed block is entered under its chained digest (Sequence.hash_blocks);
+  a hit is still confirmed token by token, block after block, so even a forced sha256
+  collision can never serve wrong K/V.
 - Freed blocks keep their contents and stay findable until reused. The free queue is in eviction
   order (least recently freed first; a sequence's tail blocks before its prefix).
 - Copy-on-write: a sequence about to write into a block it shares gets a private copy; the copy
   itself is tensor work, returned as (src, dst) pairs for the model runner.
-- KV-cache groups (`kv_cache/groups.py`): a sequence holds one block table per group, all drawn
-  from this one pool. A group with a window releases the blocks its next query can no longer see
-  (`release_out_of_window`), and allocates a prompt chunk by chunk instead of whole, so its blocks
-  stay bounded however long the context grows; a prefix-cache hit for it needs only the cached
-  blocks inside the window of the hit's end (earlier ones may already have been evicted). A
-  window group with attention sinks (kv_cache/window.py) also keeps, and needs, the blocks of
-  its first `sinks` positions."""
+- KV-cache groups (`kv_cache/groups.py`): a sequence holds one block table per group. A group
+  with a window releases the blocks its next query can no longer see (`release_out_of_window`)
+  and allocates a prompt chunk by chunk, so its blocks stay bounded however long the context;
+  a prefix-cache hit for it needs only the cached blocks inside the window of the hit's end. A
+  window group with attention sinks (kv_cache/window.py) also keeps its first `sinks` blocks.
+- Demotion (`--kv-pressure demote`, engine/kv_demotion.py): a full pool quantizes old blocks
+  to int8 in place, four to a block, before the scheduler preempts anyone."""
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvslim.engine.sequence import Sequence
 from kvslim.kv_cache.groups import NULL_BLOCK, first_needed_block
 from kvslim.kv_cache.window import sink_blocks
-
-
-def block_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
-    """The prefix-cache key of a full block: sha256 over the parent block's key and the block's
-    token ids (as int64). Token ids determine K/V, and so does LongRoPE's choice of factors (a
-    sequence's first block chains from LONG_ROPE_ROOT instead of zeros when it takes the long
-    ones); anything else that does (adapters, images, a per-tenant salt) must go into this
-    digest too."""
-    digest = hashlib.sha256(parent or b"\0" * 32)
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
-
-
-LONG_ROPE_ROOT = hashlib.sha256(b"kvslim: LongRoPE long factors").digest()
-
-
-def _root(seq: Sequence) -> bytes | None:
-    """What a sequence's first block hash chains from: K/V that LongRoPE's long factors or a
-    LoRA adapter computed never serve another sequence's prefix."""
-    root = LONG_ROPE_ROOT if seq.long_rope else None
-    if seq.lora_root is not None:
-        root = hashlib.sha256((root or b"") + seq.lora_root).digest()
-    return root
 
 
 @dataclass
@@ -65,20 +39,20 @@ class BlockManager:
                  watermark_blocks: int = 0, group_windows: tuple[int | None, ...] = (None,),
                  group_sinks: tuple[int, ...] | None = None, float_tail_blocks: int = 0,
                  offload=None, pools: tuple[tuple[int, int], ...] | None = None,
-                 group_pool: tuple[int, ...] | None = None):
+                 group_pool: tuple[int, ...] | None = None, demote: bool = False):
         """group_windows: per KV-cache group, its window (None: it keeps every block);
         group_sinks: per group, the first positions a window group keeps;
         float_tail_blocks: a packed cache's residual (attention/lowbit_cache.py): a sequence's
-        last blocks, the one being filled and any full ones before it, whose K/V live in its own
-        recent rows (the pool holds them once they are older). A fork computes them again. With
-        full blocks in it, a prefix-cache hit could not be exact (the first query after the hit
-        would read the block before it from the pool, a query computed from scratch from its
-        recent rows), so prefix caching is off.
+        last blocks, whose K/V live in its own recent rows. A fork computes them again. With
+        full blocks in it, a prefix-cache hit could not be exact (the query after the hit would
+        read the block before it from the pool, a recomputed one from its recent rows), so
+        prefix caching is off.
         offload: a second tier for full prefix blocks (engine/kv_offload.py's BlockOffload):
         evicted blocks go there (or as they fill, write-through), a prompt's blocks that miss
         the pool are looked for there. One KV-cache group only. pools: a per-layer KV plan's
         (kv_cache/plan.py's KVPool): per precision (first block id, blocks); group_pool: each
-        group's pool, whose ids alone its tables hold. Default: one pool of every block."""
+        group's pool, whose ids alone its tables hold. Default: one pool of every block.
+        demote: blocks may be demoted to int8 (`demote`; one pool)."""
         self.float_tail_blocks = float_tail_blocks
         self._older = max(0, float_tail_blocks - 1)     # full blocks kept in float16
         self.num_blocks = num_blocks
@@ -100,6 +74,9 @@ class BlockManager:
         self.prefix_cache_queries = 0            # prompt tokens looked up at admission
         self.prefix_cache_hits = 0               # of those, served from the cache
         self.offload = offload
+        if demote:
+            from kvslim.engine.kv_demotion import BlockDemotion    # not on `import kvslim`'s path
+        self.demotion = BlockDemotion() if demote else None
 
     # ---- counters ------------------------------------------------------------------------
     @property
@@ -132,12 +109,6 @@ class BlockManager:
         return [sum(b != NULL_BLOCK for b in table) for table in seq.block_tables]
 
     # ---- hashing and lookup --------------------------------------------------------------
-    def _update_hashes(self, seq: Sequence, num_blocks: int) -> None:
-        """Extend seq.block_hashes to its first `num_blocks` full blocks (incremental)."""
-        for i in range(len(seq.block_hashes), num_blocks):
-            parent = seq.block_hashes[i - 1] if i else _root(seq)
-            seq.block_hashes.append(block_hash(parent, seq.block_tokens(i)))
-
     def _cached_block(self, seq: Sequence, group: int, i: int) -> int | None:
         """The cached block holding the sequence's block i for `group`, confirmed token by token."""
         block_id = self.cached.get((group, seq.block_hashes[i]))
@@ -154,7 +125,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return 0, none              # prompt logprobs need the logits of every prompt token
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        self._update_hashes(seq, max_blocks)
+        seq.hash_blocks(max_blocks)
         leading = {}
         for g, window in enumerate(self.group_windows):
             if window is None:
@@ -203,12 +174,22 @@ class BlockManager:
         """Room for the sequence's tokens (a window group: its first `num_new_tokens`), leaving
         `watermark_blocks` free for the running sequences' next tokens (so that admission does
         not cause a preemption)."""
+        return self._fits(*self._admission_needs(seq, keep_watermark, num_new_tokens))
+
+    def allocation_shortfall(self, seq: Sequence, keep_watermark: bool = True,
+                             num_new_tokens: int | None = None) -> int:
+        """Blocks `can_allocate` lacks (one pool: what demotion runs with)."""
+        needed, reserve = self._admission_needs(seq, keep_watermark, num_new_tokens)
+        return sum(needed) + reserve - self.num_free_blocks
+
+    def _admission_needs(self, seq: Sequence, keep_watermark: bool,
+                         num_new_tokens: int | None) -> tuple[list[int], int]:
         h, hits = self._lookup(seq)
         computed = h * self.block_size
         needed = [self._admission_blocks(seq, g, computed, num_new_tokens) - h
                   + sum(1 for b in hit if b != NULL_BLOCK and self.blocks[b].ref_count == 0)
                   for g, hit in enumerate(hits)]
-        return self._fits(needed, self.watermark_blocks if keep_watermark else 0)
+        return needed, self.watermark_blocks if keep_watermark else 0
 
     def allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> None:
         """Blocks for a waiting sequence's tokens (see `can_allocate`); prefix-cache hits count
@@ -237,7 +218,7 @@ class BlockManager:
         the block of the last prompt token, whose logits are needed); each loaded block enters
         the prefix cache. Returns how many were loaded."""
         limit = (seq.num_tokens - 1) // self.block_size
-        self._update_hashes(seq, limit)
+        seq.hash_blocks(limit)
         loaded = 0
         for i in range(h, limit):
             key, tokens = (0, seq.block_hashes[i]), tuple(seq.block_tokens(i))
@@ -263,9 +244,7 @@ class BlockManager:
             if self.offload is not None:
                 self.offload.save(block_id, block.hash, block.token_ids)
             self.num_cached_free_blocks -= 1
-            if self.cached.get(block.hash) == block_id:
-                del self.cached[block.hash]
-            block.hash = block.token_ids = None
+            self.forget(block_id)
         block.ref_count = 1
         return block_id
 
@@ -313,10 +292,11 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         child.block_tables = [list(table) for table in parent.block_tables]
         child.dirty_from = [0] * self.num_groups
-        for table in child.block_tables:
-            for block_id in table:
-                if block_id != NULL_BLOCK:
-                    self.blocks[block_id].ref_count += 1
+        for block_id in (b for table in child.block_tables for b in table):
+            if block_id < NULL_BLOCK:
+                self.demotion.ref(block_id)
+            elif block_id != NULL_BLOCK:
+                self.blocks[block_id].ref_count += 1
         if self.float_tail_blocks and (child.num_computed_tokens % self.block_size
                                        or self._older):
             # with full blocks in the residual, their recomputation would need the ones
@@ -331,14 +311,16 @@ class BlockManager:
         tokens that were rejected). Their contents were never entered in the prefix cache."""
         keep = self._blocks_for(num_tokens)
         for table in seq.block_tables:
-            self._release(table[keep:])
+            self.release(table[keep:])
             del table[keep:]
 
-    def _release(self, block_ids: list[int], tail_first: bool = True) -> None:
+    def release(self, block_ids: list[int], tail_first: bool = True) -> None:
         """Drop one reference to each block (released window entries skipped), by default last
         first (tails are evicted before prefixes)."""
         for block_id in (reversed(block_ids) if tail_first else block_ids):
-            if block_id == NULL_BLOCK:
+            if block_id < NULL_BLOCK:                   # a demoted block: maybe its page
+                block_id = self.demotion.release(block_id)
+            if block_id is None or block_id == NULL_BLOCK:
                 continue
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -352,7 +334,7 @@ class BlockManager:
         """Drop the sequence's references. Tail blocks are queued for eviction first, so that
         shared prefixes survive longest."""
         for table in seq.block_tables:
-            self._release(table)
+            self.release(table)
         seq.block_tables = [[] for _ in self.group_windows]
         seq.dirty_from = [0] * self.num_groups
         seq.registered_blocks = [0] * self.num_groups
@@ -370,7 +352,7 @@ class BlockManager:
             start = first
             while start > keep and table[start - 1] != NULL_BLOCK:
                 start -= 1
-            self._release(table[start:first], tail_first=False)
+            self.release(table[start:first], tail_first=False)
             table[start:first] = [NULL_BLOCK] * (first - start)
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
@@ -381,9 +363,9 @@ class BlockManager:
             full = min(seq.num_computed_tokens // self.block_size, len(table))
             if full <= seq.registered_blocks[g]:
                 continue
-            self._update_hashes(seq, full)
+            seq.hash_blocks(full)
             for i in range(seq.registered_blocks[g], full):
-                if table[i] == NULL_BLOCK:
+                if table[i] < 0:                        # released, or demoted
                     continue
                 block, key = self.blocks[table[i]], (g, seq.block_hashes[i])
                 if block.hash is None and key not in self.cached:
@@ -392,6 +374,19 @@ class BlockManager:
                     if self.offload is not None and self.offload.write_through:
                         self.offload.save(block.block_id, key, block.token_ids)
             seq.registered_blocks[g] = full
+
+    # ---- demotion (engine/kv_demotion.py) --------------------------------------------------
+    def demote(self, seqs: list[Sequence]) -> bool:
+        """Demote one block of the first of `seqs` that has one to demote (`BlockDemotion.
+        demote_one`); False when none has, or demotion is off."""
+        return self.demotion is not None and self.demotion.demote_one(self, seqs)
+
+    def forget(self, block_id: int) -> None:
+        """Take a block out of the prefix cache (its bytes are about to change)."""
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash = block.token_ids = None
 
     def reset_prefix_cache(self) -> None:
         for block_id in (b for q in self.free_queues for b in q):

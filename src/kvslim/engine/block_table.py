@@ -59,9 +59,11 @@ class BlockTables:
                     updates[0].extend([g] * n)
                     updates[1].extend([row] * n)
                     updates[2].extend(range(start, len(table)))
-                    # A released entry (-1) becomes 0: a valid id whose contents are masked.
+                    # A released entry (-1) becomes 0: a valid id whose contents are masked;
+                    # a demoted one (below -1, engine/kv_demotion.py) the kernel reads as is.
                     first = self.group_first_block[g]
-                    updates[3].extend(b - first if b >= 0 else 0 for b in table[start:])
+                    updates[3].extend(b - first if b >= 0 else b if b < -1 else 0
+                                      for b in table[start:])
             rows.append(row)
         if updates[0]:
             g, r, c, ids = host_tensor(list(updates), torch.long, self.device)

@@ -20,6 +20,8 @@ from kvslim.kernels.activations import LINEAR_ACTIVATIONS
 from kvslim.kv_cache.plan import DEFAULT_BLOCK_SIZE, PACKED_BLOCK_SIZE
 from kvslim.kv_cache.window import KVWindow
 
+KV_PRESSURES = ("preempt", "demote")       # kv_pressure's (engine/kv_demotion.py)
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12,
           "tb": 10**12}
@@ -106,7 +108,7 @@ class EngineConfig:
                 "int8 caches) or auto (what measured faster: gather on CUDA, the kernel on the "
                 "CPU where it runs; flex never takes a quantized KV cache)",
         choices=ATTENTION_BACKENDS)
-    # kernels/activations.py: int8 is llama.cpp's arithmetic and the faster one at every M
+# kernels/activations.py: int8 is llama.cpp's arithmetic and the faster one at every M
     # (benchmarks/decode_gemm_stream.py); float32 is the exact reference of the dequantized weight.
     linear_activations: str = option(
         "int8", "what the CPU's group-quantized layers (GGUF blocks, GPTQ/AWQ 4-bit, int8 "
@@ -131,6 +133,12 @@ class EngineConfig:
         None, "a per-layer KV plan (plan.json from `kvslim plan-kv`): each layer's KV precision "
               "and window, the budget split between the precisions as the plan's sequences use "
               "them", metavar="PLAN_JSON")
+    # engine/kv_demotion.py; preempt stays the default: benchmarks/kv_demotion.py measures both.
+    kv_pressure: str = option(
+        "preempt", "when the KV pool runs out: preempt (free the newest sequence and recompute "
+                   "it later) or demote (first re-quantize the oldest blocks of the longest-"
+                   "running sequences to int8 in place, four in the bytes of one float32 "
+                   "block; a float32 cache on the CPU kernel)", choices=KV_PRESSURES)
     kv_hadamard: bool = option(
         False, "with a packed --kv-cache-dtype, rotate K and V by a Hadamard matrix before "
                "quantizing (QuaRot): outlier channels spread over all of them")
@@ -221,6 +229,7 @@ class EngineConfig:
         self._check_parallel()
         self._check_lora()
         self._check_offload()
+        self._check_demotion()
 
     def _layer_plan(self):
         """The per-layer KV plan in kv_plan (None without one); what it cannot run with is
@@ -238,6 +247,21 @@ class EngineConfig:
             raise KvslimError(f"kv_plan sets each layer's precision and window itself: it "
                               f"does not run with {', '.join(named)}")
         return KVLayerPlan.load(self.kv_plan)
+
+    def _check_demotion(self) -> None:
+        """What demotion runs with (one float32 pool, no other reader of its tables), or a
+        one-line error; the runner checks the device and backend."""
+        if self.kv_pressure != "demote":
+            return
+        clashes = {"kv_cache_dtype": self.kv_cache_dtype != "auto",
+                   "kv_window": self.kv_window is not None, "kv_plan": self.kv_plan is not None,
+                   "speculative": bool(self.speculative), "compile_decode": self.compile_decode,
+                   "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
+                   "the KV offload tier": self.offloads}
+        named = [name for name, clash in clashes.items() if clash]
+        if named:
+            raise KvslimError(f"kv_pressure=demote quantizes float32 blocks in place: it does "
+                              f"not run with {', '.join(named)}")
 
     def _check_offload(self) -> None:
         for name in ("kv_offload_memory", "kv_offload_max_bytes"):

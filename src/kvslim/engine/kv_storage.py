@@ -7,16 +7,21 @@ each precision's pool has storage of its own, indexed from 0 (the runner's block
 pool-local ids, engine/block_table.py). Within a pool, position j of every group shares one
 storage tensor: the layer at that position of whichever group holds a page writes there.
 A block id means the same slots in every tensor of its pool; which group's layers it holds is
-the block manager's business."""
+the block manager's business.
+
+Under `--kv-pressure demote` each float32 layer also has the float16 scales of the int8 blocks
+its bytes may hold (engine/kv_demotion.py), and `demote_blocks` moves blocks down."""
 from __future__ import annotations
 
 import torch
 
 from kvslim.attention import (KV_SCALE_DTYPE, KVCacheLayer, QuantizedKVCacheLayer,
                               latent_cache_layers)
+from kvslim.attention.kv_cache import quantize
 from kvslim.device import host_tensor
 from kvslim.dtypes import is_quantized_kv, packed_kv_bits
-from kvslim.kv_cache.plan import KVCachePlan, recent_blocks
+from kvslim.kernels.paged_attention import demoted_view
+from kvslim.kv_cache.plan import DEMOTED_PER_BLOCK, KVCachePlan, recent_blocks
 from kvslim.models.config import ModelConfig
 
 
@@ -34,6 +39,7 @@ class KVStorage:
         self.kv_cache: list[torch.Tensor] = []
         self.pool_tensors: list[list[torch.Tensor]] = []
         self.pool_storage: list[list] = []
+        self.demoted_scales: list[torch.Tensor] = []    # per layer, under kv_pressure demote
         scales: list[torch.Tensor] = []
         for pool in plan.pools:
             storage, tensors, pool_scales = self._allocate_pool(
@@ -80,7 +86,12 @@ class KVStorage:
             storage = latent_cache_layers(tensors, scales or None, mc.mla.kv_lora_rank,
                                           self.model_dtype)
         elif not scales:
-            storage = [KVCacheLayer(kv[0], kv[1]) for kv in tensors]
+            if getattr(self.options, "kv_pressure", None) == "demote":
+                self.demoted_scales = [torch.zeros(
+                    2, DEMOTED_PER_BLOCK * blocks, *kv.shape[2:4], dtype=KV_SCALE_DTYPE,
+                    device=device) for kv in tensors]
+            storage = [KVCacheLayer(kv[0], kv[1], d) for kv, d in
+                       zip(tensors, self.demoted_scales or [None] * len(tensors))]
         else:
             storage = [QuantizedKVCacheLayer(kv[0], kv[1], sc[0], sc[1], self.model_dtype)
                        for kv, sc in zip(tensors, scales)]
@@ -98,6 +109,8 @@ class KVStorage:
             else:
                 slot = sum(t[:, 0, 0].numel() * t.element_size() for t in tensors)
             total += slot * len(pool.groups)
+        total += sum(d[:, :DEMOTED_PER_BLOCK, 0].numel() * d.element_size()
+                     for d in self.demoted_scales)
         return -(-total // len(self.plan.groups.groups))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -111,3 +124,14 @@ class KVStorage:
             src, dst = host_tensor(list(zip(*mine)), torch.long, self.device)
             for layer in tensors:
                 layer[:, dst] = layer[:, src]
+
+    def demote_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Demotion's (float32 block, int8 block) pairs (engine/kv_demotion.py), in every
+        layer: each source quantized as the int8 cache quantizes (per token and KV head), all
+        read before any is written (an int8 block may lie in the bytes of a source)."""
+        src, dst = host_tensor(list(zip(*copies)), torch.long, self.device)
+        for kv, scales in zip(self.kv_cache, self.demoted_scales):
+            codes, s = quantize(kv.index_select(1, src), torch.int8)
+            for i in range(2):                                  # K, V
+                demoted_view(kv[i])[dst] = codes[i]
+                scales[i, dst] = s[i]

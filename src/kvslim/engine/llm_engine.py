@@ -88,7 +88,7 @@ class LLMEngine:
             group_windows=self.runner.kv_groups.windows, group_sinks=self.runner.kv_groups.sinks,
             float_tail_blocks=self.runner.residual_blocks, offload=self._kv_offload(model_dir),
             pools=tuple((p.first_block, p.num_blocks) for p in self.kv_plan.pools),
-            group_pool=tuple(self.runner.group_pool))
+            group_pool=tuple(self.runner.group_pool), demote=self.config.kv_pressure == "demote")
         self.spec = self._speculative_decoder(fed)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, eos,
@@ -368,6 +368,7 @@ class LLMEngine:
             total_bytes=r.kv_plan.total_bytes, max_tokens=r.kv_plan.max_tokens,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            num_demoted_blocks=bm.demotion.num_demoted if bm.demotion is not None else 0,
             kv_cache_dtype="+".join(str(p.kv_dtype).removeprefix("torch.")
                                     for p in r.kv_plan.pools))
 

@@ -100,6 +100,10 @@ class ModelRunner:
         if self.packed_bits:
             from kvslim.attention.lowbit_cache import check_packed_cache
             check_packed_cache(self.attention_backend, config, mc)
+        if config.kv_pressure == "demote":
+            from kvslim.engine.kv_demotion import check_demotion
+            check_demotion(self.attention_backend, self.kv_dtype == torch.float32,
+                           mc.mla is not None)
         # Not with tensor parallelism: the graphs would capture the ranks' collectives too; not
         # with a packed cache, whose recent rows are laid out per step on the host.
         single = (not config.enforce_eager and config.tensor_parallel_size == 1
@@ -257,6 +261,8 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, list[ScheduledSequence], list[int]]:
         """The model over the step's tokens: final hidden states [tokens, hidden], the entries
         in the order of their rows, and each entry's first row."""
+        if out.demotions:                   # before the copies: one may write a source
+            self.storage.demote_blocks(out.demotions)
         if out.block_copies:
             self.storage.copy_blocks(out.block_copies)
         entries = _attention_order(out.scheduled)

@@ -92,6 +92,7 @@ class KVCacheStats:
     prefix_cache_hits: int
     num_preemptions: int
     kv_cache_dtype: str = "float32"           # "int8" / "float8_e4m3fn" when quantized
+    num_demoted_blocks: int = 0               # --kv-pressure demote: blocks moved to int8
 
     @property
     def prefix_cache_hit_rate(self) -> float:

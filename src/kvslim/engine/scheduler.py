@@ -10,6 +10,10 @@ are generating), then admits waiting sequences first-come-first-served while blo
 `max_num_seqs` and the token budget allow. When blocks run out, the newest running sequence is
 preempted: its blocks are freed, its place in this step (tokens and pending block copies) is
 undone, and its tokens are recomputed later (the prefix cache usually returns most of them).
+Under `--kv-pressure demote` the scheduler first takes bytes back from precision: it demotes
+the oldest blocks of the longest-running sequences to int8 (engine/kv_demotion.py) until the
+step fits, for a running sequence's next tokens and for a waiting one's admission alike, and
+preempts only when nothing is left to demote.
 
 A `LengthSwitch` (engine/long_rope.py: LongRoPE's) names a length past which a sequence must be
 computed again: a sequence that grows past it is recomputed as a preempted one is, a longer one
@@ -86,6 +90,8 @@ def draft_tree_rows(parents: list[int]) -> TreeRows:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     released_seq_ids: list[int] = field(default_factory=list)   # runner may drop their state
+    # Blocks demoted to int8 (engine/kv_demotion.py): (float32 block, int8 block), done first.
+    demotions: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def block_copies(self) -> list[tuple[int, int]]:
@@ -187,6 +193,8 @@ class Scheduler:
             self._admit(out, budget)
         for entry in out.scheduled:                     # the step's tables, as they now are
             entry.table_changes = self.bm.take_changes(entry.seq)
+        if out.scheduled and self.bm.demotion is not None:   # else they wait for a step
+            out.demotions = self.bm.demotion.take_copies()
         out.released_seq_ids, self._released = self._released, []
         return out
 
@@ -222,6 +230,8 @@ class Scheduler:
         preempted sequences had been given this step, which go back to the budget."""
         refund = 0
         while not self.bm.can_append(seq, n):
+            if self.bm.demote(self.running):
+                continue
             victim = self.running[-1]
             self._preempt(victim)
             # Undo the victim's place this step: its tokens go back to the budget, and its
@@ -243,8 +253,7 @@ class Scheduler:
             if not self.enable_chunked_prefill and not seq.num_output_tokens \
                     and seq.num_tokens > budget:
                 break
-            if not self.bm.can_allocate(seq, keep_watermark=bool(self.running),
-                                        num_new_tokens=budget) or self._lora_slots_full(seq):
+            if not self._room_for(seq, budget) or self._lora_slots_full(seq):
                 break
             self.waiting.popleft()
             self.bm.allocate(seq, num_new_tokens=budget)
@@ -255,6 +264,19 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             out.scheduled.append(self._entry(seq, n, []))
             budget -= n
+
+    def _room_for(self, seq: Sequence, budget: int) -> bool:
+        """Whether a waiting sequence's first chunk fits, after demoting running sequences'
+        blocks where that makes room (only when demoting all it could would be enough: a
+        demoted block never goes back up)."""
+        keep = bool(self.running)
+        short = self.bm.allocation_shortfall(seq, keep, budget)
+        if short > 0 and self.bm.demotion is not None \
+                and self.bm.demotion.room(self.bm, self.running) >= short:
+            while self.bm.allocation_shortfall(seq, keep, budget) > 0 \
+                    and self.bm.demote(self.running):
+                pass
+        return self.bm.can_allocate(seq, keep_watermark=keep, num_new_tokens=budget)
 
     def _lora_slots_full(self, seq: Sequence) -> bool:
         """Whether admitting `seq` would run more distinct adapters than there are slots."""

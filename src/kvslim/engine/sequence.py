@@ -3,8 +3,10 @@ block manager and the model runner. Plain Python, no tensors."""
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from kvslim.engine.sampling_params import SamplingParams
@@ -21,6 +23,29 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]          # (token_id, logprob), best first
+
+
+def block_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """The prefix-cache key of a full block: sha256 over the parent block's key and the block's
+    token ids (as int64). Token ids determine K/V, and so does LongRoPE's choice of factors (a
+    sequence's first block chains from LONG_ROPE_ROOT instead of zeros when it takes the long
+    ones); anything else that does (adapters, images, a per-tenant salt) must go into this
+    digest too."""
+    digest = hashlib.sha256(parent or b"\0" * 32)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+LONG_ROPE_ROOT = hashlib.sha256(b"kvslim: LongRoPE long factors").digest()
+
+
+def root_of(seq: "Sequence") -> bytes | None:
+    """What a sequence's first block hash chains from: K/V that LongRoPE's long factors or a
+    LoRA adapter computed never serve another sequence's prefix."""
+    root = LONG_ROPE_ROOT if seq.long_rope else None
+    if seq.lora_root is not None:
+        root = hashlib.sha256((root or b"") + seq.lora_root).digest()
+    return root
 
 
 _ids = itertools.count()
@@ -119,6 +144,13 @@ class Sequence:
     @property
     def num_full_blocks(self) -> int:
         return self.num_tokens // self.block_size
+
+    def hash_blocks(self, num_blocks: int) -> None:
+        """Extend block_hashes to the first `num_blocks` full blocks (incremental): the prefix
+        cache's keys (`block_hash`, chained from `root_of`)."""
+        for i in range(len(self.block_hashes), num_blocks):
+            parent = self.block_hashes[i - 1] if i else root_of(self)
+            self.block_hashes.append(block_hash(parent, self.block_tokens(i)))
 
     def block_tokens(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]

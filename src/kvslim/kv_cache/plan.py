@@ -26,6 +26,10 @@ DEFAULT_BLOCK_SIZE = 16    # tokens per block: the engine's default and the plan
 # token slots; 16 loses less but holds 1.5x).
 PACKED_BLOCK_SIZE = 64
 
+# `--kv-pressure demote` (engine/kv_demotion.py): int8 blocks in the bytes of one float32 block,
+# each with a float16 scale per token and KV head in a tensor of their own.
+DEMOTED_PER_BLOCK = 4
+
 # The planner's names (`kvslim memory --kv-dtype`, plan/memory.py) for the engine's quantized
 # KV-cache dtypes (`--kv-cache-dtype`): the caches stored with a float16 scale per token and KV
 # head.
@@ -141,8 +145,11 @@ def plan_kv_cache(config: ModelConfig, kv_dtype, options, num_blocks: int | None
         budget -= packed_recent_bytes(config, bs, recent_rows(options),
                                       recent_blocks(options, kv_dtype))
     if layer_plan is None:
-        plan = size_kv_cache(groups, bs, config.kv_cache_bytes_per_token(kv_dtype, bs), budget,
-                             kv_dtype, config.kv_cache_block_bytes(kv_dtype, bs))
+        demoted = demoted_scale_bytes(config) if getattr(options, "kv_pressure", "") == \
+            "demote" else 0
+        plan = size_kv_cache(groups, bs, config.kv_cache_bytes_per_token(kv_dtype, bs) + demoted,
+                             budget, kv_dtype,
+                             config.kv_cache_block_bytes(kv_dtype, bs) + bs * demoted)
     if num_blocks is not None:
         plan = replace(plan, num_blocks=num_blocks)
     elif min(p.num_blocks for p in plan.pools) < 1:
@@ -185,6 +192,12 @@ def _pooled_plan(config: ModelConfig, groups: KVCacheGroups, options, dtypes: di
     return KVCachePlan(dtypes.get("auto", sized[0].kv_dtype), groups, bs,
                        used // max(first, 1), first, layer_pools=tuple(sized),
                        plan_context=context)
+
+
+def demoted_scale_bytes(config: ModelConfig) -> int:
+    """Bytes per token of the scales of the int8 blocks a float32 block's bytes may hold
+    under `--kv-pressure demote`: float16, K and V, per KV head, every layer."""
+    return DEMOTED_PER_BLOCK * 2 * 2 * sum(config.kv_heads_per_layer)
 
 
 def packed_recent_bytes(config: ModelConfig, block_size: int, rows: int, blocks: int) -> int:
