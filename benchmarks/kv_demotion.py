@@ -68,7 +68,7 @@ def measure(args) -> dict:
     free = LLM(args.model, **common, kv_cache_memory=args.free_memory)
     prompts = prompts_of(free, text, args.requests, args.prompt)
     stats = free.engine.kv_cache_stats()
-    needed = args.requests * -(-length // stats.block_size)
+    needed = args.requests * free.engine.kv_plan.blocks_per_sequence(length)   # every group
     memory = int(needed / args.overload * stats.bytes_per_block)
     seconds, reference = generate(free, prompts, args.max_tokens)
     base = {"seconds": round(seconds, 2),

@@ -276,6 +276,8 @@ struct Recent {
 // sum of values acc[Dv]. A key slot's heads lie side by side in the cache, so the loops run
 // over the slots and inside them over the heads: the cache streams block by block instead of
 // a head's rows at a slot's stride (the sums' order per query head is unchanged: keys in order).
+// DEMOTED: the tables may name demoted blocks (a cache without them keeps the plain loop).
+template <bool DEMOTED>
 void attend_partition(const Cache& kc, const Cache& vc, const float* q, const int64_t* table,
                       const Path& path, int64_t KVH, int64_t G, int64_t D, int64_t Dv,
                       int64_t BS, int64_t key_start, int64_t lo, int64_t hi, float sc, float* m,
@@ -288,7 +290,8 @@ void attend_partition(const Cache& kc, const Cache& vc, const float* q, const in
     const int64_t logical = path.at(lo + j), pos = logical - key_start;
     const int64_t slot = pos % BS;
     int64_t block;
-    const Cache& kk = cache_at(kc, table[pos / BS], block);
+    const Cache& kk =
+        DEMOTED ? cache_at(kc, table[pos / BS], block) : (block = table[pos / BS], kc);
     for (int64_t h = 0; h < KVH; ++h) {
       if (kc.packed != nullptr && logical < recent.limit) {
         if (t.folded_block[h] != block) fold_keys(kc, block, h, q, G, t);
@@ -318,7 +321,8 @@ void attend_partition(const Cache& kc, const Cache& vc, const float* q, const in
     const int64_t logical = path.at(lo + j), pos = logical - key_start;
     const int64_t slot = pos % BS;
     int64_t block;
-    const Cache& vv = cache_at(vc, table[pos / BS], block);
+    const Cache& vv =
+        DEMOTED ? cache_at(vc, table[pos / BS], block) : (block = table[pos / BS], vc);
     for (int64_t h = 0; h < KVH; ++h) {
       const float* v = logical >= recent.limit
                            ? recent.row(recent.v, logical, h, KVH, Dv, t.row.data())
@@ -453,9 +457,14 @@ at::Tensor attend_rows(const at::Tensor& qc, const Cache& kc, const Cache& vc, i
     scratch.folded_block.assign(KVH, -1);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t b = items[p].row;
-      attend_partition(kc, vc, qp + b * H * D, tp + b * W, paths[b], KVH, G, D, Dv, BS,
-                       key_start, items[p].lo, items[p].hi, sc, m.data() + p * H, l.data() + p * H,
-                       acc.data() + p * H * Dv, scratch, recent[b]);
+      if (kc.demoted != nullptr)
+        attend_partition<true>(kc, vc, qp + b * H * D, tp + b * W, paths[b], KVH, G, D, Dv, BS,
+                               key_start, items[p].lo, items[p].hi, sc, m.data() + p * H,
+                               l.data() + p * H, acc.data() + p * H * Dv, scratch, recent[b]);
+      else
+        attend_partition<false>(kc, vc, qp + b * H * D, tp + b * W, paths[b], KVH, G, D, Dv, BS,
+                                key_start, items[p].lo, items[p].hi, sc, m.data() + p * H,
+                                l.data() + p * H, acc.data() + p * H * Dv, scratch, recent[b]);
     }
   });
   float* op = out.data_ptr<float>();
