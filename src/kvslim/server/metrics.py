@@ -78,6 +78,8 @@ class ServerMetrics:
                               namespace=ns, registry=r)
         self.preemptions = Gauge("num_preemptions", "Preemptions since start", namespace=ns,
                                  registry=r)
+        self.demoted = Gauge("num_demoted_blocks", "KV blocks demoted to int8 since start "
+                             "(--kv-pressure demote)", namespace=ns, registry=r)
         self.engine_alive = Gauge("engine_alive", "1 while the engine loop runs", namespace=ns,
                                   registry=r)
         self._peak = 0
@@ -127,6 +129,7 @@ class ServerMetrics:
         self.kv_usage.set(stats.num_used_blocks / stats.num_blocks if stats.num_blocks else 0)
         self.hit_rate.set(stats.prefix_cache_hit_rate)
         self.preemptions.set(stats.num_preemptions)
+        self.demoted.set(stats.num_demoted_blocks)
 
     def observe_speculation(self, stats) -> None:
         """Engine's SpecDecodeStats (running totals): counters advance by what is new."""
