@@ -54,3 +54,4 @@ def test_concurrent_streams_match_one_by_one_and_free_blocks(server, async_clien
     assert metrics["kvslim_num_requests_running"] == 0
     assert metrics["kvslim_num_requests_waiting"] == 0
     assert metrics["kvslim_kv_cache_blocks_total"] > 0
+    assert metrics["kvslim_num_demoted_blocks"] == 0          # preempt, the default, demotes none
