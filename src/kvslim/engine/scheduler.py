@@ -270,12 +270,12 @@ class Scheduler:
         blocks where that makes room (only when demoting all it could would be enough: a
         demoted block never goes back up)."""
         keep = bool(self.running)
-        short = self.bm.allocation_shortfall(seq, keep, budget)
-        if short > 0 and self.bm.demotion is not None \
-                and self.bm.demotion.room(self.bm, self.running) >= short:
-            while self.bm.allocation_shortfall(seq, keep, budget) > 0 \
-                    and self.bm.demote(self.running):
-                pass
+        if self.bm.demotion is not None:
+            short = self.bm.allocation_shortfall(seq, keep, budget)
+            if short > 0 and self.bm.demotion.room(self.bm, self.running) >= short:
+                while self.bm.allocation_shortfall(seq, keep, budget) > 0 \
+                        and self.bm.demote(self.running):
+                    pass
         return self.bm.can_allocate(seq, keep_watermark=keep, num_new_tokens=budget)
 
     def _lora_slots_full(self, seq: Sequence) -> bool:
