@@ -3,33 +3,23 @@ the goals per model) and kv_budget.png (KL and perplexity per setting), written 
 recorded result."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from kvslim_lab.bench.kv_budget import Candidate, KVBudgetResult, ModelBudget
+from kvslim_lab.bench.report_files import run_preamble, write_report_files
 
 DASH = "–"
 KL_TOLERANCE = 0.20        # the goal: the plan's predicted KL within 20% of the measured
 
 
 def write_report(result: KVBudgetResult, out_dir: str | Path) -> list[Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "kv_budget.json", out / "kv_budget.md", out / "kv_budget.png"]
-    paths[0].write_text(json.dumps(result.to_dict(), indent=1) + "\n")
-    plot(result, paths[2])
-    paths[1].write_text(format_markdown(result, paths[2].name))
-    return paths
+    return write_report_files(result, out_dir, "kv_budget", plot, format_markdown)
 
 
 def format_markdown(result: KVBudgetResult, image: str | None = None) -> str:
-    c, m = result.config, result.machine
-    machine = (f"Machine: {m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}. "
-               if m else "")
-    head = (f"# The KV budget compiler against uniform settings\n\n"
-            + (f"```bash\n{result.command}\n```\n\n" if result.command else "")
-            + f"{machine}{'Date: ' + result.date if result.date else ''}\n\n"
-            f"Budget: {c['fraction']:g} of int8's bytes for a sequence of {c['context']} tokens "
+    c = result.config
+    head = (f"# The KV budget compiler against uniform settings\n\n" + run_preamble(result)
+            + f"Budget: {c['fraction']:g} of int8's bytes for a sequence of {c['context']} tokens "
             f"(sinks {c['sinks']}, blocks of {c['block_size']}). KL predicted: the plan's "
             f"layers' calibration KL, each layer alone, summed (what the compiler minimises); "
             f"in brackets, all its layers at once on the calibration text. KL measured: mean "

@@ -3,22 +3,16 @@ kv_quality.md (one table per model) and kv_quality.png (perplexity and capacity 
 written only from the recorded result."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from kvslim_lab.bench.kv_quality import KVQualityResult, ModelResult, SettingResult
+from kvslim_lab.bench.report_files import write_report_files
 
 DASH = "–"
 
 
 def write_report(result: KVQualityResult, out_dir: str | Path) -> list[Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "kv_quality.json", out / "kv_quality.md", out / "kv_quality.png"]
-    paths[0].write_text(json.dumps(result.to_dict(), indent=1) + "\n")
-    plot(result, paths[2])
-    paths[1].write_text(format_markdown(result, paths[2].name))
-    return paths
+    return write_report_files(result, out_dir, "kv_quality", plot, format_markdown)
 
 
 def format_markdown(result: KVQualityResult, image: str | None = None) -> str:

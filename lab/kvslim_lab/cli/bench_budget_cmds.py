@@ -1,5 +1,7 @@
 """`kvslim bench kv-budget`: the KV budget compiler's plan against every uniform setting of the
-same bytes (held-out KL, perplexity through the cache, passkey), per model."""
+same bytes (held-out KL, perplexity through the cache, passkey), per model; `kvslim bench
+kv-demotion`: demotion against preemption under overload (throughput, the continuations'
+perplexity), per model."""
 from __future__ import annotations
 
 from kvslim.cli.engine_args import add_threads_arg
@@ -70,3 +72,45 @@ def run_kv_budget_cmd(args) -> int:
     from kvslim_lab.bench.kv_budget_report import format_markdown, write_report
     from kvslim_lab.cli.report_command import run_bench_report
     return run_bench_report(args, config_from_args, run_kv_budget, write_report, format_markdown)
+
+
+def register_kv_demotion(kinds) -> None:
+    p = kinds.add_parser("kv-demotion", help="demotion against preemption under overload "
+                                             "(--kv-pressure demote|preempt)")
+    p.add_argument("--model", action="append", default=None,
+                   help="model (repeatable; default: the embedded model)")
+    p.add_argument("--requests", type=int, default=16, help="requests sent at once (default 16)")
+    p.add_argument("--prompt", type=int, default=256, help="prompt tokens each (default 256)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="greedy tokens each (default 256)")
+    p.add_argument("--overload", type=float, default=2.0,
+                   help="the blocks the requests need over the blocks the pool holds (default 2)")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each mode, in turn")
+    p.add_argument("--free-memory", default="2GiB", help="the unpressured run's KV memory")
+    p.add_argument("--data", default="../shared/corpus/test.txt", help="the prompts' text")
+    p.add_argument("--out", default="docs/kv_budget/demotion",
+                   help="folder of kv_demotion.json/.md/.png")
+    add_threads_arg(p, help="torch threads")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run_kv_demotion_cmd)
+
+
+def demotion_config_from_args(args):
+    from kvslim_lab.bench.kv_demotion import KVDemotionConfig
+    if min(args.requests, args.prompt, args.max_tokens, args.repeats) < 1:
+        raise KvslimError("--requests, --prompt, --max-tokens and --repeats must be at least 1")
+    if args.overload <= 1:
+        raise KvslimError(f"--overload must be above 1 (a pool under pressure), got "
+                          f"{args.overload}")
+    return KVDemotionConfig(models=args.model or [None], requests=args.requests,
+                            prompt_tokens=args.prompt, max_tokens=args.max_tokens,
+                            overload=args.overload, repeats=args.repeats,
+                            free_memory=args.free_memory, data=args.data)
+
+
+def run_kv_demotion_cmd(args) -> int:
+    from kvslim_lab.bench.kv_demotion import run_kv_demotion
+    from kvslim_lab.bench.kv_demotion_report import format_markdown, write_report
+    from kvslim_lab.cli.report_command import run_bench_report
+    return run_bench_report(args, demotion_config_from_args, run_kv_demotion, write_report,
+                            format_markdown)

@@ -46,8 +46,9 @@ def register_kv_quality(kinds) -> None:
     add_threads_arg(p, help="torch threads")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run_kv_quality_cmd)
-    from kvslim_lab.cli.bench_budget_cmds import register_kv_budget    # its sibling
-    register_kv_budget(kinds)
+    from kvslim_lab.cli.bench_budget_cmds import register_kv_budget, register_kv_demotion
+    register_kv_budget(kinds)                                           # its siblings
+    register_kv_demotion(kinds)
 
 
 def _ints(text: str, name: str) -> tuple[int, ...]:

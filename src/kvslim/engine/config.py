@@ -133,7 +133,8 @@ class EngineConfig:
         None, "a per-layer KV plan (plan.json from `kvslim plan-kv`): each layer's KV precision "
               "and window, the budget split between the precisions as the plan's sequences use "
               "them", metavar="PLAN_JSON")
-    # engine/kv_demotion.py; preempt stays the default: benchmarks/kv_demotion.py measures both.
+    # engine/kv_demotion.py; preempt stays the default (batch invariance): `kvslim bench
+    # kv-demotion` measures both (docs/kv-budget.md).
     kv_pressure: str = option(
         "preempt", "when the KV pool runs out: preempt (free the newest sequence and recompute "
                    "it later) or demote (first re-quantize the oldest blocks of the longest-"
