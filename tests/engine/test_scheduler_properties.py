@@ -10,7 +10,10 @@ fingerprint of every KV-cache slot. After every step:
   own group's (so a window-group prefix hit never serves released or foreign K/V);
 - every position a sequence attends to holds the K/V of exactly its own prefix (so prefix hits,
   copy-on-write and preemption never serve another sequence's K/V);
-- scheduled work stays within the token budget and max_num_seqs.
+- scheduled work stays within the token budget and max_num_seqs;
+- with demotion (`--kv-pressure demote`), every int8 block and page is referenced exactly as the
+  tables say, and a demoted position reads what its float32 block held (a page's float32 slots
+  read as garbage, and a float32 write into a page's bytes wipes its int8 blocks).
 
 At the end every sequence produced exactly its expected tokens (none lost or repeated), and every
 prompt token after the first has exactly one prompt logprob."""
@@ -25,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvslim.engine.block_manager import BlockManager
+from kvslim.engine.kv_demotion import QUARTERS, int8_block
 from kvslim.engine.sampler import SampleResult
 from kvslim.engine.sampling_params import SamplingParams
 from kvslim.engine.scheduler import Scheduler
@@ -78,7 +82,8 @@ def workloads(draw):
     num_blocks = max(num_blocks, 2 * len(windows))      # one sequence of 2+ tokens fits
     config = dict(block_size=block_size, num_blocks=num_blocks, budget=budget, windows=windows,
                   max_num_seqs=draw(st.integers(1, 6)), chunked=chunked,
-                  prefix_caching=draw(st.booleans()), watermark=draw(st.sampled_from([0, 1])))
+                  prefix_caching=draw(st.booleans()), watermark=draw(st.sampled_from([0, 1])),
+                  demote=draw(st.booleans()))
     capacity = num_blocks // len(windows) * block_size
     prefixes = [draw(st.lists(st.integers(1, VOCAB - 1), min_size=8, max_size=8))
                 for _ in range(2)]
@@ -105,16 +110,19 @@ class FakeRunner:
     def __init__(self, bm: BlockManager):
         self.bm = bm
         self.slots: dict[int, list] = {b: [None] * bm.block_size for b in range(bm.num_blocks)}
+        self.int8: dict[int, list] = {}          # int8 block -> its slots' fingerprints
 
     def execute(self, out) -> dict[int, list[SampleResult]]:
+        self._demote(out.demotions)
         for src, dst in out.block_copies:
-            self.slots[dst] = list(self.slots[src])
+            self._write(dst, list(self.slots[src]))
         bs = self.bm.block_size
         for entry in out.scheduled:
             seq = entry.seq
             for g, table in enumerate(seq.block_tables):
                 for pos in range(entry.start, entry.start + entry.num_tokens):
-                    self.slots[table[pos // bs]][pos % bs] = (g, tuple(seq.token_ids[:pos + 1]))
+                    slots = self._write(table[pos // bs])
+                    slots[pos % bs] = (g, tuple(seq.token_ids[:pos + 1]))
         sampled = {}
         for entry in out.scheduled:
             self._check_reads(entry)
@@ -128,6 +136,23 @@ class FakeRunner:
                                  None) for k in range(entry.num_samples)]
         return sampled
 
+    def _demote(self, demotions) -> None:
+        """Every source read before any int8 block is written; an int8 block's page (a
+        float32 block) then reads as garbage in float32."""
+        held = [list(self.slots[src]) for src, _ in demotions]
+        for (_, dst), slots in zip(demotions, held):
+            self.int8[dst] = slots
+            self.slots[dst // QUARTERS] = [("page",)] * self.bm.block_size
+
+    def _write(self, block: int, slots: list | None = None) -> list:
+        """A float32 write into `block` (whole, or returns its slots to write into): its
+        bytes no longer hold the int8 blocks of a page."""
+        for q in range(QUARTERS):
+            self.int8.pop(block * QUARTERS + q, None)
+        if slots is not None:
+            self.slots[block] = slots
+        return self.slots[block]
+
     def _check_reads(self, entry) -> None:
         """Every position the chunk attends to, in every group (a window group: from the first
         one its first query sees), holds the group's own K/V of this sequence's prefix."""
@@ -136,7 +161,8 @@ class FakeRunner:
             first = 0 if window is None else max(0, entry.start - window + 1)
             for pos in range(first, entry.start + entry.num_tokens):
                 block = table[pos // bs]
-                got = None if block == NULL_BLOCK else self.slots[block][pos % bs]
+                got = (None if block == NULL_BLOCK else self.slots[block][pos % bs]
+                       if block >= 0 else self.int8[int8_block(block)][pos % bs])
                 assert got == (g, tuple(seq.token_ids[:pos + 1])), \
                     f"{seq.request_id}/{seq.index} reads wrong K/V at position {pos}, group {g}"
 
@@ -166,6 +192,8 @@ def check_blocks(sched: Scheduler, bm: BlockManager, live: list[Sequence]) -> No
     rows = sum(s.params.n if s.fork_pending else 1 for s in sched.running)
     assert rows <= sched.max_num_seqs, "more sequences than max_num_seqs (forks included)"
     owners = Counter(b for s in live for t in s.block_tables for b in t if b != NULL_BLOCK)
+    if bm.demotion is not None:
+        check_demoted(bm, owners)
     for seq in live:
         if seq.status is not SequenceStatus.RUNNING:
             assert not any(seq.block_tables), f"{seq.request_id} holds blocks while not running"
@@ -183,10 +211,25 @@ def check_blocks(sched: Scheduler, bm: BlockManager, live: list[Sequence]) -> No
     assert bm.num_cached_free_blocks == sum(bm.blocks[b].hash is not None for b in bm.free_queue)
 
 
-def simulate(config: dict, requests: list[Request]) -> None:
+def check_demoted(bm: BlockManager, owners: Counter) -> None:
+    """Each int8 block's references are the table entries naming it; a page is a taken
+    float32 block with something in it, its free quarters open."""
+    demotion = bm.demotion
+    for page, refs in demotion.pages.items():
+        assert any(refs), f"page {page} is empty but held"
+        for q, n in enumerate(refs):
+            block = page * QUARTERS + q
+            assert n == owners.pop(-2 - block, 0), f"int8 block {block} refcount"
+            assert (n == 0) == (block in demotion.open)
+        owners[page] += 1                      # the page holds its float32 block
+    assert not [b for b in owners if b < NULL_BLOCK], "a table names a freed int8 block"
+
+
+def simulate(config: dict, requests: list[Request]) -> BlockManager:
     bm = BlockManager(config["num_blocks"], config["block_size"], config["prefix_caching"],
                       watermark_blocks=config["watermark"],
-                      group_windows=config.get("windows", (None,)))
+                      group_windows=config.get("windows", (None,)),
+                      demote=config.get("demote", False))
     sched = Scheduler(bm, config["max_num_seqs"], config["budget"], [EOS], config["chunked"])
     runner = FakeRunner(bm)
     for step in range(MAX_STEPS):
@@ -214,8 +257,10 @@ def simulate(config: dict, requests: list[Request]) -> None:
     else:
         raise AssertionError(f"not done after {MAX_STEPS} steps: the scheduler is stuck")
     assert bm.num_used_blocks == 0
+    assert bm.demotion is None or not (bm.demotion.pages or bm.demotion.open)
     for req in requests:
         check_request(req)
+    return bm
 
 
 def check_request(req: Request) -> None:
@@ -267,3 +312,19 @@ def test_forced_digest_collisions_never_serve_another_prefix(monkeypatch):
                 for i in range(4)]
     simulate(dict(block_size=4, num_blocks=16, budget=8, max_num_seqs=2, chunked=True,
                   prefix_caching=True, watermark=0), requests)
+
+
+def test_demotion_under_pressure_keeps_every_invariant():
+    """A cache far too small for its requests, forks and shared prefixes among them: demotion
+    takes the place of most preemptions, and every read is still the sequence's own prefix."""
+    def requests():
+        return [Request(f"r{i}", [1 + (5 * i + j) % (VOCAB - 1) for j in range(10 + 3 * i)],
+                        1 + i % 2, 8, i == 1, i, None, ignore_eos=True) for i in range(5)]
+    config = dict(block_size=2, num_blocks=24, budget=12, max_num_seqs=6, chunked=True,
+                  prefix_caching=True, watermark=0)
+    preempting, demoting = requests(), requests()
+    simulate(config, preempting)
+    bm = simulate(config | {"demote": True}, demoting)
+    preemptions = [sum(s.num_preemptions for r in reqs for s in r.seqs)
+                   for reqs in (preempting, demoting)]
+    assert bm.demotion.num_demoted > 0 and preemptions[1] < preemptions[0], preemptions
