@@ -10,8 +10,8 @@ in place. A demoted block never goes back up, and never serves the prefix cache 
 original stays findable in the free queue until that block is reused).
 
 Which blocks (`BlockManager.demote`): full blocks of the sequences that have run longest
-first, each sequence's oldest first (the context furthest from the tokens it still has to
-write); never a block another sequence also holds, so a sequence that demotion did not touch
+first, each sequence's oldest first over its KV-cache groups (the context furthest from the
+tokens it still has to write); never a block another sequence also holds, so a sequence that demotion did not touch
 reads exactly what it read alone, and never one still being written. Under pressure the
 scheduler demotes until the step fits, and preempts only when nothing is left to demote."""
 from __future__ import annotations
@@ -20,7 +20,6 @@ from collections import OrderedDict
 
 from kvslim.errors import KvslimError
 from kvslim.kv_cache.plan import DEMOTED_PER_BLOCK as QUARTERS
-
 
 
 def check_demotion(backend: str, float32_cache: bool, latent: bool) -> None:
@@ -47,10 +46,6 @@ class BlockDemotion:
         self.open: OrderedDict[int, None] = OrderedDict()   # int8 blocks free in a page
         self.num_demoted = 0                      # blocks demoted since start
         self.copies: list[tuple[int, int]] = []   # (float32 block, int8 block), for the runner
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.pages)
 
     def demote_one(self, bm, seqs) -> bool:
         """Demote the oldest block (`oldest`) of the first of `seqs` that has one, in the
