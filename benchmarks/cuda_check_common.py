@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kvslim.engine.llm import LLM
-from kvslim.engine.sampling_params import SamplingParams
+from cuda_step_profile import decode_step_times, greedy, profile_decode, step_summary
 # Llama 3.2 1B's layers; the vocabulary is SmolLM2's, whose tokenizer the engine loads.
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
@@ -24,9 +24,9 @@ LLAMA_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                    tie_word_embeddings=True)
 FULL = dict(prompt_len=128, new_tokens=128, batch=64, check_prompts=8, kv_cache="4GiB",
-            max_model_len=1024, hf_batches=(16, 32, 64))
+            max_model_len=1024, hf_batches=(16, 32, 64), profile_steps=16)
 SMOKE = dict(prompt_len=16, new_tokens=4, batch=4, check_prompts=3, kv_cache="8MiB",
-             max_model_len=128, hf_batches=(2, 4))
+             max_model_len=128, hf_batches=(2, 4), profile_steps=3)
 ENGINES = [("gather", False), ("gather", True), ("flex", False), ("flex", True)]
 
 
@@ -90,26 +90,26 @@ def build_engine(model_dir: Path, dtype: str, device: str, backend: str, graphs:
     return llm
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
 def measure_engine(llm: LLM, prompts: list[list[int]], check: list[list[int]], plan: dict,
-                   device: str) -> dict:
-    """Tokens of the check batch, batch-1 decode rate and offline throughput."""
+                   device: str, profiled: bool = False, trace: Path | None = None) -> dict:
+    """Tokens of the check batch (and whether each prompt alone gets the same), batch-1 decode
+    rate (the median step, cuda_step_profile.py) and offline throughput; `profiled`: where a
+    batch-1 step goes, `trace`: its Chrome trace there."""
     n = plan["new_tokens"]
     outs = llm.generate(check, greedy(n), use_tqdm=False)
     result = {"tokens": [o.outputs[0].token_ids for o in outs]}
-    # warm-up: every shape timed below (a compiled flex kernel meeting a new one compiles, and
-    # the first GPU run timed such a compilation into batch-1's first token: a negative rate)
+    alone = [llm.generate([p], greedy(n), use_tqdm=False)[0].outputs[0].token_ids
+             for p in check]
+    result["batched_equals_alone"] = sum(a == b for a, b in zip(alone, result["tokens"]))
+    # warm-up: every shape timed below (a compiled flex kernel meeting a new one compiles)
     llm.generate(prompts, greedy(4), use_tqdm=False)
     llm.generate(prompts[:1], greedy(4), use_tqdm=False)
-    _, first = timed(device, lambda: llm.generate(prompts[:1], greedy(1), use_tqdm=False))
-    _, whole = timed(device, lambda: llm.generate(prompts[:1], greedy(n), use_tqdm=False))
-    step_s = (whole - first) / max(1, n - 1)
+    result.update(step_summary(decode_step_times(llm, prompts[0], n, device)))
     _, batch_s = timed(device, lambda: llm.generate(prompts, greedy(n), use_tqdm=False))
-    result.update(decode_tok_s=round(1 / step_s, 1), step_bytes=step_traffic(llm, plan),
+    result.update(step_bytes=step_traffic(llm, plan),
                   throughput_tok_s=round(len(prompts) * n / batch_s, 1))
+    if profiled:
+        result["profile"] = profile_decode(llm, prompts[0], plan["profile_steps"], device, trace)
     return result
 
 
@@ -121,7 +121,8 @@ def hbm(entry: dict, step_bytes: int, hbm_gbps: float, device: str) -> None:
 
 
 def run_engines(model_dir: Path, dtype: str, device: str, prompts, check, plan: dict,
-                hbm_gbps: float) -> list[dict]:
+                hbm_gbps: float, trace_dir: Path | None = None) -> list[dict]:
+    """Each of ENGINES measured; the graphs engines' batch-1 steps profiled too."""
     entries, reference = [], None
     for backend, graphs in ENGINES:
         entry, llm = {"backend": backend, "graphs": graphs}, None
@@ -129,7 +130,9 @@ def run_engines(model_dir: Path, dtype: str, device: str, prompts, check, plan: 
             llm, entry["startup_s"] = timed(device, lambda: build_engine(
                 model_dir, dtype, device, backend, graphs, plan))
             entry["resolved_backend"] = llm.engine.runner.attention_backend
-            entry.update(measure_engine(llm, prompts, check, plan, device))
+            trace = (trace_dir / f"{model_dir.name}-{backend}-graphs.json"
+                     if trace_dir is not None and graphs else None)
+            entry.update(measure_engine(llm, prompts, check, plan, device, graphs, trace))
             hbm(entry, entry["step_bytes"], hbm_gbps, device)
         except Exception as e:           # one engine failing must not lose the others' numbers
             entry["error"] = f"{type(e).__name__}: {e}"

@@ -18,9 +18,14 @@ graphs captured at start-up. For each:
 - greedy tokens of a mixed batch, against the eager gather engine's (the reference); exit
   status 1 when they differ on a float32 model (a bfloat16 model's differences are reported:
   kernels that sum in another order may round a near-tie the other way);
-- batch-1 decode tokens/s, and the HBM bandwidth that reaches: bytes a decode step reads (every
-  weight once, plus the KV cache at the mean context) over the step's time, against the
-  device's peak (`--hbm-gbps`, 4800 for an H200);
+- whether each prompt of that batch gets the same greedy tokens alone (batch invariance);
+- batch-1 decode tokens/s (the median of the engine's steps, timed one by one), and the HBM
+  bandwidth that reaches: bytes a decode step reads (every weight once, plus the KV cache at
+  the mean context) over the step's time, against the device's peak (`--hbm-gbps`, 4800 for
+  an H200);
+- on the graphs engines, where a batch-1 step goes (benchmarks/cuda_step_profile.py: host
+  phases, device-busy time and its idle gap, launches, syncs, the costliest kernels;
+  `--trace-dir DIR` keeps the Chrome traces);
 - offline throughput: 64 prompts of 128 tokens, 128 generated each, as one batch;
 - start-up seconds (graph capture and FlexAttention's compilation happen there).
 
@@ -81,14 +86,14 @@ def run_hf(model_dir: Path, dtype: str, device: str, prompts, plan: dict,
 
 
 def check_model(name: str, model_dir: Path, dtype: str, device: str, plan: dict,
-                hbm_gbps: float) -> dict:
+                hbm_gbps: float, trace_dir: Path | None = None) -> dict:
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     avoid = special_ids(Tokenizer.from_dir(model_dir))
     prompts = Workload(plan["batch"], plan["prompt_len"], 0, seed=1).prompts(vocab, avoid)
     # The check batch: prompts of different lengths, so steps mix decodes and prefill chunks.
     check = [p[:max(1, len(p) * (i + 1) // plan["check_prompts"])]
              for i, p in enumerate(prompts[:plan["check_prompts"]])]
-    engines = run_engines(model_dir, dtype, device, prompts, check, plan, hbm_gbps)
+    engines = run_engines(model_dir, dtype, device, prompts, check, plan, hbm_gbps, trace_dir)
     step_bytes = next((e["step_bytes"] for e in engines if "step_bytes" in e), None)
     return {"model": name, "dtype": dtype, "strict": dtype == "float32", "engines": engines,
             "hf": run_hf(model_dir, dtype, device, prompts, plan, hbm_gbps, step_bytes)}
@@ -166,6 +171,8 @@ def main() -> int:
     ap.add_argument("--config-from", type=Path, default=None,
                     help="SmolLM2's config.json and tokenizer from this directory, its weights "
                          "random (where the embedded GGUF cannot be had)")
+    ap.add_argument("--trace-dir", type=Path, default=None,
+                    help="also write each profiled engine's Chrome trace here")
     ap.add_argument("--models", default="smollm2,llama",
                     help="which of smollm2, llama (the random ~1B Llama) to check (default both)")
     args = ap.parse_args()
@@ -182,7 +189,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, model_dir, dtype in models_to_check(args, device, Path(tmp), notes):
             report["models"].append(check_model(name, model_dir, dtype, device, plan,
-                                                args.hbm_gbps))
+                                                args.hbm_gbps, args.trace_dir))
             if args.out:
                 args.out.write_text(json.dumps(report, indent=2) + "\n")
     extra_checks(args, report)

@@ -19,6 +19,7 @@ import torch
 
 from cuda_check_common import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, check_main,
                                count_equal_to_first, greedy, random_llama, release, timed)
+from cuda_step_profile import decode_step_times, step_summary
 from kvslim_lab.bench.workload import Workload, special_ids
 from kvslim.engine.llm import LLM
 from kvslim.formats.registry import default_model_dir
@@ -39,12 +40,11 @@ def measure(model_dir: Path, sparse: bool, plan: dict, prompts, long_prompts, ch
     llm.generate(long_prompts, greedy(1), use_tqdm=False)                  # warm-up,
     llm.generate(prompts[:1], greedy(4), use_tqdm=False)                   # every timed shape
     _, prefill_s = timed("cuda", lambda: llm.generate(long_prompts, greedy(1), use_tqdm=False))
-    _, first = timed("cuda", lambda: llm.generate(prompts[:1], greedy(1), use_tqdm=False))
-    _, whole = timed("cuda", lambda: llm.generate(prompts[:1], greedy(n), use_tqdm=False))
+    rate = step_summary(decode_step_times(llm, prompts[0], n, "cuda"))
     _, batch_s = timed("cuda", lambda: llm.generate(prompts, greedy(n), use_tqdm=False))
     out = {"cuda_sparse_24": sparse, "startup_s": round(startup, 1), "tokens": tokens,
            "prefill_tok_s": round(len(long_prompts) * PREFILL_LEN / prefill_s, 1),
-           "decode_tok_s": round((n - 1) / (whole - first), 1),
+           "decode_tok_s": rate["decode_tok_s"], "step_ms_median": rate["step_ms_median"],
            "throughput_tok_s": round(len(prompts) * n / batch_s, 1)}
     del llm
     release("cuda")

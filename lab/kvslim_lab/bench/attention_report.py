@@ -86,6 +86,12 @@ def gpu_goals(report: dict) -> str:
         same = all(e["tokens_identical"] for e in runs) and len(runs) == len(m["engines"])
         lines.append(f"- {m['model']} ({m['dtype']}): greedy parity on every engine "
                      f"{'PASS' if same else 'FAIL'}")
+        alone = [e["batched_equals_alone"] for e in runs if "batched_equals_alone" in e]
+        if alone:
+            prompts = report["plan"]["check_prompts"]
+            lines.append(f"- {m['model']} ({m['dtype']}): batched = alone on every engine, "
+                         f"{min(alone)} of {prompts} prompts at worst "
+                         f"{'PASS' if min(alone) == prompts else 'FAIL'}")
         rated = [e for e in runs if e.get("decode_tok_s", 0) > 0]
         hf = m["hf"]
         if not rated or "decode_tok_s" not in hf:
@@ -124,15 +130,53 @@ def cpu_table(result: dict) -> str:
 def gpu_table(report: dict) -> str:
     plan = report["plan"]
     graphs = "CUDA graphs" if report["device"] == "cuda" else "graphs' padded path, eager"
-    lines = ["| model | engine | tokens = eager gather | batch-1 decode tok/s | GB/s | of HBM "
+    lines = ["| model | engine | tokens = eager gather | batched = alone "
+             "| batch-1 decode tok/s | GB/s | of HBM "
              f"| offline tok/s ({plan['batch']} x {plan['new_tokens']}) | start-up s |",
-             "|" + "---|" * 8]
+             "|" + "---|" * 9]
     for m in report["models"]:
         model = f"{m['model']} ({m['dtype']})"
-        lines += [_engine_row(model, e, graphs) for e in m["engines"]]
+        lines += [_engine_row(model, e, graphs, plan.get("check_prompts")) for e in m["engines"]]
         lines.append(_hf_row(model, m["hf"]))
     return "\n".join(lines + [""] + [f"- {note}" for note in report["notes"]]
-                     + _weights_tables(report))
+                     + _weights_tables(report) + _profile_tables(report))
+
+
+def _profile_tables(report: dict) -> list[str]:
+    """Where a batch-1 decode step of each profiled engine goes (cuda_step_profile.py)."""
+    rows = [(m["model"], e) for m in report["models"] for e in m["engines"] if "profile" in e]
+    if not rows:
+        return []
+    out = ["", "Where a batch-1 decode step goes (ms per step; host phases from the profiler, "
+           "device-busy: the kernels' own time):", "",
+           "| model | engine | step | device busy | device idle | launches | graph launches | "
+           + " | ".join(PROFILE_PHASES) + " | rest of step |",
+           "|" + "---|" * (8 + len(PROFILE_PHASES))]
+    for model, e in rows:
+        p = e["profile"]
+        host = p["host_ms_per_step"]
+        out.append(f"| {model} | {e['backend']}, {'graphs' if e['graphs'] else 'eager'} | "
+                   f"{p['wall_ms_per_step']:.2f} | {_ms(p.get('device_busy_ms_per_step'))} | "
+                   f"{_pct(p.get('device_idle_fraction'))} | "
+                   f"{p.get('kernel_launches_per_step', '—')} | "
+                   f"{p.get('graph_launches_per_step', '—')} | "
+                   + " | ".join(f"{host[k]:.2f}" for k in PROFILE_PHASES)
+                   + f" | {p['host_ms_outside_phases']:.2f} |")
+    top = [(model, e, k) for model, e in rows for k in e["profile"].get("top_kernels", [])[:5]]
+    if top:
+        out += ["", "| model | engine | kernel | ms per step | calls per step |",
+                "|---|---|---|---|---|"]
+        out += [f"| {model} | {e['backend']}, {'graphs' if e['graphs'] else 'eager'} | "
+                f"`{k['name'][:70]}` | {k['ms_per_step']:.3f} | {k['calls_per_step']} |"
+                for model, e, k in top]
+    return out
+
+
+PROFILE_PHASES = ("schedule", "prepare", "graph", "logits", "sample", "postprocess")
+
+
+def _ms(x) -> str:
+    return "—" if x is None else f"{x:.2f}"
 
 
 def _weights_tables(report: dict) -> list[str]:
@@ -146,13 +190,16 @@ def _weights_tables(report: dict) -> list[str]:
             continue
         out += ["", f"`--{key}` on {part['model']}:", "",
                 "| engine | batch-1 decode tok/s | offline tok/s | prompts with the reference's "
-                "greedy tokens | start-up s |", "|---|---|---|---|---|"]
+                "greedy tokens | batched = alone | start-up s |", "|---|---|---|---|---|---|"]
         for e in part["engines"]:
             same = e.get("prompts_equal_bf16", e.get("tokens_equal_dense"))
             same = "—" if same is None else f"{same} of {e['prompts']}"
             start = e.get("startup_s")
+            alone = e.get("batched_equals_alone")
+            alone = "—" if alone is None else f"{alone} of {e['prompts']}"
             out.append(f"| {what} = {e[what]} | {_rate(e.get('decode_tok_s'))} | "
                        f"{e.get('throughput_tok_s', e.get('error', '—')[:120])} | {same} | "
+                       f"{alone} | "
                        f"{'—' if start is None else f'{start:.1f}'} |")
     return out
 
@@ -165,7 +212,7 @@ def _rate(x) -> str:
     return str(x) if x > 0 else "not measured (a compilation fell inside the timing)"
 
 
-def _engine_row(model: str, e: dict, graphs: str) -> str:
+def _engine_row(model: str, e: dict, graphs: str, prompts: int) -> str:
     name = f"kvslim {e['backend']}, {graphs if e['graphs'] else 'eager'}"
     if "error" in e:
         same = f"error: {e['error'][:80]}"
@@ -173,7 +220,9 @@ def _engine_row(model: str, e: dict, graphs: str) -> str:
         same = "yes" if e["tokens_identical"] else f"no (prompt, token) {e['first_difference']}"
     rate = e.get("decode_tok_s")
     valid = rate is not None and rate > 0
-    return (f"| {model} | {name} | {same} | {_rate(rate)} | "
+    alone = e.get("batched_equals_alone")
+    alone = "—" if alone is None else f"{alone} of {prompts}"
+    return (f"| {model} | {name} | {same} | {alone} | {_rate(rate)} | "
             f"{e.get('gb_s', '—') if valid else '—'} | "
             f"{_pct(e.get('hbm_fraction')) if valid else '—'} | "
             f"{e.get('throughput_tok_s', '—')} | {e.get('startup_s', 0):.1f} |")
@@ -182,8 +231,8 @@ def _engine_row(model: str, e: dict, graphs: str) -> str:
 def _hf_row(model: str, hf: dict) -> str:
     other = hf.get("skipped") or hf.get("error")
     if other:
-        return f"| {model} | HF transformers | {other} | | | | | |"
-    return (f"| {model} | {hf['label']}, best batch {hf['best_batch']} | — | "
+        return f"| {model} | HF transformers | {other} | | | | | | |"
+    return (f"| {model} | {hf['label']}, best batch {hf['best_batch']} | — | — | "
             f"{hf['decode_tok_s']} | {hf.get('gb_s', '—')} | {_pct(hf.get('hbm_fraction'))} | "
             f"{hf['throughput_tok_s']} | — |")
 
