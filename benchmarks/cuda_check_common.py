@@ -27,7 +27,12 @@ FULL = dict(prompt_len=128, new_tokens=128, batch=64, check_prompts=8, kv_cache=
             max_model_len=1024, hf_batches=(16, 32, 64), profile_steps=16)
 SMOKE = dict(prompt_len=16, new_tokens=4, batch=4, check_prompts=3, kv_cache="8MiB",
              max_model_len=128, hf_batches=(2, 4), profile_steps=3)
-ENGINES = [("gather", False), ("gather", True), ("flex", False), ("flex", True)]
+# (attention backend, CUDA graphs, compiled step): the eager gather engine is the reference.
+ENGINES = [("gather", False, False), ("gather", True, False), ("flex", False, False),
+           ("flex", True, False)]
+# The decoder compiled (Inductor's fused Triton kernels) inside the graphs: on the 1B model,
+# whose batch-1 step is the bandwidth goal's.
+COMPILED = ("gather", True, True)
 
 
 def sync(device: str) -> None:
@@ -80,12 +85,12 @@ def step_traffic(llm: LLM, plan: dict, batch: int = 1) -> int:
 
 
 def build_engine(model_dir: Path, dtype: str, device: str, backend: str, graphs: bool,
-                 plan: dict) -> LLM:
+                 plan: dict, compiled: bool = False) -> LLM:
     llm = LLM(str(model_dir), dtype=dtype, device=device, kv_cache_memory=plan["kv_cache"],
               max_num_seqs=plan["batch"], max_model_len=plan["max_model_len"],
               max_num_batched_tokens=2048, enable_prefix_caching=False,
-              enforce_eager=not graphs, attention_backend=backend)
-    if graphs and device != "cuda":
+              enforce_eager=not graphs, attention_backend=backend, compile_decode=compiled)
+    if graphs and not compiled and device != "cuda":
         llm.engine.runner.enable_padded_decode()      # the graphs' padded path, eagerly
     return llm
 
@@ -121,16 +126,18 @@ def hbm(entry: dict, step_bytes: int, hbm_gbps: float, device: str) -> None:
 
 
 def run_engines(model_dir: Path, dtype: str, device: str, prompts, check, plan: dict,
-                hbm_gbps: float, trace_dir: Path | None = None) -> list[dict]:
-    """Each of ENGINES measured; the graphs engines' batch-1 steps profiled too."""
+                hbm_gbps: float, trace_dir: Path | None = None,
+                engines=tuple(ENGINES)) -> list[dict]:
+    """Each of `engines` measured; the graphs engines' batch-1 steps profiled too."""
     entries, reference = [], None
-    for backend, graphs in ENGINES:
-        entry, llm = {"backend": backend, "graphs": graphs}, None
+    for backend, graphs, compiled in engines:
+        entry, llm = {"backend": backend, "graphs": graphs, "compiled": compiled}, None
         try:
             llm, entry["startup_s"] = timed(device, lambda: build_engine(
-                model_dir, dtype, device, backend, graphs, plan))
+                model_dir, dtype, device, backend, graphs, plan, compiled))
             entry["resolved_backend"] = llm.engine.runner.attention_backend
-            trace = (trace_dir / f"{model_dir.name}-{backend}-graphs.json"
+            trace = (trace_dir / f"{model_dir.name}-{backend}-graphs"
+                     f"{'-compiled' if compiled else ''}.json"
                      if trace_dir is not None and graphs else None)
             entry.update(measure_engine(llm, prompts, check, plan, device, graphs, trace))
             hbm(entry, entry["step_bytes"], hbm_gbps, device)
@@ -146,7 +153,7 @@ def run_engines(model_dir: Path, dtype: str, device: str, prompts, check, plan: 
             entry["tokens_identical"] = tokens == reference
             entry["first_difference"] = first_difference(tokens, reference)
         entries.append(entry)
-        print(f"[check] {model_dir.name} {backend} graphs={graphs}: "
+        print(f"[check] {model_dir.name} {backend} graphs={graphs} compiled={compiled}: "
               f"{ {k: v for k, v in entry.items() if k not in ('backend', 'graphs')} }",
               file=sys.stderr, flush=True)
     return entries

@@ -13,7 +13,8 @@ working tree; its speeds are SmolLM2's, its tokens are not.)
 On each model, SmolLM2-135M-Instruct (the embedded GGUF's float32 import) and a ~1B-parameter
 Llama shape with random weights in bfloat16 (Llama 3.2 1B's layers over SmolLM2's vocabulary and
 tokenizer), four engines: gather and flex attention, each eager (`enforce_eager`) and with CUDA
-graphs captured at start-up. For each:
+graphs captured at start-up; on the 1B model a fifth, gather with the decode step compiled
+(`compile_decode`: Inductor's fused Triton kernels) inside the graphs. For each:
 
 - greedy tokens of a mixed batch, against the eager gather engine's (the reference); exit
   status 1 when they differ on a float32 model (a bfloat16 model's differences are reported:
@@ -55,8 +56,8 @@ from kvslim.formats.registry import default_model_dir
 from kvslim.models.config import ModelConfig
 from kvslim.tokenizer.tokenizer import Tokenizer
 
-from cuda_check_common import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, hbm, random_llama, release,
-                               run_engines)
+from cuda_check_common import (COMPILED, ENGINES, FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, hbm,
+                               random_llama, release, run_engines)
 
 
 def run_hf(model_dir: Path, dtype: str, device: str, prompts, plan: dict,
@@ -93,7 +94,8 @@ def check_model(name: str, model_dir: Path, dtype: str, device: str, plan: dict,
     # The check batch: prompts of different lengths, so steps mix decodes and prefill chunks.
     check = [p[:max(1, len(p) * (i + 1) // plan["check_prompts"])]
              for i, p in enumerate(prompts[:plan["check_prompts"]])]
-    engines = run_engines(model_dir, dtype, device, prompts, check, plan, hbm_gbps, trace_dir)
+    engines = run_engines(model_dir, dtype, device, prompts, check, plan, hbm_gbps, trace_dir,
+                          ENGINES + ([COMPILED] if dtype == "bfloat16" else []))
     step_bytes = next((e["step_bytes"] for e in engines if "step_bytes" in e), None)
     return {"model": name, "dtype": dtype, "strict": dtype == "float32", "engines": engines,
             "hf": run_hf(model_dir, dtype, device, prompts, plan, hbm_gbps, step_bytes)}
@@ -181,7 +183,7 @@ def main() -> int:
     notes = [f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch "
              f"{torch.__version__}; peak bandwidth taken as {args.hbm_gbps:g} GB/s"]
     if device != "cuda":
-        notes.append("no CUDA: 'graphs' engines ran the padded decode path eagerly; HBM "
+        notes.append("no CUDA: 'graphs' engines ran the padded decode path without CUDA graphs; HBM "
                      "fractions and HF transformers skipped")
     report = {"command": "python benchmarks/cuda_decode_check.py " + " ".join(sys.argv[1:]),
               "smoke": args.smoke, "device": device, "hbm_gbps": args.hbm_gbps, "plan": plan,

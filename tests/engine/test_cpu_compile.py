@@ -165,12 +165,23 @@ def test_inductor_programs_match_eager_and_are_loaded_from_disk_next_time(gguf_b
 
 def test_no_compiler_runs_eagerly_with_a_note(hf_checkpoints, monkeypatch, capsys):
     monkeypatch.setattr(cpu_compile, "missing_compiler",
-                        lambda: "no C++ compiler found (g++, c++)")
+                        lambda device: "no C++ compiler found (g++, c++)")
     eng = engine(hf_checkpoints["gqa"], compile_decode=True)
     assert eng.runner.decode_graphs.compiled is None
     assert "no C++ compiler found (g++, c++): decode steps run eagerly" in capsys.readouterr().err
     want = tokens(run(engine(hf_checkpoints["gqa"]), workload(VOCAB), PARAMS))
     assert tokens(run(eng, workload(VOCAB), PARAMS)) == want
+
+
+def test_what_builds_the_step_is_asked_of_the_device(monkeypatch):
+    import torch.utils._triton as triton_probe
+    from kvslim.kernels import extension
+    monkeypatch.setattr(extension, "missing_compiler", lambda: "no C++ compiler found (g++)")
+    assert cpu_compile.missing_compiler(torch.device("cpu")) == "no C++ compiler found (g++)"
+    monkeypatch.setattr(triton_probe, "has_triton", lambda: False)
+    assert cpu_compile.missing_compiler(torch.device("cuda")) == "no Triton for this GPU"
+    monkeypatch.setattr(triton_probe, "has_triton", lambda: True)
+    assert cpu_compile.missing_compiler(torch.device("cuda")) is None
 
 
 def test_a_failing_build_runs_eagerly_with_a_note(hf_checkpoints, monkeypatch, capsys):

@@ -155,7 +155,7 @@ def _profile_tables(report: dict) -> list[str]:
     for model, e in rows:
         p = e["profile"]
         host = p["host_ms_per_step"]
-        out.append(f"| {model} | {e['backend']}, {'graphs' if e['graphs'] else 'eager'} | "
+        out.append(f"| {model} | {e['backend']}, {_mode(e, 'graphs')} | "
                    f"{p['wall_ms_per_step']:.2f} | {_ms(p.get('device_busy_ms_per_step'))} | "
                    f"{_pct(p.get('device_idle_fraction'))} | "
                    f"{p.get('kernel_launches_per_step', '—')} | "
@@ -166,7 +166,7 @@ def _profile_tables(report: dict) -> list[str]:
     if top:
         out += ["", "| model | engine | kernel | ms per step | calls per step |",
                 "|---|---|---|---|---|"]
-        out += [f"| {model} | {e['backend']}, {'graphs' if e['graphs'] else 'eager'} | "
+        out += [f"| {model} | {e['backend']}, {_mode(e, 'graphs')} | "
                 f"`{k['name'][:70]}` | {k['ms_per_step']:.3f} | {k['calls_per_step']} |"
                 for model, e, k in top]
     return out
@@ -213,7 +213,7 @@ def _rate(x) -> str:
 
 
 def _engine_row(model: str, e: dict, graphs: str, prompts: int) -> str:
-    name = f"kvslim {e['backend']}, {graphs if e['graphs'] else 'eager'}"
+    name = f"kvslim {e['backend']}, {_mode(e, graphs)}"
     if "error" in e:
         same = f"error: {e['error'][:80]}"
     else:
@@ -226,6 +226,15 @@ def _engine_row(model: str, e: dict, graphs: str, prompts: int) -> str:
             f"{e.get('gb_s', '—') if valid else '—'} | "
             f"{_pct(e.get('hbm_fraction')) if valid else '—'} | "
             f"{e.get('throughput_tok_s', '—')} | {e.get('startup_s', 0):.1f} |")
+
+
+def _mode(e: dict, graphs: str) -> str:
+    """How an engine runs its decode steps: eager, graphs, or a compiled step in the graphs."""
+    if not e["graphs"]:
+        return "eager"
+    if not e.get("compiled"):
+        return graphs
+    return "graphs' padded path, compiled" if "eager" in graphs else f"{graphs}, compiled step"
 
 
 def _hf_row(model: str, hf: dict) -> str:

@@ -97,9 +97,10 @@ class EngineConfig:
     # `generate` would pay for a modest speed-up, and greedy tokens can part from eager's
     # (engine/cpu_compile.py; README, measured by benchmarks/compiled_decode.py).
     compile_decode: bool = option(
-        False, "on the CPU, run decode steps as one compiled program (torch.compile, Inductor "
-               "C++): compiled at start-up (minutes the first time, cached on disk for the next "
-               "start), then faster steps", flag="--compile")
+        False, "run decode steps as one compiled program (torch.compile: Inductor's C++ on "
+               "the CPU; on CUDA its Triton kernels, recorded in the CUDA graphs): compiled at "
+               "start-up (minutes the first time, cached on disk for the next start), then "
+               "faster steps", flag="--compile")
     # "auto" picks per device in attention/backends.py; a quantized KV cache always gathers.
     attention_backend: str = option(
         "auto", "paged attention: gather (copies each context out, the reference), flex "

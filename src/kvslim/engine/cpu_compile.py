@@ -1,4 +1,5 @@
-"""The decode step compiled on the CPU: the counterpart of CUDA graphs.
+"""The decode step compiled on the CPU: the counterpart of CUDA graphs (and, on CUDA, what they
+record: decode_graphs.py).
 
 A decode step of a small model on the CPU spends much of its time between the kernels: Python
 dispatch of a few hundred small operations (norms, RoPE, residuals, the cache writes, the
@@ -30,7 +31,8 @@ import torch
 
 import kvslim
 from kvslim.engine import compile_numerics
-from kvslim.kernels.extension import missing_compiler, note  # noqa: F401 - the engine's too
+from kvslim.kernels import extension
+from kvslim.kernels.extension import note  # noqa: F401 - the engine's too
 from kvslim.paths import kvslim_home
 
 # What builds the programs: Inductor; "aot_eager" (or any backend, by name or as a function)
@@ -38,6 +40,15 @@ from kvslim.paths import kvslim_home
 # guards without minutes of C++ builds).
 BACKEND = "inductor"
 RECOMPILE_LIMIT = 1024
+
+
+def missing_compiler(device: torch.device) -> str | None:
+    """Why Inductor cannot build the step for `device` here, or None: its C++ on the CPU,
+    Triton on CUDA."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+        return None if has_triton() else "no Triton for this GPU"
+    return extension.missing_compiler()
 
 
 def first_line(error: BaseException) -> str:

@@ -12,7 +12,10 @@ prepared shape runs eagerly. Padding rows are harmless: they write their K/V int
 the block manager never hands out, attend to one cached position and their outputs are dropped.
 On the CPU the same padded static-buffer path runs as one compiled program (`compiled`,
 cpu_compile.py; at start-up only the shapes that meet its guards run), or eagerly, each shape
-once at start-up too, which is how the tests check the CUDA path's logic."""
+once at start-up too, which is how the tests check the CUDA path's logic. On CUDA a compiled
+step is what the graphs record: Inductor's fused Triton kernels in place of the eager decoder's
+few hundred small ones (a norm, RoPE, the residuals and their casts are a kernel each, eagerly),
+compiled before the first capture."""
 from __future__ import annotations
 
 import sys
@@ -56,7 +59,7 @@ class DecodeGraphs:
                  layer_sinks: list[int] | None = None):
         """layer_group: each layer's KV-cache group; every group has its own slot mapping and
         block tables (static buffers [groups, ...]). backend: the resolved attention backend.
-        compiled: run the step as a compiled program (CPU; not with use_graphs).
+        compiled: run the step as a compiled program (with use_graphs, the graphs record it).
         Call `prepare` before the first step."""
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         layer_group = layer_group or [0] * len(layer_windows)
@@ -85,7 +88,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.compiled = None
         if compiled:
-            reason = cpu_compile.missing_compiler()
+            reason = cpu_compile.missing_compiler(dev)
             if reason is None:
                 cpu_compile.use_compile_cache()
                 self.compiled = cpu_compile.CompiledStep(self._model_step, DYNAMIC_DIMS)

@@ -110,7 +110,7 @@ class ModelRunner:
                   and not self.packed_bits and not config.enable_lora
                   and len(kv_plan.pools) == 1)
         use_graphs = self.device.type == "cuda" and single
-        compiled = self.device.type == "cpu" and single and config.compile_decode
+        compiled = single and config.compile_decode        # on CUDA: inside the graphs
         self._allocate_cache(reserved_blocks=int(use_graphs or compiled))
         max_blocks_per_seq = -(-kv_plan.max_model_len // self.block_size)
         self.block_tables = BlockTables(
@@ -144,8 +144,8 @@ class ModelRunner:
         return self.storage.slot_bytes()
 
     def _decode_graphs(self, use_graphs: bool, compiled: bool = False):
-        """Every padded decode shape prepared now (captured, with CUDA graphs; compiled, on
-        the CPU), before the first step. Padding rows write into the reserved block after the
+        """Every padded decode shape prepared now (compiled, then captured with CUDA graphs, or
+        run once), before the first step. Padding rows write into the reserved block after the
         last one in use."""
         from kvslim.engine.decode_graphs import DecodeGraphs
         graphs = DecodeGraphs(self.model, self.kv_caches, self.num_blocks * self.block_size,
