@@ -8,8 +8,15 @@ cuda_decode_check.py:
 For each engine (gather attention, CUDA graphs): start-up seconds, batch-1 decode tokens/s,
 offline throughput (64 x 128 tokens in, 128 out), the checkpoint's bytes on disk, and how many
 prompts of a mixed batch get the bfloat16 engine's greedy tokens (quantization changes the
-numbers, so this is reported, not required). Without CUDA it writes why it did not run, except
-with `--smoke`, which runs the tiny shapes on the CPU."""
+numbers, so this is reported, not required) and how many get the same tokens alone as batched.
+
+Before the engines, the kernels themselves (`kernel_check`), where a random-weight model's
+tokens say little: each quantized linear on a 1B layer's shape against float32 arithmetic on
+its dequantized weight (the largest error relative to the largest output), which kernel ran,
+and whether the rows of a batch of 1, 8 and 64 get the bits one row alone gets.
+
+Without CUDA it writes why it did not run, except with `--smoke`, which runs the tiny shapes on
+the CPU."""
 from __future__ import annotations
 
 import json
@@ -26,6 +33,7 @@ from cuda_check_common import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, build_engine,
 from kvslim_lab.bench.workload import Workload, special_ids
 from kvslim.formats.registry import default_model_dir
 from kvslim.quantization import QuantSpec
+from kvslim.quantization.kernels import int4_linear, pack_int4, w8a8_linear
 from kvslim.quantization.w8a8 import W8A8_SPEC
 from kvslim.surgery.quantize.model import quantize_model
 from kvslim.tokenizer.tokenizer import Tokenizer
@@ -55,6 +63,47 @@ def measure(name: str, model_dir: Path, plan: dict, prompts, check, device: str)
     return entry
 
 
+def kernel_check(device: str, out_features: int = 2048, in_features: int = 2048) -> list[dict]:
+    """Each quantized kernel on random codes: its error against float32 arithmetic on the
+    dequantized weight, the path it took, and batch invariance of its rows."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(64, in_features, generator=gen).to(device, torch.bfloat16)
+    results = []
+    for group in (32, 128):
+        values = torch.randint(0, 16, (out_features, in_features), generator=gen)
+        scales = torch.rand(out_features, in_features // group, generator=gen) / 64 + 1e-3
+        zeros = torch.randint(0, 16, scales.shape, generator=gen).float()
+        packed = pack_int4(values.to(device), scales.to(device), zeros.to(device), group)
+        path = ("kvslim group kernel" if packed.group is not None
+                else "torch int4 op" if packed.native is not None else "dequantize + mm")
+        results.append(_kernel_entry(f"int4-g{group}", path, x, lambda r: int4_linear(r, packed),
+                                     packed.dequantize(torch.float32)))
+    qweight = torch.randint(-127, 128, (out_features, in_features), generator=gen,
+                            dtype=torch.int8).to(device)
+    w_scales = (torch.rand(out_features, generator=gen) / 256 + 1e-4).to(device)
+    path = "torch._int_mm" if device == "cuda" else "kvslim / torch._int_mm"
+    results.append(_kernel_entry("w8a8", path, x, lambda r: w8a8_linear(r, qweight, w_scales),
+                                 qweight.float() * w_scales[:, None].float(), per_token=True))
+    return results
+
+
+def _kernel_entry(name: str, path: str, x: torch.Tensor, linear, weight: torch.Tensor,
+                  per_token: bool = False) -> dict:
+    """One kernel's row of kernel_check. W8A8's reference quantizes the rows as it does."""
+    got = linear(x).float()
+    rows = x.float()
+    if per_token:
+        from kvslim.quantization.kernels import quantize_per_token
+        xq, sx = quantize_per_token(x)
+        rows = xq.float() * sx
+    want = rows @ weight.t()
+    error = float((got - want).abs().max() / want.abs().max())
+    alone = [linear(x[i:i + 1]) for i in range(8)]
+    invariant = all(torch.equal(linear(x[:m])[:8], torch.cat(alone)) for m in (8, 64))
+    return {"kernel": name, "path": path, "max_rel_error": round(error, 5),
+            "rows_batch_invariant": invariant}
+
+
 def check_quantized(smoke: bool = False, tokenizer_dir: Path | None = None) -> dict:
     """bfloat16 against W8A8 and int4 engines; {"skipped": why} without CUDA (unless
     `smoke`: then on the CPU)."""
@@ -62,6 +111,12 @@ def check_quantized(smoke: bool = False, tokenizer_dir: Path | None = None) -> d
     if device == "cpu" and not smoke:
         return {"skipped": "no CUDA"}
     plan = SMOKE if smoke else FULL
+    try:
+        kernels = kernel_check(device)
+    except Exception as e:                    # the engines' numbers survive
+        traceback.print_exc()
+        kernels = [{"error": f"{type(e).__name__}: {e}"}]
+    print(f"[quantized] kernels: {kernels}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         dense = random_llama(tokenizer_dir or default_model_dir(show_progress=False),
@@ -85,7 +140,7 @@ def check_quantized(smoke: bool = False, tokenizer_dir: Path | None = None) -> d
     count_equal_to_first(entries, "prompts_equal_bf16")
     return {"model": "llama-tiny" if smoke else "llama-1B-random",
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "engines": entries}
+            "kernels": kernels, "engines": entries}
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ def test_goals_and_unmeasured_rates(tmp_path):
                  engines=[dict(ENGINE, backend="gather"), compiled_in],
                  hf=dict(GPU["models"][0]["hf"], throughput_tok_s=2000.0))
     report = dict(GPU, models=[GPU["models"][0], llama],
-                  quantized=dict(model="llama-1B-random", engines=[
+                  quantized=dict(model="llama-1B-random", kernels=[
+                      dict(kernel="int4-g32", path="torch int4 op", max_rel_error=0.0041,
+                           rows_batch_invariant=False)], engines=[
                       dict(weights="bfloat16", decode_tok_s=351.2, throughput_tok_s=8455.7,
                            prompts_equal_bf16=8, prompts=8, startup_s=1.29,
                            batched_equals_alone=7),
@@ -59,6 +61,7 @@ def test_goals_and_unmeasured_rates(tmp_path):
             "measured (a compilation fell inside the timing) | — | — | 9000.0 | 12.5 |") in rows
     assert "| weights = bfloat16 | 351.2 | 8455.7 | 8 of 8 | 7 of 8 | 1.3 |" in rows
     assert "| weights = int4-g32 | — | RuntimeError: device | — | — | — |" in rows
+    assert "| int4-g32 | torch int4 op | 4.10e-03 | no |" in rows
     goals = gpu_goals(report).splitlines()
     assert "- SmolLM2-135M (float32): greedy parity on every engine FAIL" in goals
     assert "- llama-1B-random (bfloat16): greedy parity on every engine PASS" in goals

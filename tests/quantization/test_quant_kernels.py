@@ -131,3 +131,20 @@ def test_bad_inputs_are_refused(weights):
     q, s = qk.pack_int8(weights[0])
     with pytest.raises(ValueError):
         qk.int8_linear(torch.randn(2, IN + 1), q, s)
+
+
+def test_cuda_int4_op_is_chosen_only_where_its_tiles_fit(monkeypatch):
+    """torch's CUDA int4 op (tinygemm): compute capability 8.0+, groups of 32-256, outputs in
+    eights, inputs in its inner tiles of 16 (the widest that divides them)."""
+    from kvslim.quantization.kernels import cuda_int4_tiles
+    cuda = torch.device("cuda")
+    assert cuda_int4_tiles(torch.device("cpu"), 2048, 2048, 32) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert cuda_int4_tiles(cuda, 2048, 2048, 32) == 8
+    assert cuda_int4_tiles(cuda, 2048, 96, 32) == 2          # 96 = 2 x 16 x 3, not 4 x 16
+    assert cuda_int4_tiles(cuda, 2048, 192, 64) == 4
+    assert cuda_int4_tiles(cuda, 2048, 2048, 16) is None      # a group the op does not take
+    assert cuda_int4_tiles(cuda, 2044, 2048, 32) is None      # outputs not in eights
+    assert cuda_int4_tiles(cuda, 2048, 40, 40) is None        # no tile divides the inputs
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert cuda_int4_tiles(cuda, 2048, 2048, 32) is None

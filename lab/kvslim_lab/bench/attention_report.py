@@ -188,6 +188,7 @@ def _weights_tables(report: dict) -> list[str]:
             if part:
                 out += ["", f"`--{key}`: {part.get('skipped') or part.get('error')}"]
             continue
+        out += _kernel_rows(part.get("kernels"))
         out += ["", f"`--{key}` on {part['model']}:", "",
                 "| engine | batch-1 decode tok/s | offline tok/s | prompts with the reference's "
                 "greedy tokens | batched = alone | start-up s |", "|---|---|---|---|---|---|"]
@@ -201,6 +202,23 @@ def _weights_tables(report: dict) -> list[str]:
                        f"{e.get('throughput_tok_s', e.get('error', '—')[:120])} | {same} | "
                        f"{alone} | "
                        f"{'—' if start is None else f'{start:.1f}'} |")
+    return out
+
+
+def _kernel_rows(kernels: list[dict] | None) -> list[str]:
+    """cuda_quantized_check.py's kernel check: each kernel against the dequantized weight."""
+    if not kernels:
+        return []
+    out = ["", "Quantized kernels on a 2048 x 2048 layer, against float32 arithmetic on the "
+           "dequantized weight:", "",
+           "| kernel | ran | largest error / largest output | rows batch-invariant (1, 8, 64) |",
+           "|---|---|---|---|"]
+    for k in kernels:
+        if "error" in k:
+            out.append(f"| — | {k['error'][:120]} | — | — |")
+            continue
+        out.append(f"| {k['kernel']} | {k['path']} | {k['max_rel_error']:.2e} | "
+                   f"{'yes' if k['rows_batch_invariant'] else 'no'} |")
     return out
 
 

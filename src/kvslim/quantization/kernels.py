@@ -51,7 +51,13 @@ So:
   dequantizing the whole weight, which goes through memory as float32.
 
 4-bit weights keep two forms (the nibbles for the fallback and dequantize(), torch's CPU packing
-for the native op): torch's layout is opaque, so reading it back needs the other."""
+for the native op): torch's layout is opaque, so reading it back needs the other.
+
+On CUDA (compute capability 8.0 and up), 4-bit weights run torch's `_weight_int4pack_mm`
+(tinygemm, the kernel gpt-fast decodes with): the weight read once at 4 bits, where the
+fallback wrote and re-read a bfloat16 copy of every chunk. Measured on the GPU by
+benchmarks/cuda_quantized_check.py (its kernel check: error against the dequantized weight, and
+whether a row's output depends on the batch)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,6 +71,10 @@ from kvslim.kernels.tiled_gemm import GroupWeight
 
 CHUNK_ROWS = 256              # output rows dequantized at a time by the fallback (stays in cache)
 CUDA_INT_MM_MIN_ROWS = 24     # torch._int_mm on CUDA: more than 16 rows, a multiple of 8
+# torch's CUDA int4 op (tinygemm, gpt-fast's kernel): tensor-core tiles of 8 outputs by
+# inner_k_tiles x 16 inputs, bfloat16 activations, compute capability 8.0 and up.
+CUDA_INT4_GROUPS = (32, 64, 128, 256)
+CUDA_INT4_INNER_K_TILES = (8, 4, 2)
 # From how many rows a W8A8 layer runs the integer product rather than int8 weight-only on the
 # same weight: 1, every M. `kvslim bench kernels --threads 1 --no-compile --no-torchao --groups
 # 64 --rounds 3 --target-ms 10 --json` ("choices"; busy shared cores, cells noisy up to 2x),
@@ -203,13 +213,30 @@ def pack_int4(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     if values.device.type == "cpu" and tiled_gemm.available():
         mins = -packed.zeros_x_scales if offsets is None else offsets.float()
         packed.group = activations.pack(values, scales, mins, 4)
-    elif _native("_convert_weight_to_int4pack_for_cpu") and values.device.type == "cpu":
+        return packed
+    if _native("_convert_weight_to_int4pack_for_cpu") and values.device.type == "cpu":
         packed.native = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        # The op dequantizes (q - 8) * scale + z, so z = (8 - zero) * scale.
+    elif (tiles := cuda_int4_tiles(values.device, out_f, in_f, group_size)) is not None:
+        # The CUDA op takes two values a byte, the even input in the high nibble.
+        packed.native = torch.ops.aten._convert_weight_to_int4pack(
+            ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8).contiguous(), tiles)
+    if packed.native is not None:
+        # Both ops dequantize (q - 8) * scale + z, so z = (8 - zero) * scale.
         packed.native_scales_zeros = torch.stack(
             (scales, (8 - zeros) * scales), dim=-1
         ).transpose(0, 1).to(torch.bfloat16).contiguous()
     return packed
+
+
+def cuda_int4_tiles(device: torch.device, out_features: int, in_features: int,
+                    group_size: int) -> int | None:
+    """The inner_k_tiles torch's CUDA int4 op packs a weight of this shape with, or None where
+    it cannot run it (not CUDA, an older GPU, a group or shape outside its tiles)."""
+    if (device.type != "cuda" or not _native("_weight_int4pack_mm")
+            or torch.cuda.get_device_capability(device) < (8, 0)
+            or group_size not in CUDA_INT4_GROUPS or out_features % 8):
+        return None
+    return next((t for t in CUDA_INT4_INNER_K_TILES if in_features % (t * 16) == 0), None)
 
 
 def pack_int4_offsets(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
@@ -235,6 +262,9 @@ def int4_linear(x: torch.Tensor, packed: Int4Weight,
     elif (packed.native is not None and _on_cpu_float(rows)
             and _native("_weight_int4pack_mm_for_cpu")):
         out = _native_bf16(torch.ops.aten._weight_int4pack_mm_for_cpu, rows, packed.native,
+                           packed.group_size, packed.native_scales_zeros)
+    elif packed.native is not None and rows.is_cuda:
+        out = _native_bf16(torch.ops.aten._weight_int4pack_mm, rows, packed.native,
                            packed.group_size, packed.native_scales_zeros)
     else:
         out = _chunked_mm(rows, packed.out_features,
