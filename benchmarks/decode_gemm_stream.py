@@ -4,12 +4,14 @@ L3 keeps whole). Random group weights in SmolLM2-135M's shapes (30 layers of qkv
 down; 4-bit, groups of 32, with offsets, as its Q4_1 file) and its tied LM head (8-bit,
 groups of 16, as Q8_0 is stored), run by kvslim's two group kernels: float32 activations
 (`group`, kernels/tiled_gemm.py, the engine's) and int8 activations per 32-block
-(`q8`, kernels/group_q8.py, llama.cpp's arithmetic); beside them the other two modes'
-weights: W8A8 (`w8a8`, int8 per channel, activations per token, group_q8.w8a8_mm) and
+(`q8`, kernels/group_q8.py, llama.cpp's arithmetic), the latter also as GGUF stores Q4_1 and
+Q4_0 (`q4_1h`: float16 scales and offsets; `q4_0`: float16 scales, offsets of -8 * scale, which
+the kernel streams none of); beside them the other two modes' weights: W8A8 (`w8a8`, int8 per channel, activations per token, group_q8.w8a8_mm) and
 float32 (`f32`, tiled_gemm.float_linear), both with a float32 head as their checkpoints keep
 it; and per M the read rate against the machine's measured bandwidth.
 
     python benchmarks/decode_gemm_stream.py [--batches 1,8,32] [--rounds 6] [--threads N]
+        [--kernels q4_1h,q4_0]
         [--json] [--out docs/decode_gemm_stream.json] [--plot docs/img/decode_gemm_stream.png]
 
 Each cell is the best of `--rounds` interleaved rounds (a shared machine's noise only slows a
@@ -62,6 +64,11 @@ def build(kernels: list[str]):
                           tiled_gemm.pack_group_weight(*head, 8)),
         "q8": lambda: ([group_q8.pack_q8_weight(*w, 4) for w in raw],
                        group_q8.pack_q8_weight(*head, 8)),
+        # As GGUF stores them: float16 scales, and offsets (Q4_1) or none (Q4_0: -8 * scale).
+        "q4_1h": lambda: ([group_q8.pack_q8_weight(q, s.half().float(), m.half().float(), 4)
+                           for q, s, m in raw], group_q8.pack_q8_weight(*head, 8)),
+        "q4_0": lambda: ([group_q8.pack_q8_weight(q, s.half().float(), s.half().float() * -8, 4)
+                          for q, s, _ in raw], group_q8.pack_q8_weight(*head, 8)),
         "w8a8": lambda: ([group_q8.pack_w8a8_weight(torch.randint(-127, 128, q.shape,
                                                                   dtype=torch.int8),
                                                     torch.rand(q.shape[0]) * 0.01)
@@ -112,6 +119,8 @@ def measure(batches, rounds: int, kernels: list[str]) -> dict:
 
 
 LABELS = {"group": "Q4_1, float32 activations", "q8": "Q4_1, int8 activations",
+          "q4_1h": "Q4_1 (float16 scales), int8 activations",
+          "q4_0": "Q4_0 (no offsets), int8 activations",
           "w8a8": "W8A8 (per-token int8)", "f32": "float32 weights"}
 
 
@@ -140,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kernels", default=None,
+                    help="comma-separated subset of: group, q8, q4_1h, q4_0, w8a8, f32")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--plot", default=None, help="a PNG of step time per M, per kernel")
@@ -150,7 +161,8 @@ def main(argv=None) -> int:
         print("kvslim's kernels are not built here (KVSLIM_NO_EXTENSION or no compiler)",
               file=sys.stderr)
         return 1
-    kernels = ["group"] + (["q8", "w8a8"] if group_q8.available() else []) + ["f32"]
+    kernels = args.kernels.split(",") if args.kernels else (
+        ["group"] + (["q8", "q4_1h", "q4_0", "w8a8"] if group_q8.available() else []) + ["f32"])
     result = measure([int(b) for b in args.batches.split(",")], args.rounds, kernels)
     result["machine"] = machine_info().to_dict()
     result["read_gb_s"] = memory_bandwidth().read_gb_s

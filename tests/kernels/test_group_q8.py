@@ -70,6 +70,34 @@ def test_float16_scales_give_the_float32_scales_bits(bits, monkeypatch):
     assert inexact.scales.dtype == torch.float32
 
 
+@pytest.mark.parametrize("out,k,group", [(960, 576, 32), (47, 256, 128), (33, 96, 32)])
+def test_offsets_of_minus_eight_scales_stream_no_offsets(out, k, group):
+    """llama.cpp's Q4_0 (w = (q - 8) * s): packed without offsets, 2 bytes fewer per 32
+    weights with float16 scales; the reference within its bound, rows bit-identical across M."""
+    q, scales, _ = weight(4, out, k, group, seed=6)
+    scales = scales.half().float()
+    mins = scales * -8
+    packed = group_q8.pack_q8_weight(q, scales, mins, 4)
+    offsets = group_q8.pack_q8_weight(q, scales, scales * -4, 4)   # any other offset: kept
+    assert packed.mins is None and offsets.mins.dtype == packed.scales.dtype == torch.float16
+    if group == 32:                                                 # bytes per 32 weights
+        assert (packed.qweight.nbytes + packed.scales.nbytes) * 20 == (
+            offsets.qweight.nbytes + offsets.scales.nbytes + offsets.mins.nbytes) * 18
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(7))
+    alone = torch.cat([group_q8.q8_linear(x[i:i + 1], packed) for i in range(9)])
+    for m in (1, 2, 3, 5, 9, 64):
+        got = group_q8.q8_linear(x[:m], packed)
+        ref = group_q8.reference_group_linear_q8(x[:m], q, scales, mins)
+        assert (got.double() - ref).abs().max() / ref.abs().max() < BOUND, m
+        assert torch.equal(got[:9], alone[:m]), m
+
+
+def test_groups_of_sixteen_keep_their_offsets():
+    """The correction is per 32-input block: groups of 16 keep the offsets' float step."""
+    q, scales, _ = weight(4, 33, 96, 16, seed=8)
+    assert group_q8.pack_q8_weight(q, scales, scales * -8, 4).mins is not None
+
+
 def test_shapes_it_cannot_take_are_refused():
     q, scales, mins = weight(4, 16, 48, 16)
     assert not group_q8.usable(48, 3)

@@ -61,6 +61,11 @@ def q8_bits() -> dict:
     packed = group_q8.pack_q8_weight(q, scales.half().float(), mins.half().float(), 4)
     assert packed.scales.dtype == torch.float16
     out["4-32-half"] = torch.cat([group_q8.q8_linear(x[:m], packed) for m in (1, 2, 9)])
+    for group in (32, 128):                                       # Q4_0's form: no offsets
+        q, scales, _ = weight(4, 45, 256, group, seed=12 + group)
+        packed = group_q8.pack_q8_weight(q, scales, scales * -8, 4)
+        assert packed.mins is None
+        out[f"4-{group}-q4_0"] = torch.cat([group_q8.q8_linear(x[:m], packed) for m in (1, 2, 9)])
     g = torch.Generator().manual_seed(7)
     q = torch.randint(-127, 128, (45, 256), dtype=torch.int8, generator=g)
     out["w8a8"] = group_q8.w8a8_mm(x, group_q8.pack_w8a8_weight(q, torch.rand(45, generator=g)))

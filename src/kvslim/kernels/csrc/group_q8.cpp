@@ -4,7 +4,12 @@
 // multiply-add with the weight's scale times the activations' scale.
 //
 //   4-bit: w = q * s + m   (q 0..15)      y += s * dx_b * sum_b(q * xq) + m * sum_g(dx_b * xq)
+//   4-bit without m: w = (q - 8) * s      y += s * dx_b * (sum_b(q * xq) - 8 * sum_b(xq))
 //   8-bit: w = q * s       (q -128..127)  y += s * dx_b * sum_b(q * xq)
+//
+// The second is llama.cpp's Q4_0 (and GPTQ's symmetric 4-bit): its offset is -8 * s, so it needs
+// no offsets in the stream (18 bytes per 32 weights with float16 scales, not 20) and no float
+// step for them; the integer block sums of xq (`isums`) correct the dot product exactly.
 //
 // x's block b of 32: dx_b = max|x| / 127, xq = round(x / dx_b) (kernels/tiled_gemm.py's
 // `quantize_blocks` says it the same way). The integer sums are exact; the float steps run in
@@ -74,7 +79,7 @@ inline __m512 load16(const c10::Half* p) {
 // a bit of any output: the float steps stay one fixed sequence per output.
 template <int R, int C, int BITS, bool ROW, typename S>
 void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* w,
-              const S* s, const S* m, const int32_t* colsum, float* y, int64_t K,
+              const S* s, const S* m, const int32_t* isums, float* y, int64_t K,
               int64_t N, int64_t groups, int64_t t0, int64_t r0) {
   // ROW: one activation scale per row (dx [M, 1]) and one weight scale per output, so the
   // integer sum runs over all K and the float step is (sum * dx) * s, as
@@ -123,17 +128,18 @@ void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
       const __m512 sv = load16(s + (t * groups + g) * NT);
       __m512i corr = _mm512_setzero_si512();
       if (BITS == 8)
-        corr = _mm512_slli_epi32(_mm512_loadu_si512(colsum + (t * (K / sub) + k0 / sub) * NT), 7);
+        corr = _mm512_slli_epi32(_mm512_loadu_si512(isums + (t * (K / sub) + k0 / sub) * NT), 7);
       for (int r = 0; r < R; ++r) {
         __m512i exact = _mm512_add_epi32(isum[r][c], isum2[r][c]);
         if (BITS == 8) exact = _mm512_sub_epi32(exact, corr);
+        else if (!m) exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(8 * isums[(r0 + r) * blocks + b]));
         const __m512 dxv = _mm512_set1_ps(dx[(r0 + r) * blocks + b]);
         if (ROW)
           acc[r][c] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), dxv), sv);
         else
           acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(sv, dxv), _mm512_cvtepi32_ps(exact), acc[r][c]);
       }
-      if (BITS == 4 && (k0 + sub) % group == 0) {
+      if (BITS == 4 && m && (k0 + sub) % group == 0) {
         const __m512 mv = load16(m + (t * groups + g) * NT);
         for (int r = 0; r < R; ++r)
           acc[r][c] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[(r0 + r) * groups + g]), acc[r][c]);
@@ -175,7 +181,7 @@ inline __m256 load8(const c10::Half* p) {
 // j of a half's int32 sums is column 8h + j, as the VNNI kernel's lane 8h + j.
 template <int R, int C, int BITS, bool ROW, typename S>
 void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* w,
-              const S* s, const S* m, const int32_t*, float* y, int64_t K, int64_t N,
+              const S* s, const S* m, const int32_t* isums, float* y, int64_t K, int64_t N,
               int64_t groups, int64_t t0, int64_t r0) {
   const int64_t group = K / groups, blocks = ROW ? 1 : K / QB;
   const int64_t sub = ROW ? K : std::min<int64_t>(group, QB);
@@ -239,13 +245,16 @@ void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
         const __m256 sv = load8(s + (t * groups + g) * NT + 8 * h);
         for (int r = 0; r < R; ++r) {
           const __m256 dxv = _mm256_set1_ps(dx[(r0 + r) * blocks + b]);
-          const __m256 exact = _mm256_cvtepi32_ps(isum[r][c][h]);
+          const __m256 exact = _mm256_cvtepi32_ps(
+              BITS == 4 && !m ? _mm256_sub_epi32(isum[r][c][h],
+                                                 _mm256_set1_epi32(8 * isums[(r0 + r) * blocks + b]))
+                              : isum[r][c][h]);
           if (ROW)
             acc[r][c][h] = _mm256_mul_ps(_mm256_mul_ps(exact, dxv), sv);
           else
             acc[r][c][h] = _mm256_fmadd_ps(_mm256_mul_ps(sv, dxv), exact, acc[r][c][h]);
         }
-        if (BITS == 4 && (k0 + sub) % group == 0) {
+        if (BITS == 4 && m && (k0 + sub) % group == 0) {
           const __m256 mv = load8(m + (t * groups + g) * NT + 8 * h);
           for (int r = 0; r < R; ++r)
             acc[r][c][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xsum[(r0 + r) * groups + g]),
@@ -280,7 +289,7 @@ constexpr int CT = 1;
 // The same integer sums and float steps per output, one column at a time.
 template <int R, int C, int BITS, bool ROW, typename S>
 void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* w,
-              const S* s, const S* m, const int32_t*, float* y, int64_t K, int64_t N,
+              const S* s, const S* m, const int32_t* isums, float* y, int64_t K, int64_t N,
               int64_t groups, int64_t t0, int64_t r0) {
   const int64_t group = K / groups, blocks = ROW ? 1 : K / QB;
   const int64_t sub = ROW ? K : std::min<int64_t>(group, QB);
@@ -305,11 +314,12 @@ void q8_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
             exact += q * (int32_t)x[k];
           }
           const int64_t g = k0 / group, b = ROW ? 0 : k0 / QB;
+          if (BITS == 4 && !m) exact -= 8 * isums[(r0 + r) * blocks + b];
           const float sv = scalar_of(s + (t * groups + g) * NT + j);
           const float d = dx[(r0 + r) * blocks + b];
           if (ROW) acc = ((float)exact * d) * sv;
           else acc = std::fma(sv * d, (float)exact, acc);
-          if (BITS == 4 && (k0 + sub) % group == 0)
+          if (BITS == 4 && m && (k0 + sub) % group == 0)
             acc = std::fma(scalar_of(m + (t * groups + g) * NT + j), xsum[(r0 + r) * groups + g],
                            acc);
         }
@@ -336,7 +346,8 @@ Q8Fn<S> q8_kernel(int64_t rows, int64_t tiles) {
 }
 
 // Few rows: work items of CT tiles, all rows at once; more rows: one tile per item, RMAX
-// rows per call. Which call computes a row changes nothing in its arithmetic.
+// rows per call. Which call computes a row changes nothing in its arithmetic. cp: 8-bit
+// weights' column sums, or x's block sums for 4-bit weights without offsets.
 template <typename S>
 void run_tiles_of(const int8_t* xp, const float* dp, const float* sp, const uint8_t* wp,
                   const S* scp, const S* mp, const int32_t* cp, float* yp, int64_t M, int64_t K,
@@ -442,6 +453,21 @@ void quantized_group_sums(const int8_t* xq, const float* dx, float* out, int64_t
     }
 }
 
+// Each row's integer sum of xq over each block of 32: what a 4-bit weight without offsets
+// (w = (q - 8) * s) takes 8 times from its integer dot product, block by block.
+at::Tensor block_sums(const at::Tensor& xq) {
+  const int64_t M = xq.size(0), blocks = xq.size(1) / QB;
+  at::Tensor out = at::empty({M, blocks}, xq.options().dtype(at::kInt));
+  const int8_t* q = xq.data_ptr<int8_t>();
+  int32_t* o = out.data_ptr<int32_t>();
+  for (int64_t i = 0; i < M * blocks; ++i) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < QB; ++k) sum += q[i * QB + k];
+    o[i] = sum;
+  }
+  return out;
+}
+
 // One call from float x: its blocks quantized, its group sums, then the integer dot products.
 at::Tensor group_mm_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins,
@@ -454,19 +480,23 @@ at::Tensor group_mm_q8(const at::Tensor& x, const at::Tensor& qweight, const at:
               "group_mm_q8: groups must be multiples of 16 inputs");
   TORCH_CHECK(qweight.size(0) == tiles && qweight.size(1) == K * NT * bits / 8 &&
                   tiles == (n + NT - 1) / NT, "group_mm_q8: weight shape does not match");
-  TORCH_CHECK((bits == 4) == mins.has_value() && (bits == 8) == colsum.has_value(),
-              "group_mm_q8: 4-bit weights take mins, 8-bit ones colsum");
+  TORCH_CHECK((bits == 8) == colsum.has_value() && (bits == 4 || !mins.has_value()),
+              "group_mm_q8: 8-bit weights take colsum, 4-bit ones (optional) mins");
+  TORCH_CHECK(bits == 8 || mins.has_value() || (K / groups) % QB == 0,
+              "group_mm_q8: 4-bit weights without mins need groups of a multiple of 32");
   const at::Tensor xc = x.contiguous();
   auto [xq, dx] = quantize_blocks(xc);
-  std::optional<at::Tensor> xsum;
-  if (bits == 4) {
+  std::optional<at::Tensor> xsum, isums = colsum;
+  if (bits == 4 && mins) {
     xsum = at::empty({M, groups}, xc.options());
     quantized_group_sums(xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum->data_ptr<float>(),
                          M, K, K / groups);
+  } else if (bits == 4) {
+    isums = block_sums(xq);
   }
   return run_tiles(xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
                    xsum ? xsum->data_ptr<float>() : nullptr, qweight, scales, mins,
-                   colsum ? colsum->data_ptr<int32_t>() : nullptr, M, K, n, bits, false);
+                   isums ? isums->data_ptr<int32_t>() : nullptr, M, K, n, bits, false);
 }
 
 // x's int8 rows with one scale each, quantization/kernels.py's quantize_per_token step for step:
