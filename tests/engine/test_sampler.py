@@ -156,3 +156,22 @@ def test_bad_logit_bias_names_the_field(bias):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(logit_bias=bias)
     assert e.value.param == "logit_bias"
+
+
+@pytest.mark.parametrize("what", [dict(), dict(logprobs=2), dict(logit_bias={3: -100.0}),
+                                  dict(repetition_penalty=1.5), dict(min_tokens=2),
+                                  dict(temperature=0.7, seed=1)])
+def test_a_plain_greedy_batch_takes_the_argmax_and_any_processing_still_applies(what):
+    """Greedy rows nothing processes skip the float32 copy: the argmax, ties to the first
+    index; a row that asks for anything (bias, penalties, min_tokens, logprobs, sampling)
+    takes the whole path, and the plain rows beside it keep their argmax."""
+    logits = torch.tensor([[0.5, 2.0, 2.0, 1.0], [3.0, 0.0, 0.0, 4.0]], dtype=torch.bfloat16)
+    s = sampler()
+    plain, other = req(name="a", temperature=0), req(name="b", **{"temperature": 0, **what})
+    assert s._plain_greedy([plain, other]) == (not what)
+    out = s(logits, [plain, other])
+    assert out[0][0].token_id == 1                      # the tie goes to the first index
+    if not what:
+        assert out[1][0].token_id == 3 and out[1][0].logprob is None
+    if "logit_bias" in what or "min_tokens" in what:    # eos (3) banned or pushed down
+        assert out[1][0].token_id == 0

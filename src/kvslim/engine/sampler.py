@@ -81,6 +81,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]
                  ) -> list[list[SampleResult]]:
         """logits [len(requests), vocab] -> per request, its num_samples results."""
+        if self._plain_greedy(requests):    # nothing to process: the argmax, the same bits
+            return [[SampleResult(t, None)] for t in logits.argmax(dim=-1).tolist()]
         logits = logits.to(torch.float32, copy=True)        # processed in place below
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(r.seq.params.needs_logprob for r in requests) else None)
@@ -111,6 +113,16 @@ class Sampler:
                 if r.seq.seq_id in masks:
                     self.structured.accept(r.seq, [x.token_id for x in res], r.num_samples)
         return results
+
+    def _plain_greedy(self, requests: list[SampleRequest]) -> bool:
+        """Every request takes one greedy token whose logits nothing changes and whose logprob
+        nobody asked for (a converting copy to float32 keeps the argmax and its ties)."""
+        masked = self.structured is not None and bool(self._masks())
+        return not masked and all(
+            r.num_samples == 1 and p.greedy and not p.use_beam_search and not p.needs_logprob
+            and not p.logit_bias and not p.uses_penalties
+            and r.seq.num_output_tokens >= p.min_tokens
+            for r in requests for p in (r.seq.params,))
 
     # ---- logits processing ---------------------------------------------------------------
     def _apply_logit_bias(self, logits: torch.Tensor, requests: list[SampleRequest]) -> None:
