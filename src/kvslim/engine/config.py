@@ -93,14 +93,15 @@ class EngineConfig:
     seed: int = option(0, "for requests that sample without their own seed", flag=None)
     enforce_eager: bool = option(False, "run decode steps eagerly: without CUDA graphs on CUDA, "
                                         "never compiled on the CPU")
-    # Off by default: the first start compiles for minutes on a small CPU, which a one-shot
-    # `generate` would pay for a modest speed-up, and greedy tokens can part from eager's
-    # (engine/cpu_compile.py; README, measured by benchmarks/compiled_decode.py).
+    # Off by default: the first start compiles for minutes on a small CPU, and the native
+    # decoder layers run quantized models faster than the compiled step (engine/cpu_compile.py;
+    # README, measured by benchmarks/compiled_decode.py).
     compile_decode: bool = option(
         False, "run decode steps as one compiled program (torch.compile: Inductor's C++ on "
                "the CPU; on CUDA its Triton kernels, recorded in the CUDA graphs): compiled at "
-               "start-up (minutes the first time, cached on disk for the next start), then "
-               "faster steps", flag="--compile")
+               "start-up (minutes the first time, cached on disk for the next start); on the "
+               "CPU slower than the native layers that quantized models with int8 "
+               "activations run eagerly (README)", flag="--compile")
     # "auto" picks per device in attention/backends.py; a quantized KV cache always gathers.
     attention_backend: str = option(
         "auto", "paged attention: gather (copies each context out, the reference), flex "
