@@ -33,7 +33,8 @@ from cuda_check_common import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, build_engine,
 from kvslim_lab.bench.workload import Workload, special_ids
 from kvslim.formats.registry import default_model_dir
 from kvslim.quantization import QuantSpec
-from kvslim.quantization.kernels import int4_linear, pack_int4, w8a8_linear
+from kvslim.quantization.kernels import (int4_linear, pack_int4, quantize_per_token,
+                                        w8a8_linear)
 from kvslim.quantization.w8a8 import W8A8_SPEC
 from kvslim.surgery.quantize.model import quantize_model
 from kvslim.tokenizer.tokenizer import Tokenizer
@@ -93,7 +94,6 @@ def _kernel_entry(name: str, path: str, x: torch.Tensor, linear, weight: torch.T
     got = linear(x).float()
     rows = x.float()
     if per_token:
-        from kvslim.quantization.kernels import quantize_per_token
         xq, sx = quantize_per_token(x)
         rows = xq.float() * sx
     want = rows @ weight.t()

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from cuda_check_common import (FULL, LLAMA_1B, LLAMA_SMOKE, SMOKE, check_main,
-                               count_equal_to_first, greedy, random_llama, release, timed)
-from cuda_step_profile import decode_step_times, step_summary
+                               count_equal_to_first, random_llama, release, timed)
+from cuda_step_profile import decode_step_times, greedy, step_summary
 from kvslim_lab.bench.workload import Workload, special_ids
 from kvslim.engine.llm import LLM
 from kvslim.formats.registry import default_model_dir
